@@ -1,0 +1,538 @@
+//! Background work: block allocation with reclaim, copying GC, writeback, periodic commits.
+//!
+//! Invariants:
+//! - reclaim only empties clean, closed, unpinned buckets (dirty data is never evicted before
+//!   it is written back); an emptied bucket is reusable only after its generation bump is
+//!   durable (see `alloc.rs`);
+//! - foreground allocation never runs GC (GC takes range locks, and the foreground caller
+//!   already holds one); when no bucket can be freed at once the caller writes around the
+//!   cache instead of waiting, so a full cache never stalls a request;
+//! - writeback holds the range lock while it checks that an extent is still the current dirty
+//!   copy, reads it and writes it to the backing device, so it can never overwrite newer data
+//!   written directly to the backing device; extents are journaled clean only after a flush
+//!   of the backing device has covered them;
+//! - every loop here is bounded (batch sizes, bucket counts) so one step takes bounded time.
+
+use crate::alloc::WritePoint;
+use crate::journal::Entry;
+use crate::policy::{writeback_rate, WritebackInputs, WritebackRate};
+use crate::set::Inner;
+use crate::stats::Counters;
+use crate::types::{DevId, Error, IoContext, Result};
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Pending journal bytes after which a writer commits at once.
+pub const JOURNAL_BUF_MAX: usize = 256 * 1024;
+/// Most bytes one writeback batch handles.
+const WRITEBACK_BATCH_BYTES: u64 = 4 << 20;
+/// Most bytes one backing write of merged extents carries.
+const WRITEBACK_RUN_BYTES: u64 = 1 << 20;
+/// Blocks per batch when trickling below the target.
+const WRITEBACK_TRICKLE_BYTES: u64 = 256 << 10;
+/// Most buckets one space-management round empties.
+const RECLAIM_MAX: usize = 16;
+const BACKGROUND_PERIOD: Duration = Duration::from_millis(50);
+
+/// Blocks granted by `alloc_blocks`; their bucket stays pinned until this is dropped (after
+/// the index entry is inserted, or when the write is abandoned). Drop it without holding the
+/// state lock.
+pub struct Grant<'a> {
+    inner: &'a Inner,
+    pub cb: u32,
+    pub n: u32,
+}
+
+impl Drop for Grant<'_> {
+    fn drop(&mut self) {
+        let mut st = self.inner.state.lock();
+        let b = st.index.bucket_of(self.cb);
+        let durable = st.journal.durable_epoch;
+        st.buckets.unpin(b, durable);
+    }
+}
+
+/// Allocates up to `want` blocks at `point`, reclaiming clean buckets if none is free.
+/// `Ok(None)`: the cache is full of dirty or pinned data right now; write around it.
+pub fn alloc_blocks(inner: &Inner, point: WritePoint, want: u32) -> Result<Option<Grant<'_>>> {
+    for _ in 0..2 {
+        let tick = inner.next_tick();
+        let granted = inner.state.lock().buckets.alloc(point, want, tick);
+        if let Some((cb, n)) = granted {
+            return Ok(Some(Grant { inner, cb, n }));
+        }
+        if reclaim(inner, 1, false)? == 0 {
+            break;
+        }
+    }
+    inner.wake_background();
+    Ok(None)
+}
+
+/// Keeps `target` buckets free: reclaims clean buckets (least recently used first) and, when
+/// allowed, compacts mostly-stale buckets. Returns buckets emptied.
+pub fn make_space(inner: &Inner, target: usize) -> Result<usize> {
+    reclaim(inner, target, true)
+}
+
+fn reclaim(inner: &Inner, target: usize, allow_gc: bool) -> Result<usize> {
+    let mut emptied = 0;
+    while emptied < RECLAIM_MAX {
+        let victim = {
+            let mut st = inner.state.lock();
+            let st = &mut *st;
+            let pending = st
+                .buckets
+                .count(|s| matches!(s, crate::alloc::BucketState::PendingFree { .. }));
+            if st.buckets.free_count() + pending >= target {
+                break;
+            }
+            let victim = st
+                .buckets
+                .reclaim_candidate(&st.index.bucket_live, &st.index.bucket_dirty);
+            if let Some(b) = victim {
+                retire_bucket(inner, st, b);
+                emptied += 1;
+            }
+            victim
+        };
+        if victim.is_none() {
+            if allow_gc && gc_one(inner)? {
+                emptied += 1;
+            } else {
+                break;
+            }
+        }
+    }
+    let pending = inner
+        .state
+        .lock()
+        .buckets
+        .count(|s| matches!(s, crate::alloc::BucketState::PendingFree { .. }));
+    if emptied > 0 || pending > 0 {
+        inner.commit_to(u64::MAX)?;
+    }
+    Ok(emptied)
+}
+
+/// Drops a clean bucket's entries, bumps its generation (journaled) and queues it for reuse.
+fn retire_bucket(inner: &Inner, st: &mut crate::set::State, b: u32) {
+    let dirty = st.index.drop_bucket(b);
+    assert_eq!(dirty, 0, "reclaim must never drop dirty data");
+    let now = inner.now_ns();
+    let gen = st.buckets.gen[b as usize].wrapping_add(1);
+    st.log(&Entry::BucketGen { bucket: b, gen }, now);
+    let tag = st.journal.appended_epoch;
+    assert_eq!(st.buckets.retire(b, tag), gen);
+}
+
+/// Copying GC of the emptiest closed bucket: moves its live extents (clean and dirty) to the
+/// open buckets, then retires it. Returns whether a bucket was emptied.
+fn gc_one(inner: &Inner) -> Result<bool> {
+    let (b, entries) = {
+        let mut st = inner.state.lock();
+        let Some(b) = st
+            .buckets
+            .gc_candidate(&st.index.bucket_live, inner.config.gc_live_pct)
+        else {
+            return Ok(false);
+        };
+        st.buckets.pin(b);
+        (b, st.index.entries_in_bucket(b))
+    };
+    let moved = (|| -> Result<bool> {
+        for (dev, s, e) in entries {
+            let _g = inner.ranges.lock(dev, s, s + u64::from(e.len));
+            if !inner
+                .state
+                .lock()
+                .index
+                .maps_to(dev, s, e.len, e.cache_block)
+            {
+                continue;
+            }
+            let Some(data) = read_verified(inner, dev, s, e)? else {
+                return Ok(false);
+            };
+            let bs = inner.block_size() as usize;
+            let mut done = 0u32;
+            while done < e.len {
+                let dirty_now = inner.state.lock().index.lookup(
+                    dev,
+                    s + u64::from(done),
+                    s + u64::from(done) + 1,
+                )[0]
+                .ext
+                .is_some_and(|x| x.dirty);
+                let point = if dirty_now {
+                    WritePoint::Dirty
+                } else {
+                    WritePoint::Clean
+                };
+                let Some(grant) = alloc_blocks(inner, point, e.len - done)? else {
+                    return Ok(false);
+                };
+                let (cb, n) = (grant.cb, grant.n);
+                let chunk = &data[done as usize * bs..(done + n) as usize * bs];
+                let off = inner.layout.block_offset(cb);
+                inner
+                    .cache
+                    .write_at(chunk, off)
+                    .ctx(|| format!("GC writing cache at {off}"))?;
+                let mut st = inner.state.lock();
+                let from = s + u64::from(done);
+                if st.index.maps_to(dev, from, n, e.cache_block + done) {
+                    let dirty = st.index.lookup(dev, from, from + 1)[0]
+                        .ext
+                        .is_some_and(|x| x.dirty);
+                    let crcs: Vec<u32> = (0..n)
+                        .map(|i| st.index.crc(e.cache_block + done + i))
+                        .collect();
+                    let gen = st.buckets.gen[st.index.bucket_of(cb) as usize];
+                    let ext = crate::index::Extent {
+                        len: n,
+                        cache_block: cb,
+                        gen,
+                        dirty,
+                    };
+                    st.index.insert(dev, from, ext, &crcs);
+                    let now = inner.now_ns();
+                    st.log(
+                        &Entry::Insert {
+                            dev,
+                            block: from,
+                            len: n,
+                            cache_block: cb,
+                            gen,
+                            dirty,
+                            crcs,
+                        },
+                        now,
+                    );
+                }
+                done += n;
+            }
+        }
+        Ok(true)
+    })();
+    let mut st = inner.state.lock();
+    let durable = st.journal.durable_epoch;
+    st.buckets.unpin(b, durable);
+    let emptied = moved?
+        && st.index.bucket_live[b as usize] == 0
+        && st.buckets.state[b as usize] == crate::alloc::BucketState::Closed;
+    if emptied {
+        retire_bucket(inner, &mut st, b);
+    }
+    Ok(emptied)
+}
+
+/// Reads an extent from the cache (bucket pinned by the caller or range-locked) and checks
+/// it. A clean extent that fails is dropped (`None`); a dirty one is an error.
+fn read_verified(
+    inner: &Inner,
+    dev: DevId,
+    block: u64,
+    e: crate::index::Extent,
+) -> Result<Option<Vec<u8>>> {
+    let bs = inner.block_size() as usize;
+    let mut data = vec![0u8; e.len as usize * bs];
+    let off = inner.layout.block_offset(e.cache_block);
+    inner
+        .cache
+        .read_at(&mut data, off)
+        .ctx(|| format!("reading cache at {off}"))?;
+    let mut st = inner.state.lock();
+    let bad = (0..e.len).find(|&i| {
+        crc32c::crc32c(&data[i as usize * bs..(i as usize + 1) * bs])
+            != st.index.crc(e.cache_block + i)
+    });
+    match bad {
+        None => Ok(Some(data)),
+        Some(i) if e.dirty => Err(Error::DataCorrupt(format!(
+            "device {} block {} (cache block {})",
+            dev.0,
+            block + u64::from(i),
+            e.cache_block + i
+        ))),
+        Some(_) => {
+            let now = inner.now_ns();
+            st.invalidate(dev, block, block + u64::from(e.len), now);
+            Ok(None)
+        }
+    }
+}
+
+/// One writeback pass. `force` ignores the rate policy; `only` restricts it to one device.
+/// Returns blocks written back.
+pub fn writeback_batch(inner: &Inner, force: bool, only: Option<DevId>) -> Result<u64> {
+    Ok(writeback_pass(inner, force, only)?.0)
+}
+
+/// Like `writeback_batch`, also returning the strongest rate that applied.
+fn writeback_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<(u64, WritebackRate)> {
+    inner.check_failed()?;
+    let bs = inner.block_size();
+    let now = inner.now_ns();
+    let backings: Vec<_> = inner.backings.read().values().cloned().collect();
+    let total = u64::from(inner.layout.total_blocks());
+    let (rates, entries) = {
+        let st = inner.state.lock();
+        let rates: Vec<(DevId, WritebackRate)> = backings
+            .iter()
+            .filter(|b| only.is_none_or(|d| d == b.id))
+            .map(|b| {
+                let rate = if force {
+                    WritebackRate::Full
+                } else {
+                    writeback_rate(&WritebackInputs {
+                        running: b.writeback_running.load(Ordering::Relaxed),
+                        detaching: b.detaching.load(Ordering::Relaxed),
+                        dirty_blocks: st.index.dev_dirty_blocks(b.id),
+                        total_blocks: total,
+                        writeback_percent: b.writeback_percent.load(Ordering::Relaxed),
+                        dirty_age_ns: now.saturating_sub(b.dirty_since_ns.load(Ordering::Relaxed)),
+                        delay_ns: b
+                            .writeback_delay_secs
+                            .load(Ordering::Relaxed)
+                            .saturating_mul(1_000_000_000),
+                        idle_ns: now.saturating_sub(inner.last_io_ns.load(Ordering::Relaxed)),
+                    })
+                };
+                (b.id, rate)
+            })
+            .filter(|(_, r)| *r != WritebackRate::Idle)
+            .collect();
+        let best = rates
+            .iter()
+            .map(|r| r.1)
+            .max()
+            .unwrap_or(WritebackRate::Idle);
+        if best == WritebackRate::Idle {
+            return Ok((0, WritebackRate::Idle));
+        }
+        let budget = if best == WritebackRate::Full {
+            WRITEBACK_BATCH_BYTES
+        } else {
+            WRITEBACK_TRICKLE_BYTES
+        } / bs;
+        let start = only.map(|d| (d, 0)).unwrap_or(st.wb_cursor);
+        let entries: Vec<_> = st
+            .index
+            .dirty_from(start, budget * 4)
+            .into_iter()
+            .filter(|(d, _, _)| rates.iter().any(|r| r.0 == *d))
+            .collect();
+        (rates, entries)
+    };
+    let best = rates
+        .iter()
+        .map(|r| r.1)
+        .max()
+        .unwrap_or(WritebackRate::Idle);
+    let mut entries = entries;
+    entries.sort_by_key(|(d, s, _)| (*d, *s));
+    // Merge backing-contiguous neighbours into runs.
+    let mut runs: Vec<Vec<(DevId, u64, crate::index::Extent)>> = Vec::new();
+    for x in entries {
+        match runs.last_mut() {
+            Some(run)
+                if {
+                    let (d, s, e) = run.last().unwrap();
+                    *d == x.0
+                        && s + u64::from(e.len) == x.1
+                        && (x.1 + u64::from(x.2.len) - run[0].1) * bs <= WRITEBACK_RUN_BYTES
+                } =>
+            {
+                run.push(x)
+            }
+            _ => runs.push(vec![x]),
+        }
+    }
+    let mut written = Vec::new();
+    let mut touched = BTreeSet::new();
+    for run in runs {
+        let dev = run[0].0;
+        let Some(backing) = backings.iter().find(|b| b.id == dev) else {
+            continue;
+        };
+        let (r0, r1) = (
+            run[0].1,
+            run.last().map(|(_, s, e)| s + u64::from(e.len)).unwrap(),
+        );
+        let _g = inner.ranges.lock(dev, r0, r1);
+        // Keep only the pieces that are still the current dirty copy, and pin them.
+        let live: Vec<_> = {
+            let mut st = inner.state.lock();
+            let live: Vec<_> = run
+                .into_iter()
+                .filter(|(d, s, e)| {
+                    st.index.maps_to(*d, *s, e.len, e.cache_block)
+                        && st
+                            .index
+                            .lookup(*d, *s, s + u64::from(e.len))
+                            .iter()
+                            .all(|x| x.ext.is_some_and(|x| x.dirty))
+                })
+                .collect();
+            for (_, _, e) in &live {
+                let b = st.index.bucket_of(e.cache_block);
+                st.buckets.pin(b);
+            }
+            live
+        };
+        let mut result = Ok(());
+        // Contiguous sub-runs are written with one backing write each.
+        let mut pending: Option<(u64, Vec<u8>)> = None;
+        let mut ok_pieces = Vec::new();
+        for &(d, s, e) in &live {
+            match read_verified(inner, d, s, e) {
+                Ok(Some(data)) => {
+                    match &mut pending {
+                        Some((at, buf)) if *at + buf.len() as u64 == s * bs => {
+                            buf.extend_from_slice(&data)
+                        }
+                        _ => {
+                            if let Some((at, buf)) = pending.take() {
+                                result = result.and(write_backing(backing, at, &buf));
+                            }
+                            pending = Some((s * bs, data));
+                        }
+                    }
+                    ok_pieces.push((d, s, e));
+                }
+                Ok(None) => {}
+                Err(err) => {
+                    log::error!("writeback skipped unreadable dirty data: {err}");
+                    Counters::add(&backing.counters.io_errors, 1);
+                }
+            }
+        }
+        if let Some((at, buf)) = pending.take() {
+            result = result.and(write_backing(backing, at, &buf));
+        }
+        {
+            let mut st = inner.state.lock();
+            let durable = st.journal.durable_epoch;
+            for (_, _, e) in &live {
+                let b = st.index.bucket_of(e.cache_block);
+                st.buckets.unpin(b, durable);
+            }
+        }
+        result?;
+        touched.insert(dev);
+        written.extend(ok_pieces);
+    }
+    for dev in &touched {
+        let b = backings
+            .iter()
+            .find(|b| b.id == *dev)
+            .expect("touched device is attached");
+        b.dev
+            .flush()
+            .ctx(|| "flushing backing device after writeback".into())?;
+    }
+    let mut blocks = 0;
+    {
+        let mut st = inner.state.lock();
+        let now = inner.now_ns();
+        for (dev, s, e) in &written {
+            let n = st.index.mark_clean(*dev, *s, e.len, e.cache_block);
+            if n > 0 {
+                st.log(
+                    &Entry::MarkClean {
+                        dev: *dev,
+                        block: *s,
+                        len: e.len,
+                        cache_block: e.cache_block,
+                    },
+                    now,
+                );
+            }
+            blocks += n;
+            if let Some(b) = backings.iter().find(|b| b.id == *dev) {
+                Counters::add(&b.counters.writeback_bytes, n * bs);
+            }
+            st.wb_cursor = (*dev, s + u64::from(e.len));
+        }
+    }
+    Ok((blocks, best))
+}
+
+fn write_backing(b: &crate::set::Backing, at: u64, buf: &[u8]) -> Result<()> {
+    b.dev
+        .write_at(buf, b.data_offset() + at)
+        .ctx(|| format!("writeback to backing device at {at}"))
+}
+
+/// Writes back every dirty block of `dev`, reporting `(remaining, total)` dirty bytes.
+pub fn drain_dirty(inner: &Inner, dev: DevId, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+    let bs = inner.block_size();
+    let total = inner.state.lock().index.dev_dirty_blocks(dev) * bs;
+    loop {
+        let remaining = inner.state.lock().index.dev_dirty_blocks(dev) * bs;
+        progress(remaining, total);
+        if remaining == 0 {
+            break;
+        }
+        if writeback_batch(inner, true, Some(dev))? == 0 {
+            return Err(Error::State(format!(
+                "{remaining} dirty bytes of device {} cannot be written back (unreadable cache data)",
+                dev.0
+            )));
+        }
+    }
+    let _c = inner.commit_lock.lock();
+    inner.commit_locked()
+}
+
+fn sleep(inner: &Inner, d: Duration) {
+    let mut g = inner.wake.0.lock();
+    if !inner.stop.load(Ordering::SeqCst) {
+        inner.wake.1.wait_for(&mut g, d);
+    }
+}
+
+/// Writeback loop: full speed above the target, a trickle below it, nothing when clean.
+pub fn writeback_thread(inner: &Arc<Inner>) {
+    while !inner.stop.load(Ordering::SeqCst) {
+        match writeback_pass(inner, false, None) {
+            Ok((n, WritebackRate::Full)) if n > 0 => {}
+            Ok(_) => sleep(inner, Duration::from_millis(100)),
+            Err(e) => {
+                log::error!("writeback: {e}");
+                sleep(inner, Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Maintenance loop: commits journal entries older than `journal_delay_ms`, keeps free
+/// buckets in reserve, records statistics history.
+pub fn maintenance_thread(inner: &Arc<Inner>) {
+    while !inner.stop.load(Ordering::SeqCst) {
+        let now = inner.now_ns();
+        let due = inner
+            .state
+            .lock()
+            .journal
+            .oldest_pending_ns
+            .is_some_and(|t| now.saturating_sub(t) >= inner.config.journal_delay_ms * 1_000_000);
+        let res = (|| -> Result<()> {
+            if due {
+                inner.commit_to(u64::MAX)?;
+            }
+            make_space(inner, inner.reserve_buckets)?;
+            Ok(())
+        })();
+        if let Err(e) = res {
+            log::error!("maintenance: {e}");
+        }
+        for b in inner.backings.read().values() {
+            b.history.tick(now, &b.counters.snapshot());
+        }
+        sleep(inner, BACKGROUND_PERIOD);
+    }
+}

@@ -1,0 +1,574 @@
+//! On-disk layout of both device kinds: the cache device superblock and region layout, and the
+//! backing device header. `docs/format.md` documents the same layout byte by byte.
+//!
+//! Invariants:
+//! - the cache device has two superblock copies (at 4 KiB and in the last 4 KiB); the valid
+//!   copy with the highest sequence wins, and updates write one copy, flush, then the other, so
+//!   a crash at any point leaves at least one valid copy;
+//! - the backing device has two header copies (at 0 and 4 KiB) updated the same way; its data
+//!   starts at `BACKING_DATA_OFFSET` (8 KiB, like bcache);
+//! - every region offset is 4 KiB aligned, the data region is block aligned, and no two regions
+//!   overlap (`Layout::compute` is the only constructor for fresh layouts and `validate` checks
+//!   layouts read from disk, since media is never trusted).
+
+use crate::codec::{frame, round_up, unframe, Reader, Writer};
+use crate::types::{CacheMode, Error, IoContext, Result};
+use blockdev::BlockDevice;
+use uuid::Uuid;
+
+pub const FORMAT_VERSION: u32 = 1;
+pub const SB_MAGIC: &[u8; 8] = b"TCCACHE1";
+pub const BACKING_MAGIC: &[u8; 8] = b"TCBACKNG";
+pub const META_BLOCK: u64 = 4096;
+pub const SB_OFFSET: u64 = 4096;
+pub const BACKING_HEADER_OFFSETS: [u64; 2] = [0, 4096];
+pub const BACKING_DATA_OFFSET: u64 = 8192;
+pub const LABEL_BYTES: usize = 64;
+/// Most backing devices one cache set tracks.
+pub const MAX_DEVS: usize = 256;
+/// Bytes per index entry in a checkpoint (without its per-block checksums).
+pub const CKPT_ENTRY_BYTES: u64 = 22;
+/// Fixed part of a checkpoint payload: counts plus the device table.
+pub const CKPT_FIXED_BYTES: u64 = 64 + MAX_DEVS as u64 * 20;
+pub const MIN_BUCKETS: u32 = 8;
+pub const DEFAULT_BLOCK_SIZE: u32 = 4096;
+pub const DEFAULT_BUCKET_SIZE: u32 = 512 * 1024;
+
+/// Region layout of a cache device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub device_size: u64,
+    pub block_size: u32,
+    pub bucket_size: u32,
+    pub nbuckets: u32,
+    pub sb_offsets: [u64; 2],
+    pub ckpt_offsets: [u64; 2],
+    pub ckpt_len: u64,
+    pub journal_off: u64,
+    pub journal_len: u64,
+    pub data_off: u64,
+}
+
+impl Layout {
+    /// Computes the layout for a fresh cache device, or explains why it cannot hold one.
+    pub fn compute(device_size: u64, block_size: u32, bucket_size: u32) -> Result<Layout> {
+        if !block_size.is_power_of_two() || !(512..=65536).contains(&block_size) {
+            return Err(Error::Invalid(format!(
+                "block size {block_size} must be a power of two between 512 and 65536"
+            )));
+        }
+        if !bucket_size.is_power_of_two()
+            || bucket_size < block_size.max(4096) * 2
+            || bucket_size > 64 << 20
+        {
+            return Err(Error::Invalid(format!(
+                "bucket size {bucket_size} must be a power of two, at least two blocks and 8 KiB, at most 64 MiB"
+            )));
+        }
+        let device_size = device_size / META_BLOCK * META_BLOCK;
+        let too_small = || {
+            Error::Invalid(format!(
+                "cache device of {device_size} bytes is too small for {MIN_BUCKETS} buckets of {bucket_size} bytes plus metadata"
+            ))
+        };
+        if device_size < 16 * META_BLOCK {
+            return Err(too_small());
+        }
+        let sb_last = device_size - META_BLOCK;
+        // Two mirror halves, each a whole number of 4 KiB blocks.
+        let journal_len = round_up((device_size / 64).clamp(1 << 20, 256 << 20), 2 * META_BLOCK);
+        let bpb = u64::from(bucket_size / block_size);
+        let mut nbuckets = (device_size / u64::from(bucket_size)) as u32;
+        loop {
+            if nbuckets < MIN_BUCKETS {
+                return Err(too_small());
+            }
+            let ckpt_len = Self::ckpt_len_for(nbuckets, bpb);
+            let ckpt0 = 2 * META_BLOCK;
+            let ckpt1 = ckpt0 + ckpt_len;
+            let journal_off = ckpt1 + ckpt_len;
+            let data_off = round_up(
+                journal_off + journal_len,
+                u64::from(block_size).max(META_BLOCK),
+            );
+            let data_end = data_off + u64::from(nbuckets) * u64::from(bucket_size);
+            if data_end <= sb_last {
+                let layout = Layout {
+                    device_size,
+                    block_size,
+                    bucket_size,
+                    nbuckets,
+                    sb_offsets: [SB_OFFSET, sb_last],
+                    ckpt_offsets: [ckpt0, ckpt1],
+                    ckpt_len,
+                    journal_off,
+                    journal_len,
+                    data_off,
+                };
+                layout.validate()?;
+                return Ok(layout);
+            }
+            // Shrink by the overshoot (at least one bucket) and try again.
+            let over = data_end - sb_last;
+            nbuckets -= (over.div_ceil(u64::from(bucket_size)) as u32).max(1);
+        }
+    }
+
+    /// Space one checkpoint slot needs for `nbuckets` buckets of `bpb` blocks: every cache
+    /// block can be referenced by at most one index entry, so entries <= blocks.
+    fn ckpt_len_for(nbuckets: u32, bpb: u64) -> u64 {
+        let blocks = u64::from(nbuckets) * bpb;
+        round_up(
+            crate::codec::FRAME_HEADER_BYTES as u64
+                + CKPT_FIXED_BYTES
+                + u64::from(nbuckets)
+                + blocks * (CKPT_ENTRY_BYTES + 4),
+            META_BLOCK,
+        )
+    }
+
+    pub fn blocks_per_bucket(&self) -> u32 {
+        self.bucket_size / self.block_size
+    }
+
+    pub fn total_blocks(&self) -> u32 {
+        self.nbuckets * self.blocks_per_bucket()
+    }
+
+    /// Byte offset on the cache device of a global cache block.
+    pub fn block_offset(&self, block: u32) -> u64 {
+        self.data_off + u64::from(block) * u64::from(self.block_size)
+    }
+
+    /// Checks a layout read from disk: sizes sane, regions ordered and inside the device.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::Corrupt(format!("superblock layout: {m}")));
+        if !self.block_size.is_power_of_two() || !(512..=65536).contains(&self.block_size) {
+            return bad("bad block size");
+        }
+        if !self.bucket_size.is_power_of_two() || self.bucket_size < 2 * self.block_size {
+            return bad("bad bucket size");
+        }
+        if self.nbuckets < MIN_BUCKETS
+            || u64::from(self.nbuckets) * u64::from(self.blocks_per_bucket()) >= u64::from(u32::MAX)
+        {
+            return bad("bad bucket count");
+        }
+        let aligned = [
+            self.ckpt_offsets[0],
+            self.ckpt_offsets[1],
+            self.ckpt_len,
+            self.journal_off,
+            self.journal_len,
+            self.data_off,
+            self.sb_offsets[1],
+        ]
+        .iter()
+        .all(|v| v % META_BLOCK == 0);
+        if !aligned || self.sb_offsets[0] != SB_OFFSET {
+            return bad("misaligned region");
+        }
+        let data_end = self.data_off + u64::from(self.nbuckets) * u64::from(self.bucket_size);
+        let ordered = SB_OFFSET + META_BLOCK <= self.ckpt_offsets[0]
+            && self.ckpt_offsets[0] + self.ckpt_len <= self.ckpt_offsets[1]
+            && self.ckpt_offsets[1] + self.ckpt_len <= self.journal_off
+            && self.journal_off + self.journal_len <= self.data_off
+            && self.data_off.is_multiple_of(u64::from(self.block_size))
+            && data_end <= self.sb_offsets[1]
+            && self.sb_offsets[1] + META_BLOCK <= self.device_size;
+        if !ordered
+            || self.journal_len < 16 * META_BLOCK
+            || !self.journal_len.is_multiple_of(2 * META_BLOCK)
+        {
+            return bad("regions overlap or exceed the device");
+        }
+        if self.ckpt_len < Self::ckpt_len_for(self.nbuckets, u64::from(self.blocks_per_bucket())) {
+            return bad("checkpoint slot too small");
+        }
+        Ok(())
+    }
+}
+
+/// The cache device superblock.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Superblock {
+    pub seq: u64,
+    pub set_uuid: Uuid,
+    pub dev_uuid: Uuid,
+    pub layout: Layout,
+    /// Which checkpoint slot holds the current checkpoint, and its sequence number.
+    pub ckpt_slot: u32,
+    pub ckpt_seq: u64,
+    pub created_unix: u64,
+    pub label: String,
+}
+
+impl Superblock {
+    pub fn encode(&self) -> Vec<u8> {
+        let l = &self.layout;
+        let mut w = Writer::default();
+        w.bytes(self.set_uuid.as_bytes());
+        w.bytes(self.dev_uuid.as_bytes());
+        w.u64(l.device_size);
+        w.u32(l.block_size);
+        w.u32(l.bucket_size);
+        w.u32(l.nbuckets);
+        w.u64(l.sb_offsets[1]);
+        w.u64(l.ckpt_offsets[0]);
+        w.u64(l.ckpt_offsets[1]);
+        w.u64(l.ckpt_len);
+        w.u64(l.journal_off);
+        w.u64(l.journal_len);
+        w.u64(l.data_off);
+        w.u32(self.ckpt_slot);
+        w.u64(self.ckpt_seq);
+        w.u64(self.created_unix);
+        w.fixed_str(&self.label, LABEL_BYTES);
+        let mut out = frame(SB_MAGIC, FORMAT_VERSION, self.seq, &w.buf);
+        out.resize(META_BLOCK as usize, 0);
+        out
+    }
+
+    pub fn decode(data: &[u8]) -> Result<Superblock, String> {
+        let (seq, payload) = unframe(SB_MAGIC, FORMAT_VERSION, data)?;
+        let mut r = Reader::new(payload);
+        let short = || "superblock payload too short".to_string();
+        let set_uuid = Uuid::from_bytes(r.array().ok_or_else(short)?);
+        let dev_uuid = Uuid::from_bytes(r.array().ok_or_else(short)?);
+        let device_size = r.u64().ok_or_else(short)?;
+        let block_size = r.u32().ok_or_else(short)?;
+        let bucket_size = r.u32().ok_or_else(short)?;
+        let nbuckets = r.u32().ok_or_else(short)?;
+        let sb1 = r.u64().ok_or_else(short)?;
+        let c0 = r.u64().ok_or_else(short)?;
+        let c1 = r.u64().ok_or_else(short)?;
+        let ckpt_len = r.u64().ok_or_else(short)?;
+        let journal_off = r.u64().ok_or_else(short)?;
+        let journal_len = r.u64().ok_or_else(short)?;
+        let data_off = r.u64().ok_or_else(short)?;
+        let ckpt_slot = r.u32().ok_or_else(short)?;
+        let ckpt_seq = r.u64().ok_or_else(short)?;
+        let created_unix = r.u64().ok_or_else(short)?;
+        let label = r.fixed_str(LABEL_BYTES).ok_or_else(short)?;
+        if ckpt_slot > 1 {
+            return Err(format!("checkpoint slot {ckpt_slot} out of range"));
+        }
+        let layout = Layout {
+            device_size,
+            block_size,
+            bucket_size,
+            nbuckets,
+            sb_offsets: [SB_OFFSET, sb1],
+            ckpt_offsets: [c0, c1],
+            ckpt_len,
+            journal_off,
+            journal_len,
+            data_off,
+        };
+        layout.validate().map_err(|e| e.to_string())?;
+        Ok(Superblock {
+            seq,
+            set_uuid,
+            dev_uuid,
+            layout,
+            ckpt_slot,
+            ckpt_seq,
+            created_unix,
+            label,
+        })
+    }
+
+    /// Reads both copies; returns the valid one with the highest sequence and a note per
+    /// damaged copy.
+    pub fn read(dev: &dyn BlockDevice) -> Result<(Superblock, Vec<String>)> {
+        let size = dev.size_bytes() / META_BLOCK * META_BLOCK;
+        if size < 16 * META_BLOCK {
+            return Err(Error::Invalid(format!(
+                "device of {size} bytes is too small to hold a tiercache cache"
+            )));
+        }
+        let mut best: Option<Superblock> = None;
+        let mut notes = Vec::new();
+        let mut buf = vec![0u8; META_BLOCK as usize];
+        dev.read_at(&mut buf, SB_OFFSET)
+            .ctx(|| "reading superblock copy 0".into())?;
+        let first = Superblock::decode(&buf);
+        // The second copy's location is recorded in the first; if the first is damaged, it is
+        // in the last 4 KiB of the device.
+        let second_off = match &first {
+            Ok(sb) => sb.layout.sb_offsets[1],
+            Err(_) => size - META_BLOCK,
+        };
+        for (i, res) in [(0, Ok(first)), (1, Err(second_off))] {
+            let parsed = match res {
+                Ok(p) => p,
+                Err(off) => {
+                    if off + META_BLOCK > dev.size_bytes() {
+                        Err("second copy lies past the end of the device".into())
+                    } else {
+                        dev.read_at(&mut buf, off)
+                            .ctx(|| "reading superblock copy 1".into())?;
+                        Superblock::decode(&buf)
+                    }
+                }
+            };
+            match parsed {
+                Ok(sb) => {
+                    if best.as_ref().is_none_or(|b| sb.seq > b.seq) {
+                        best = Some(sb);
+                    }
+                }
+                Err(e) => notes.push(format!("superblock copy {i}: {e}")),
+            }
+        }
+        match best {
+            Some(sb) => {
+                if sb.layout.device_size > dev.size_bytes() {
+                    return Err(Error::Corrupt(format!(
+                        "superblock says the cache device holds {} bytes but it has {}",
+                        sb.layout.device_size,
+                        dev.size_bytes()
+                    )));
+                }
+                Ok((sb, notes))
+            }
+            None => Err(Error::Corrupt(format!(
+                "no valid tiercache superblock ({})",
+                notes.join("; ")
+            ))),
+        }
+    }
+
+    /// Writes both copies, flushing after each, so one is always valid.
+    pub fn write(&self, dev: &dyn BlockDevice) -> Result<()> {
+        let buf = self.encode();
+        for off in self.layout.sb_offsets {
+            dev.write_at(&buf, off)
+                .ctx(|| "writing superblock".into())?;
+            dev.flush().ctx(|| "flushing superblock".into())?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether a backing device may hold data not yet written back from its cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackingState {
+    Clean,
+    Dirty,
+}
+
+/// The header at the start of a backing device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackingHeader {
+    pub seq: u64,
+    pub dev_uuid: Uuid,
+    /// The cache set this device belongs to (nil when detached).
+    pub set_uuid: Uuid,
+    pub data_offset: u64,
+    pub data_size: u64,
+    pub mode: CacheMode,
+    pub state: BackingState,
+    pub label: String,
+}
+
+impl BackingHeader {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.bytes(self.dev_uuid.as_bytes());
+        w.bytes(self.set_uuid.as_bytes());
+        w.u64(self.data_offset);
+        w.u64(self.data_size);
+        w.u8(self.mode.code());
+        w.u8(match self.state {
+            BackingState::Clean => 0,
+            BackingState::Dirty => 1,
+        });
+        w.fixed_str(&self.label, LABEL_BYTES);
+        let mut out = frame(BACKING_MAGIC, FORMAT_VERSION, self.seq, &w.buf);
+        out.resize(META_BLOCK as usize, 0);
+        out
+    }
+
+    pub fn decode(data: &[u8]) -> Result<BackingHeader, String> {
+        let (seq, payload) = unframe(BACKING_MAGIC, FORMAT_VERSION, data)?;
+        let mut r = Reader::new(payload);
+        let short = || "backing header payload too short".to_string();
+        let dev_uuid = Uuid::from_bytes(r.array().ok_or_else(short)?);
+        let set_uuid = Uuid::from_bytes(r.array().ok_or_else(short)?);
+        let data_offset = r.u64().ok_or_else(short)?;
+        let data_size = r.u64().ok_or_else(short)?;
+        let mode_code = r.u8().ok_or_else(short)?;
+        let mode = CacheMode::from_code(mode_code)
+            .ok_or(format!("unknown cache mode code {mode_code}"))?;
+        let state = match r.u8().ok_or_else(short)? {
+            0 => BackingState::Clean,
+            1 => BackingState::Dirty,
+            s => return Err(format!("unknown state code {s}")),
+        };
+        let label = r.fixed_str(LABEL_BYTES).ok_or_else(short)?;
+        if data_offset != BACKING_DATA_OFFSET || data_size % 512 != 0 {
+            return Err(format!("bad data offset {data_offset} or size {data_size}"));
+        }
+        Ok(BackingHeader {
+            seq,
+            dev_uuid,
+            set_uuid,
+            data_offset,
+            data_size,
+            mode,
+            state,
+            label,
+        })
+    }
+
+    /// Reads both copies and returns the valid one with the highest sequence.
+    pub fn read(dev: &dyn BlockDevice) -> Result<(BackingHeader, Vec<String>)> {
+        if dev.size_bytes() < BACKING_DATA_OFFSET + 4096 {
+            return Err(Error::Invalid(format!(
+                "backing device of {} bytes is too small (needs {} bytes of header plus data)",
+                dev.size_bytes(),
+                BACKING_DATA_OFFSET
+            )));
+        }
+        let mut best: Option<BackingHeader> = None;
+        let mut notes = Vec::new();
+        let mut buf = vec![0u8; META_BLOCK as usize];
+        for (i, off) in BACKING_HEADER_OFFSETS.into_iter().enumerate() {
+            dev.read_at(&mut buf, off)
+                .ctx(|| "reading backing header".into())?;
+            match BackingHeader::decode(&buf) {
+                Ok(h) => {
+                    if best.as_ref().is_none_or(|b| h.seq > b.seq) {
+                        best = Some(h);
+                    }
+                }
+                Err(e) => notes.push(format!("backing header copy {i}: {e}")),
+            }
+        }
+        match best {
+            Some(h) if h.data_offset + h.data_size > dev.size_bytes() => {
+                Err(Error::Corrupt(format!(
+                    "backing header says {} data bytes but the device has {}",
+                    h.data_size,
+                    dev.size_bytes() - h.data_offset
+                )))
+            }
+            Some(h) => Ok((h, notes)),
+            None => Err(Error::Corrupt(format!(
+                "no valid tiercache backing header ({})",
+                notes.join("; ")
+            ))),
+        }
+    }
+
+    /// Writes both copies (flushing after each) with the sequence bumped.
+    pub fn write(&mut self, dev: &dyn BlockDevice) -> Result<()> {
+        self.seq += 1;
+        let buf = self.encode();
+        for off in BACKING_HEADER_OFFSETS {
+            dev.write_at(&buf, off)
+                .ctx(|| "writing backing header".into())?;
+            dev.flush().ctx(|| "flushing backing header".into())?;
+        }
+        Ok(())
+    }
+}
+
+/// Looks for a signature of something a user would not want overwritten: a tiercache cache or
+/// backing device, bcache, a filesystem, a partition table or LUKS. Returns its name.
+pub fn detect_signature(dev: &dyn BlockDevice) -> Result<Option<&'static str>> {
+    let len = dev.size_bytes().min(68 * 1024) / 512 * 512;
+    let mut buf = vec![0u8; len as usize];
+    dev.read_at(&mut buf, 0)
+        .ctx(|| "reading device start".into())?;
+    let at = |off: usize, sig: &[u8]| buf.get(off..off + sig.len()) == Some(sig);
+    let checks: [(&'static str, usize, &[u8]); 10] = [
+        ("tiercache cache device", SB_OFFSET as usize, SB_MAGIC),
+        ("tiercache backing device", 0, BACKING_MAGIC),
+        ("tiercache backing device", 4096, BACKING_MAGIC),
+        (
+            "bcache",
+            4096 + 24,
+            &[0xc6, 0x85, 0x73, 0xf6, 0x4e, 0x1a, 0x45, 0xca],
+        ),
+        ("ext2/3/4 filesystem", 1080, &[0x53, 0xef]),
+        ("XFS filesystem", 0, b"XFSB"),
+        ("btrfs filesystem", 65600, b"_BHRfS_M"),
+        ("GPT partition table", 512, b"EFI PART"),
+        ("LUKS volume", 0, b"LUKS\xba\xbe"),
+        ("DOS partition table / boot sector", 510, &[0x55, 0xaa]),
+    ];
+    Ok(checks
+        .iter()
+        .find(|(_, off, sig)| at(*off, sig))
+        .map(|c| c.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blockdev::MemDevice;
+
+    #[test]
+    fn layout_fits_and_scales() {
+        for size in [8u64 << 20, 64 << 20, 1 << 30, 100 << 30] {
+            let l = Layout::compute(size, 4096, 512 * 1024).unwrap();
+            assert!(l.nbuckets >= MIN_BUCKETS);
+            let data = u64::from(l.nbuckets) * u64::from(l.bucket_size);
+            // Metadata overhead stays reasonable (< 10 % for anything over 64 MiB).
+            if size >= 64 << 20 {
+                assert!(
+                    data * 10 >= size * 9 - (2 << 20),
+                    "size {size}: data {data}"
+                );
+            }
+        }
+        assert!(Layout::compute(1 << 20, 4096, 512 * 1024).is_err());
+        assert!(Layout::compute(64 << 20, 3000, 512 * 1024).is_err());
+        assert!(Layout::compute(64 << 20, 4096, 4096).is_err());
+    }
+
+    #[test]
+    fn superblock_round_trip_and_fallback_to_second_copy() {
+        let dev = MemDevice::new(32 << 20);
+        let layout = Layout::compute(dev.size_bytes(), 4096, 64 * 1024).unwrap();
+        let sb = Superblock {
+            seq: 7,
+            set_uuid: Uuid::new_v4(),
+            dev_uuid: Uuid::new_v4(),
+            layout,
+            ckpt_slot: 1,
+            ckpt_seq: 3,
+            created_unix: 1,
+            label: "fast".into(),
+        };
+        sb.write(&dev).unwrap();
+        assert_eq!(Superblock::read(&dev).unwrap().0, sb);
+        dev.write_at(&[0xffu8; 512], SB_OFFSET).unwrap();
+        let (got, notes) = Superblock::read(&dev).unwrap();
+        assert_eq!(got, sb);
+        assert_eq!(notes.len(), 1);
+    }
+
+    #[test]
+    fn backing_header_round_trip() {
+        let dev = MemDevice::new(1 << 20);
+        let mut h = BackingHeader {
+            seq: 0,
+            dev_uuid: Uuid::new_v4(),
+            set_uuid: Uuid::nil(),
+            data_offset: BACKING_DATA_OFFSET,
+            data_size: (1 << 20) - BACKING_DATA_OFFSET,
+            mode: CacheMode::Writeback,
+            state: BackingState::Dirty,
+            label: "slow".into(),
+        };
+        h.write(&dev).unwrap();
+        assert_eq!(BackingHeader::read(&dev).unwrap().0, h);
+        assert_eq!(
+            detect_signature(&dev).unwrap(),
+            Some("tiercache backing device")
+        );
+    }
+}

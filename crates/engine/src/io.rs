@@ -1,0 +1,877 @@
+//! The request paths of one backing device (a `Volume`): read, write, FUA, flush, discard,
+//! write-zeroes, prefetch.
+//!
+//! Invariants:
+//! - every request is 512-byte aligned and inside the device, or rejected with `Invalid`;
+//! - writes (and discard / write-zeroes) hold the range lock over the block-aligned range for
+//!   as long as the backing device and the cache change, so overlapping writes are ordered the
+//!   same way in both; reads take no range lock;
+//! - cached blocks are read only while their bucket is pinned, and every block read from the
+//!   cache is checked against its crc32c: a clean block that fails is dropped and re-read from
+//!   the backing device, a dirty one is an error, never wrong data;
+//! - a read miss is promoted only if no write touched its range while it was in flight
+//!   (`cache_miss_collisions` counts the ones dropped);
+//! - dirty data leaves the index (overwritten by a bypass or writethrough write, zeroed,
+//!   discarded) only after what supersedes it is durable on the backing device: the backing
+//!   device is flushed first, so a crash can never expose data older than the dirty copy;
+//! - a sub-block write either merges into the cached block (read-modify-write, so a dirty
+//!   block never loses its other sectors) or, when the block is not cached, goes straight to
+//!   the backing device.
+
+use crate::alloc::WritePoint;
+use crate::format::BackingState;
+use crate::index::Seg;
+use crate::journal::Entry;
+use crate::policy::is_sequential_bypass;
+use crate::set::{Backing, DevKnobs, DevStatus, Inner, Promotion};
+use crate::stats::Counters;
+use crate::types::{CacheMode, Error, IoContext, Result};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// A backing device served through its cache set.
+#[derive(Clone)]
+pub struct Volume {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) backing: Arc<Backing>,
+}
+
+impl std::fmt::Debug for Volume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Volume")
+            .field("id", &self.backing.id)
+            .field("uuid", &self.uuid())
+            .field("mode", &self.mode())
+            .finish()
+    }
+}
+
+/// How a write uses the cache.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Route {
+    Bypass,
+    Through,
+    Back,
+}
+
+impl Volume {
+    pub fn id(&self) -> crate::DevId {
+        self.backing.id
+    }
+
+    /// Exported size: the backing device minus its header.
+    pub fn size_bytes(&self) -> u64 {
+        self.backing.data_size
+    }
+
+    pub fn uuid(&self) -> uuid::Uuid {
+        self.backing.uuid()
+    }
+
+    pub fn label(&self) -> String {
+        self.backing.header.lock().label.clone()
+    }
+
+    /// The export name: the label, or the uuid when there is none.
+    pub fn name(&self) -> String {
+        let l = self.label();
+        if l.is_empty() {
+            self.uuid().to_string()
+        } else {
+            l
+        }
+    }
+
+    pub fn is_rotational(&self) -> bool {
+        self.backing.dev.is_rotational()
+    }
+
+    pub fn mode(&self) -> CacheMode {
+        self.backing.mode()
+    }
+
+    pub fn knobs(&self) -> DevKnobs {
+        self.backing.knobs()
+    }
+
+    /// Switches the cache mode live; persisted in the backing header.
+    pub fn set_mode(&self, mode: CacheMode) -> Result<()> {
+        let b = &self.backing;
+        let mut h = b.header.lock();
+        if h.mode != mode {
+            let mut next = h.clone();
+            next.mode = mode;
+            next.write(&*b.dev)?;
+            *h = next;
+        }
+        b.mode.store(mode.code(), Ordering::SeqCst);
+        self.inner.wake_background();
+        Ok(())
+    }
+
+    pub fn set_sequential_cutoff(&self, bytes: u64) {
+        self.backing
+            .sequential_cutoff
+            .store(bytes, Ordering::Relaxed);
+    }
+
+    pub fn set_writeback_percent(&self, pct: u32) -> Result<()> {
+        if pct > 100 {
+            return Err(Error::Invalid(format!(
+                "writeback_percent {pct} is over 100"
+            )));
+        }
+        self.backing
+            .writeback_percent
+            .store(u64::from(pct), Ordering::Relaxed);
+        self.inner.wake_background();
+        Ok(())
+    }
+
+    pub fn set_writeback_delay_secs(&self, secs: u64) {
+        self.backing
+            .writeback_delay_secs
+            .store(secs, Ordering::Relaxed);
+    }
+
+    pub fn set_writeback_running(&self, on: bool) {
+        self.backing.writeback_running.store(on, Ordering::Relaxed);
+        self.inner.wake_background();
+    }
+
+    pub fn set_label(&self, label: &str) -> Result<()> {
+        if label.len() > crate::format::LABEL_BYTES {
+            return Err(Error::Invalid(format!(
+                "label is longer than {} bytes",
+                crate::format::LABEL_BYTES
+            )));
+        }
+        let b = &self.backing;
+        let mut h = b.header.lock();
+        let mut next = h.clone();
+        next.label = label.to_string();
+        next.write(&*b.dev)?;
+        *h = next;
+        Ok(())
+    }
+
+    /// Status and statistics of this device.
+    pub fn status(&self) -> DevStatus {
+        let b = &self.backing;
+        let bs = self.inner.block_size();
+        let (dirty, cached) = {
+            let st = self.inner.state.lock();
+            (
+                st.index.dev_dirty_blocks(b.id),
+                st.index.dev_live_blocks(b.id),
+            )
+        };
+        let now = self.inner.now_ns();
+        let snap = b.counters.snapshot();
+        b.history.tick(now, &snap);
+        DevStatus {
+            id: b.id,
+            uuid: b.uuid(),
+            knobs: b.knobs(),
+            size_bytes: b.data_size,
+            dirty_bytes: dirty * bs,
+            cached_bytes: cached * bs,
+            state: if b.detaching.load(Ordering::Relaxed) {
+                "detaching"
+            } else if dirty > 0 {
+                "dirty"
+            } else {
+                "clean"
+            },
+            stats: b.history.windows(now, &snap),
+        }
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.check_failed()?;
+        if !offset.is_multiple_of(512) || !len.is_multiple_of(512) {
+            return Err(Error::Invalid(format!(
+                "offset {offset} and length {len} must be multiples of 512"
+            )));
+        }
+        if offset
+            .checked_add(len)
+            .is_none_or(|e| e > self.backing.data_size)
+        {
+            return Err(Error::Invalid(format!(
+                "request at {offset} of {len} bytes ends past the device size {}",
+                self.backing.data_size
+            )));
+        }
+        if self.backing.detaching.load(Ordering::Relaxed)
+            && !self.inner.backings.read().contains_key(&self.backing.id)
+        {
+            return Err(Error::State("device has been detached".into()));
+        }
+        Ok(())
+    }
+
+    fn note_io(&self, offset: u64, len: u64) -> u64 {
+        let now = self.inner.now_ns();
+        self.inner.last_io_ns.store(now, Ordering::Relaxed);
+        self.backing.seq.lock().observe(offset, len, now)
+    }
+
+    fn seq_bypass(&self, stream_bytes: u64) -> bool {
+        is_sequential_bypass(
+            stream_bytes,
+            self.backing.sequential_cutoff.load(Ordering::Relaxed),
+        )
+    }
+
+    fn backing_read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        Counters::add(&self.backing.counters.backing_read_bytes, buf.len() as u64);
+        self.backing
+            .dev
+            .read_at(buf, self.backing.data_offset() + offset)
+            .ctx(|| format!("reading backing device at {offset}"))
+    }
+
+    fn backing_write(&self, data: &[u8], offset: u64) -> Result<()> {
+        Counters::add(
+            &self.backing.counters.backing_written_bytes,
+            data.len() as u64,
+        );
+        let r = self
+            .backing
+            .dev
+            .write_at(data, self.backing.data_offset() + offset)
+            .ctx(|| format!("writing backing device at {offset}"));
+        self.backing.backing_written.store(true, Ordering::SeqCst);
+        r
+    }
+
+    // ----- reads -----
+
+    /// Reads `buf.len()` bytes at `offset`.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check(offset, buf.len() as u64)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let stream = self.note_io(offset, buf.len() as u64);
+        let bypass = self.mode() == CacheMode::None || self.seq_bypass(stream);
+        self.read_inner(offset, buf, bypass, false)
+    }
+
+    /// Prefetches a range into the cache (NBD_CMD_CACHE).
+    pub fn prefetch(&self, offset: u64, len: u64) -> Result<()> {
+        self.check(offset, len)?;
+        let chunk = 1u64 << 20;
+        let mut buf = vec![0u8; chunk.min(len) as usize];
+        let mut at = 0;
+        while at < len {
+            let n = chunk.min(len - at) as usize;
+            self.read_inner(
+                offset + at,
+                &mut buf[..n],
+                self.mode() == CacheMode::None,
+                true,
+            )?;
+            at += n as u64;
+        }
+        Ok(())
+    }
+
+    fn read_inner(&self, offset: u64, buf: &mut [u8], bypass: bool, prefetch: bool) -> Result<()> {
+        let inner = &*self.inner;
+        let dev = self.backing.id;
+        let bs = inner.block_size();
+        let end = offset + buf.len() as u64;
+        let (b0, b1) = (offset / bs, end.div_ceil(bs));
+        let tick = inner.next_tick();
+        let (segs, promo) = {
+            let mut st = inner.state.lock();
+            let segs = st.index.lookup(dev, b0, b1);
+            for s in &segs {
+                if let Some(e) = s.ext {
+                    let bucket = st.index.bucket_of(e.cache_block);
+                    st.buckets.pin(bucket);
+                    st.buckets.touch(bucket, tick);
+                }
+            }
+            let promo = (!bypass && segs.iter().any(|s| s.ext.is_none())).then(|| {
+                let id = st.next_promotion;
+                st.next_promotion += 1;
+                st.promotions.insert(
+                    id,
+                    Promotion {
+                        dev,
+                        b0,
+                        b1,
+                        collided: false,
+                    },
+                );
+                id
+            });
+            (segs, promo)
+        };
+        let hit = segs.iter().all(|s| s.ext.is_some());
+        let result = self.read_segments(&segs, offset, buf, promo.is_some());
+        {
+            let mut st = inner.state.lock();
+            let durable = st.journal.durable_epoch;
+            for s in &segs {
+                if let Some(e) = s.ext {
+                    let bucket = st.index.bucket_of(e.cache_block);
+                    st.buckets.unpin(bucket, durable);
+                }
+            }
+        }
+        let fills = match result {
+            Ok(f) => f,
+            Err(e) => {
+                if let Some(id) = promo {
+                    inner.state.lock().promotions.remove(&id);
+                }
+                Counters::add(&self.backing.counters.io_errors, 1);
+                return Err(e);
+            }
+        };
+        if !prefetch {
+            let c = &self.backing.counters;
+            Counters::add(
+                match (bypass, hit) {
+                    (false, true) => &c.cache_hits,
+                    (false, false) => &c.cache_misses,
+                    (true, true) => &c.cache_bypass_hits,
+                    (true, false) => &c.cache_bypass_misses,
+                },
+                1,
+            );
+            if bypass {
+                Counters::add(&c.bypassed, buf.len() as u64);
+            }
+        }
+        if let Some(id) = promo {
+            self.promote(id, fills);
+        }
+        Ok(())
+    }
+
+    /// Reads every segment into `buf`; returns whole-block data of the holes to promote.
+    fn read_segments(
+        &self,
+        segs: &[Seg],
+        offset: u64,
+        buf: &mut [u8],
+        want_fills: bool,
+    ) -> Result<Vec<(u64, Vec<u8>)>> {
+        let bs = self.inner.block_size();
+        let end = offset + buf.len() as u64;
+        let mut fills = Vec::new();
+        for s in segs {
+            let (seg_start, seg_end) = (s.block * bs, (s.block + s.len) * bs);
+            let data = match s.ext {
+                Some(e) => match self.read_cached(s.block, e)? {
+                    Some(d) => d,
+                    None => {
+                        // Clean block failed its checksum: dropped, read the backing device.
+                        let mut d =
+                            vec![0u8; (seg_end.min(self.size_bytes()) - seg_start) as usize];
+                        self.backing_read(&mut d, seg_start)?;
+                        d
+                    }
+                },
+                None => {
+                    // Read whole blocks when promoting (the seek is paid anyway), else exactly
+                    // what was asked.
+                    let (from, to) = if want_fills {
+                        (seg_start, seg_end.min(self.size_bytes()))
+                    } else {
+                        (seg_start.max(offset), seg_end.min(end))
+                    };
+                    let mut d = vec![0u8; (to - from) as usize];
+                    self.backing_read(&mut d, from)?;
+                    let copy_from = seg_start.max(offset);
+                    let copy_to = seg_end.min(end);
+                    buf[(copy_from - offset) as usize..(copy_to - offset) as usize]
+                        .copy_from_slice(
+                            &d[(copy_from - from) as usize..(copy_to - from) as usize],
+                        );
+                    if want_fills {
+                        // Only whole blocks are cached; a partial last block (device end) is not.
+                        let whole = d.len() as u64 / bs * bs;
+                        if whole > 0 {
+                            d.truncate(whole as usize);
+                            fills.push((s.block, d));
+                        }
+                    }
+                    continue;
+                }
+            };
+            let copy_from = seg_start.max(offset);
+            let copy_to = seg_end.min(end);
+            buf[(copy_from - offset) as usize..(copy_to - offset) as usize].copy_from_slice(
+                &data[(copy_from - seg_start) as usize..(copy_to - seg_start) as usize],
+            );
+        }
+        Ok(fills)
+    }
+
+    /// Reads a cached extent (its bucket is pinned by the caller) and verifies every block.
+    /// `Ok(None)`: a clean block failed its checksum and the extent was dropped from the index.
+    fn read_cached(&self, block: u64, e: crate::index::Extent) -> Result<Option<Vec<u8>>> {
+        let inner = &*self.inner;
+        let bs = inner.block_size() as usize;
+        let mut data = vec![0u8; e.len as usize * bs];
+        let off = inner.layout.block_offset(e.cache_block);
+        Counters::add(&self.backing.counters.cache_read_bytes, data.len() as u64);
+        inner
+            .cache
+            .read_at(&mut data, off)
+            .ctx(|| format!("reading cache device at {off}"))?;
+        let bad = {
+            let st = inner.state.lock();
+            (0..e.len).find(|&i| {
+                crc32c::crc32c(&data[i as usize * bs..(i as usize + 1) * bs])
+                    != st.index.crc(e.cache_block + i)
+            })
+        };
+        let Some(i) = bad else { return Ok(Some(data)) };
+        let what = format!(
+            "device {} block {} (cache block {})",
+            self.backing.id.0,
+            block + u64::from(i),
+            e.cache_block + i
+        );
+        if e.dirty {
+            Counters::add(&self.backing.counters.io_errors, 1);
+            log::error!("checksum mismatch on dirty data: {what}");
+            return Err(Error::DataCorrupt(what));
+        }
+        log::warn!(
+            "checksum mismatch on clean cached data, re-reading from the backing device: {what}"
+        );
+        Counters::add(&self.backing.counters.checksum_repairs, 1);
+        let mut st = inner.state.lock();
+        if st
+            .index
+            .maps_to(self.backing.id, block, e.len, e.cache_block)
+        {
+            let now = inner.now_ns();
+            st.invalidate(self.backing.id, block, block + u64::from(e.len), now);
+        }
+        Ok(None)
+    }
+
+    /// Inserts read-miss data into the cache unless a write overlapped it meanwhile.
+    fn promote(&self, id: u64, fills: Vec<(u64, Vec<u8>)>) {
+        let inner = &*self.inner;
+        for (block, data) in fills {
+            if inner
+                .state
+                .lock()
+                .promotions
+                .get(&id)
+                .is_none_or(|p| p.collided)
+            {
+                break;
+            }
+            if let Err(e) = self.cache_insert(block, &data, false, Some(id)) {
+                log::warn!("promotion failed: {e}");
+                break;
+            }
+        }
+        let p = inner.state.lock().promotions.remove(&id);
+        if p.is_some_and(|p| p.collided) {
+            Counters::add(&self.backing.counters.cache_miss_collisions, 1);
+        }
+    }
+
+    /// Writes whole blocks to the cache and inserts them (dirty or clean). With `promotion`,
+    /// the insert is skipped if that promotion collided. Returns the number of leading blocks
+    /// stored (fewer than given when the cache has no room).
+    fn cache_insert(
+        &self,
+        block: u64,
+        data: &[u8],
+        dirty: bool,
+        promotion: Option<u64>,
+    ) -> Result<u64> {
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        let nblocks = data.len() as u64 / bs;
+        let point = if dirty {
+            WritePoint::Dirty
+        } else {
+            WritePoint::Clean
+        };
+        let mut done = 0u64;
+        while done < nblocks {
+            let want = (nblocks - done).min(u64::from(u32::MAX)) as u32;
+            let Some(grant) = crate::background::alloc_blocks(inner, point, want)? else {
+                break;
+            };
+            let (cb, n) = (grant.cb, grant.n);
+            let chunk = &data[(done * bs) as usize..((done + u64::from(n)) * bs) as usize];
+            let off = inner.layout.block_offset(cb);
+            Counters::add(
+                &self.backing.counters.cache_written_bytes,
+                chunk.len() as u64,
+            );
+            inner
+                .cache
+                .write_at(chunk, off)
+                .ctx(|| format!("writing cache device at {off}"))?;
+            let crcs: Vec<u32> = chunk.chunks(bs as usize).map(crc32c::crc32c).collect();
+            let mut st = inner.state.lock();
+            if let Some(id) = promotion {
+                if st.promotions.get(&id).is_none_or(|p| p.collided) {
+                    drop(st);
+                    return Ok(done);
+                }
+            }
+            let dev = self.backing.id;
+            let b = block + done;
+            let gen = st.buckets.gen[st.index.bucket_of(cb) as usize];
+            let ext = crate::index::Extent {
+                len: n,
+                cache_block: cb,
+                gen,
+                dirty,
+            };
+            st.collide(dev, b, b + u64::from(n));
+            if let Some(id) = promotion {
+                // Our own insert must not mark our own promotion collided.
+                st.promotions
+                    .get_mut(&id)
+                    .expect("promotion registered")
+                    .collided = false;
+            }
+            st.index.insert(dev, b, ext, &crcs);
+            let now = inner.now_ns();
+            st.log(
+                &Entry::Insert {
+                    dev,
+                    block: b,
+                    len: n,
+                    cache_block: cb,
+                    gen,
+                    dirty,
+                    crcs,
+                },
+                now,
+            );
+            let pending = st.journal.buf.buf.len();
+            drop(st);
+            drop(grant);
+            done += u64::from(n);
+            if pending > crate::background::JOURNAL_BUF_MAX {
+                inner.commit_to(u64::MAX)?;
+            }
+        }
+        Ok(done)
+    }
+
+    // ----- writes -----
+
+    /// Writes `data` at `offset`; with `fua` it is durable when this returns.
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check(offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let stream = self.note_io(offset, data.len() as u64);
+        let route = self.route(self.seq_bypass(stream));
+        if route == Route::Bypass {
+            Counters::add(&self.backing.counters.bypassed, data.len() as u64);
+        }
+        self.write_range(offset, data.len() as u64, Some(data), route)?;
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Where a write goes, from the mode, the bypass decision and the dirty limit.
+    fn route(&self, seq_bypass: bool) -> Route {
+        if self.backing.detaching.load(Ordering::Relaxed) {
+            return Route::Bypass;
+        }
+        match self.mode() {
+            CacheMode::Writearound | CacheMode::None => Route::Bypass,
+            _ if seq_bypass => Route::Bypass,
+            CacheMode::Writethrough => Route::Through,
+            CacheMode::Writeback => {
+                let st = self.inner.state.lock();
+                let total = u64::from(self.inner.layout.total_blocks());
+                if st.index.dirty_blocks * 100 >= total * u64::from(self.inner.config.dirty_max_pct)
+                {
+                    Route::Bypass
+                } else {
+                    Route::Back
+                }
+            }
+        }
+    }
+
+    /// Writes `data` (or zeroes when `None`) over `[offset, offset + len)` along `route`.
+    fn write_range(&self, offset: u64, len: u64, data: Option<&[u8]>, route: Route) -> Result<()> {
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        let end = offset + len;
+        let (b0, b1) = (offset / bs, end.div_ceil(bs));
+        let _guard = inner.ranges.lock(self.backing.id, b0, b1);
+        inner.state.lock().collide(self.backing.id, b0, b1);
+        let piece =
+            |from: u64, to: u64| data.map(|d| &d[(from - offset) as usize..(to - offset) as usize]);
+        // Head and tail blocks that the request covers only partly.
+        let head_partial = !offset.is_multiple_of(bs) || end < (b0 + 1) * bs;
+        let tail_partial = b1 - 1 > b0 && !end.is_multiple_of(bs);
+        let full0 = if head_partial { b0 + 1 } else { b0 };
+        let full1 = if tail_partial { b1 - 1 } else { b1 };
+        if head_partial {
+            self.write_partial(
+                b0,
+                offset,
+                end.min((b0 + 1) * bs),
+                piece(offset, end.min((b0 + 1) * bs)),
+                route,
+            )?;
+        }
+        if full1 > full0 {
+            self.write_blocks(full0, piece(full0 * bs, full1 * bs), full1 - full0, route)?;
+        }
+        if tail_partial {
+            let from = (b1 - 1) * bs;
+            self.write_partial(b1 - 1, from, end, piece(from, end), route)?;
+        }
+        Ok(())
+    }
+
+    /// A write covering `[from, to)` inside block `block` but not the whole block.
+    fn write_partial(
+        &self,
+        block: u64,
+        from: u64,
+        to: u64,
+        data: Option<&[u8]>,
+        route: Route,
+    ) -> Result<()> {
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        let block_end = ((block + 1) * bs).min(self.size_bytes());
+        let seg = {
+            let mut st = inner.state.lock();
+            let seg = st.index.lookup(self.backing.id, block, block + 1)[0];
+            if let Some(e) = seg.ext {
+                let bucket = st.index.bucket_of(e.cache_block);
+                st.buckets.pin(bucket);
+            }
+            seg
+        };
+        let cached = match seg.ext {
+            Some(e) => {
+                let r = self.read_cached(block, e);
+                let mut st = inner.state.lock();
+                let bucket = st.index.bucket_of(e.cache_block);
+                let durable = st.journal.durable_epoch;
+                st.buckets.unpin(bucket, durable);
+                drop(st);
+                r?
+            }
+            None => None,
+        };
+        match cached {
+            Some(mut whole) if block_end == (block + 1) * bs => {
+                let at = (from - block * bs) as usize;
+                let n = (to - from) as usize;
+                match data {
+                    Some(d) => whole[at..at + n].copy_from_slice(d),
+                    None => whole[at..at + n].fill(0),
+                }
+                self.write_blocks(block, Some(&whole), 1, route)
+            }
+            _ => {
+                // Not cached (or the device's partial last block): straight to the backing
+                // device; anything cached for the block is stale now.
+                match data {
+                    Some(d) => self.backing_write(d, from)?,
+                    None => self.backing_zero(from, to - from)?,
+                }
+                let now = inner.now_ns();
+                inner
+                    .state
+                    .lock()
+                    .invalidate(self.backing.id, block, block + 1, now);
+                Ok(())
+            }
+        }
+    }
+
+    fn backing_zero(&self, offset: u64, len: u64) -> Result<()> {
+        Counters::add(&self.backing.counters.backing_written_bytes, len);
+        let r = self
+            .backing
+            .dev
+            .write_zeroes(self.backing.data_offset() + offset, len)
+            .ctx(|| format!("zeroing backing device at {offset}"));
+        self.backing.backing_written.store(true, Ordering::SeqCst);
+        r
+    }
+
+    /// Writes whole blocks `[block, block + n)` (data, or zeroes when `None`) along `route`.
+    fn write_blocks(&self, block: u64, data: Option<&[u8]>, n: u64, route: Route) -> Result<()> {
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        let dev = self.backing.id;
+        let (from, len) = (block * bs, n * bs);
+        let data = match (data, route) {
+            (None, Route::Bypass) | (None, _) => {
+                // Zeroes always go down as a zeroing command, never through the cache.
+                self.backing_zero(from, len)?;
+                self.flush_if_dirty(block, block + n)?;
+                let now = inner.now_ns();
+                inner.state.lock().invalidate(dev, block, block + n, now);
+                return Ok(());
+            }
+            (Some(d), _) => d,
+        };
+        if route != Route::Back {
+            self.backing_write(data, from)?;
+            self.flush_if_dirty(block, block + n)?;
+        }
+        let stored = match route {
+            Route::Bypass => 0,
+            Route::Through => self.cache_insert(block, data, false, None)?,
+            Route::Back => {
+                if self.backing.header.lock().state != BackingState::Dirty {
+                    self.backing.set_state(BackingState::Dirty)?;
+                }
+                if inner.state.lock().index.dev_dirty_blocks(dev) == 0 {
+                    self.backing
+                        .dirty_since_ns
+                        .store(inner.now_ns(), Ordering::Relaxed);
+                }
+                self.cache_insert(block, data, true, None)?
+            }
+        };
+        if stored < n {
+            // No room in the cache for the rest: write it around (writeback) and drop any
+            // stale copy.
+            let rest = &data[(stored * bs) as usize..];
+            if route == Route::Back {
+                self.backing_write(rest, from + stored * bs)?;
+                self.flush_if_dirty(block + stored, block + n)?;
+            }
+            let now = inner.now_ns();
+            inner
+                .state
+                .lock()
+                .invalidate(dev, block + stored, block + n, now);
+        }
+        Ok(())
+    }
+
+    /// Flushes the backing device if the cache holds dirty data in `[b0, b1)`: called after
+    /// writing the data that supersedes it to the backing device and before the index drops
+    /// it, so the journal can never record the drop ahead of the data.
+    fn flush_if_dirty(&self, b0: u64, b1: u64) -> Result<()> {
+        let dirty = self
+            .inner
+            .state
+            .lock()
+            .index
+            .lookup(self.backing.id, b0, b1)
+            .iter()
+            .any(|s| s.ext.is_some_and(|e| e.dirty));
+        if dirty {
+            self.flush_backing()?;
+        }
+        Ok(())
+    }
+
+    fn flush_backing(&self) -> Result<()> {
+        if self.backing.backing_written.swap(false, Ordering::SeqCst) {
+            if let Err(e) = self.backing.dev.flush() {
+                self.backing.backing_written.store(true, Ordering::SeqCst);
+                return Err(Error::io("flushing backing device", e));
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes every write acknowledged before this call durable.
+    pub fn flush(&self) -> Result<()> {
+        self.inner.check_failed()?;
+        let target = self.inner.state.lock().journal.appended_epoch;
+        self.inner.commit_to(target)?;
+        // Deferred flush: the backing device is flushed only if something reached it.
+        self.flush_backing()
+    }
+
+    /// Discards a range: the cache forgets the blocks it covers and the discard is passed down.
+    pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.note_io(offset, len);
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        let (b0, b1) = (offset / bs, (offset + len).div_ceil(bs));
+        let _guard = inner.ranges.lock(self.backing.id, b0, b1);
+        let r = self
+            .backing
+            .dev
+            .discard(self.backing.data_offset() + offset, len)
+            .ctx(|| format!("discarding backing device at {offset}"));
+        self.backing.backing_written.store(true, Ordering::SeqCst);
+        r?;
+        // Only blocks wholly inside the range are dropped: a partly discarded dirty block
+        // still holds live sectors.
+        let (f0, f1) = (offset.div_ceil(bs), (offset + len) / bs);
+        if f1 > f0 {
+            self.flush_if_dirty(f0, f1)?;
+        }
+        let now = inner.now_ns();
+        let mut st = inner.state.lock();
+        st.collide(self.backing.id, b0, b1);
+        if f1 > f0 {
+            st.invalidate(self.backing.id, f0, f1, now);
+        }
+        Ok(())
+    }
+
+    /// Makes a range read back as zeroes; with `fua`, durably.
+    pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.note_io(offset, len);
+        self.write_range(offset, len, None, Route::Bypass)?;
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Fraction of `[offset, offset + len)` held in the cache, as cached ranges (for
+    /// block-status style reporting): `(offset, len, dirty)`.
+    pub fn cached_ranges(&self, offset: u64, len: u64) -> Result<Vec<(u64, u64, bool)>> {
+        self.check(offset, len)?;
+        let bs = self.inner.block_size();
+        let segs = self.inner.state.lock().index.lookup(
+            self.backing.id,
+            offset / bs,
+            (offset + len).div_ceil(bs),
+        );
+        Ok(segs
+            .into_iter()
+            .filter_map(|s| s.ext.map(|e| (s.block * bs, s.len * bs, e.dirty)))
+            .collect())
+    }
+}
+
+impl Backing {
+    pub(crate) fn data_offset(&self) -> u64 {
+        crate::format::BACKING_DATA_OFFSET
+    }
+}

@@ -1,0 +1,888 @@
+//! The cache set: formatting, opening (recovery), attaching backing devices, the journal commit
+//! and checkpoint machinery, and shutdown. The request paths live in `io.rs`, background work
+//! (writeback, reclaim, GC) in `background.rs`.
+//!
+//! Invariants:
+//! - `State` (index, buckets, pending journal entries) is changed only under its mutex, and
+//!   every index change appends the matching journal entry in the same critical section, so
+//!   replaying the journal in order reproduces the in-memory index exactly;
+//! - commits and checkpoints are serialized by `commit_lock`; a commit flushes the cache device
+//!   (data), writes one record, flushes again, then advances `durable_epoch`;
+//! - a backing device's header says `Dirty` before any dirty entry for it can be durable, and
+//!   says `Clean` only when the set holds no dirty data for it;
+//! - after a metadata write fails the set is *failed*: every request gets an error (never
+//!   stale data) until it is reopened, which runs recovery.
+
+use crate::alloc::Buckets;
+use crate::checkpoint::{self, Loaded};
+use crate::clock::{Clock, SystemClock};
+use crate::codec::Writer;
+use crate::format::{
+    detect_signature, BackingHeader, BackingState, Layout, Superblock, BACKING_DATA_OFFSET,
+    DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_SIZE, MAX_DEVS,
+};
+use crate::index::Index;
+use crate::journal::{encode_record, Entry, Ring};
+use crate::policy::SeqDetector;
+use crate::rangelock::RangeLocks;
+use crate::stats::{Counters, History, Snapshot, Windows};
+use crate::types::{CacheMode, DevId, Error, IoContext, Result};
+use blockdev::BlockDevice;
+use parking_lot::{Condvar, Mutex, RwLock};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+use uuid::Uuid;
+
+/// Options for formatting a cache device.
+#[derive(Clone, Debug)]
+pub struct FormatOptions {
+    pub block_size: u32,
+    pub bucket_size: u32,
+    pub label: String,
+}
+
+impl Default for FormatOptions {
+    fn default() -> Self {
+        FormatOptions {
+            block_size: DEFAULT_BLOCK_SIZE,
+            bucket_size: DEFAULT_BUCKET_SIZE,
+            label: String::new(),
+        }
+    }
+}
+
+/// Run-time configuration of an open cache set.
+#[derive(Clone)]
+pub struct Config {
+    /// Run writeback, reclaim, GC and periodic commits on background threads. Tests that need
+    /// determinism turn this off and call the `*_step` methods themselves.
+    pub background: bool,
+    /// Copying GC compacts closed buckets with at most this percentage of live blocks.
+    pub gc_live_pct: u32,
+    /// Dirty data may fill at most this percentage of the cache; above it writes bypass.
+    pub dirty_max_pct: u32,
+    /// Background commit interval for journal entries no client flush has committed.
+    pub journal_delay_ms: u64,
+    pub clock: Arc<dyn Clock>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            background: true,
+            gc_live_pct: 50,
+            dirty_max_pct: 90,
+            journal_delay_ms: 100,
+            clock: Arc::new(SystemClock::default()),
+        }
+    }
+}
+
+/// Per-device tunables, with bcache's sysfs names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DevKnobs {
+    pub cache_mode: CacheMode,
+    pub sequential_cutoff: u64,
+    pub writeback_percent: u32,
+    pub writeback_delay_secs: u64,
+    pub writeback_running: bool,
+    pub label: String,
+}
+
+pub const DEFAULT_SEQUENTIAL_CUTOFF: u64 = 4 << 20;
+pub const DEFAULT_WRITEBACK_PERCENT: u32 = 10;
+pub const DEFAULT_WRITEBACK_DELAY_SECS: u64 = 30;
+
+/// Pending journal entries and the epochs that say how much of them is durable.
+pub(crate) struct JournalState {
+    pub buf: Writer,
+    pub appended_epoch: u64,
+    pub durable_epoch: u64,
+    pub oldest_pending_ns: Option<u64>,
+    pub ring: Ring,
+    pub ckpt_slot: u32,
+    pub ckpt_seq: u64,
+}
+
+/// A read miss being promoted; a write that overlaps it while in flight marks it collided.
+pub(crate) struct Promotion {
+    pub dev: DevId,
+    pub b0: u64,
+    pub b1: u64,
+    pub collided: bool,
+}
+
+pub(crate) struct State {
+    pub index: Index,
+    pub buckets: Buckets,
+    pub journal: JournalState,
+    pub devs: BTreeMap<DevId, Uuid>,
+    pub promotions: HashMap<u64, Promotion>,
+    pub next_promotion: u64,
+    pub wb_cursor: (DevId, u64),
+}
+
+impl State {
+    /// Appends a journal entry (call in the same critical section as the index change).
+    pub fn log(&mut self, entry: &Entry, now_ns: u64) {
+        entry.encode(&mut self.journal.buf);
+        self.journal.appended_epoch += 1;
+        self.journal.oldest_pending_ns.get_or_insert(now_ns);
+    }
+
+    /// Marks every in-flight promotion overlapping the range as collided.
+    pub fn collide(&mut self, dev: DevId, b0: u64, b1: u64) {
+        for p in self.promotions.values_mut() {
+            if p.dev == dev && p.b0 < b1 && b0 < p.b1 {
+                p.collided = true;
+            }
+        }
+    }
+
+    /// Drops a range from the index (journaled) if anything is cached there.
+    pub fn invalidate(&mut self, dev: DevId, b0: u64, b1: u64, now_ns: u64) {
+        self.collide(dev, b0, b1);
+        if self
+            .index
+            .lookup(dev, b0, b1)
+            .iter()
+            .any(|s| s.ext.is_some())
+        {
+            self.index.remove_range(dev, b0, b1);
+            self.log(
+                &Entry::Invalidate {
+                    dev,
+                    block: b0,
+                    len: b1 - b0,
+                },
+                now_ns,
+            );
+        }
+    }
+}
+
+/// One attached backing device.
+pub struct Backing {
+    pub id: DevId,
+    pub dev: Arc<dyn BlockDevice>,
+    pub(crate) header: Mutex<BackingHeader>,
+    pub data_size: u64,
+    pub(crate) mode: AtomicU8,
+    pub(crate) sequential_cutoff: AtomicU64,
+    pub(crate) writeback_percent: AtomicU64,
+    pub(crate) writeback_delay_secs: AtomicU64,
+    pub(crate) writeback_running: AtomicBool,
+    pub(crate) detaching: AtomicBool,
+    pub(crate) seq: Mutex<SeqDetector>,
+    pub(crate) counters: Counters,
+    pub(crate) history: History,
+    /// Something was written to the backing device since its last flush.
+    pub(crate) backing_written: AtomicBool,
+    /// When this device last went from no dirty data to some (writeback_delay starts there).
+    pub(crate) dirty_since_ns: AtomicU64,
+}
+
+impl Backing {
+    pub fn mode(&self) -> CacheMode {
+        CacheMode::from_code(self.mode.load(Ordering::Relaxed)).expect("valid mode code")
+    }
+
+    pub fn uuid(&self) -> Uuid {
+        self.header.lock().dev_uuid
+    }
+
+    pub fn knobs(&self) -> DevKnobs {
+        DevKnobs {
+            cache_mode: self.mode(),
+            sequential_cutoff: self.sequential_cutoff.load(Ordering::Relaxed),
+            writeback_percent: self.writeback_percent.load(Ordering::Relaxed) as u32,
+            writeback_delay_secs: self.writeback_delay_secs.load(Ordering::Relaxed),
+            writeback_running: self.writeback_running.load(Ordering::Relaxed),
+            label: self.header.lock().label.clone(),
+        }
+    }
+
+    /// Writes the backing device header with the given state if it differs.
+    pub(crate) fn set_state(&self, state: BackingState) -> Result<()> {
+        let mut h = self.header.lock();
+        if h.state != state {
+            let mut next = h.clone();
+            next.state = state;
+            next.write(&*self.dev)?;
+            *h = next;
+        }
+        Ok(())
+    }
+}
+
+pub(crate) struct Inner {
+    pub cache: Arc<dyn BlockDevice>,
+    pub layout: Layout,
+    pub sb: Mutex<Superblock>,
+    pub state: Mutex<State>,
+    pub commit_lock: Mutex<()>,
+    pub ranges: RangeLocks,
+    pub backings: RwLock<HashMap<DevId, Arc<Backing>>>,
+    pub config: Config,
+    pub failed: Mutex<Option<String>>,
+    pub stop: AtomicBool,
+    pub wake: (Mutex<()>, Condvar),
+    pub tick: AtomicU64,
+    pub last_io_ns: AtomicU64,
+    pub reserve_buckets: usize,
+}
+
+/// An open cache set. Dropping it without [`CacheSet::close`] is like a crash: nothing more is
+/// written, and the next open recovers from the journal.
+pub struct CacheSet {
+    pub(crate) inner: Arc<Inner>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// What open found and how long recovery took.
+#[derive(Clone, Debug)]
+pub struct RecoveryReport {
+    pub notes: Vec<String>,
+    pub records_replayed: usize,
+    pub entries_replayed: usize,
+    pub cached_blocks: u64,
+    pub dirty_blocks: u64,
+    pub duration_ms: u64,
+}
+
+/// Occupancy of the cache device, like bcache's priority_stats.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Occupancy {
+    pub total_bytes: u64,
+    pub unused_bytes: u64,
+    pub clean_bytes: u64,
+    pub dirty_bytes: u64,
+    pub metadata_bytes: u64,
+    /// Percentage of data buckets holding something (bcache's in_use).
+    pub in_use_pct: u32,
+}
+
+/// A snapshot of one backing device's status.
+#[derive(Clone, Debug)]
+pub struct DevStatus {
+    pub id: DevId,
+    pub uuid: Uuid,
+    pub knobs: DevKnobs,
+    pub size_bytes: u64,
+    pub dirty_bytes: u64,
+    pub cached_bytes: u64,
+    pub state: &'static str,
+    pub stats: Windows,
+}
+
+impl Inner {
+    pub fn now_ns(&self) -> u64 {
+        self.config.clock.now_ns()
+    }
+
+    pub fn next_tick(&self) -> u64 {
+        self.tick.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    pub fn check_failed(&self) -> Result<()> {
+        match &*self.failed.lock() {
+            Some(why) => Err(Error::State(format!(
+                "cache set failed: {why}; reopen to recover"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&self, why: &Error) {
+        let mut f = self.failed.lock();
+        if f.is_none() {
+            log::error!("cache set failed: {why}");
+            *f = Some(why.to_string());
+        }
+    }
+
+    pub fn block_size(&self) -> u64 {
+        u64::from(self.layout.block_size)
+    }
+
+    /// Makes every journal entry appended up to `target` durable (group commit).
+    pub fn commit_to(&self, target: u64) -> Result<()> {
+        let _c = self.commit_lock.lock();
+        if self.state.lock().journal.durable_epoch >= target {
+            return Ok(());
+        }
+        self.commit_locked()
+    }
+
+    /// Commits all pending entries. Caller holds `commit_lock`.
+    pub fn commit_locked(&self) -> Result<()> {
+        self.check_failed()?;
+        let res = self.commit_inner();
+        if let Err(e) = &res {
+            self.fail(e);
+        }
+        res
+    }
+
+    fn commit_inner(&self) -> Result<()> {
+        let (payload, epoch, pos, cost, seq) = {
+            let mut st = self.state.lock();
+            let j = &mut st.journal;
+            if j.buf.buf.is_empty() {
+                j.durable_epoch = j.appended_epoch;
+                return Ok(());
+            }
+            let rec_len = encode_record_len(j.buf.buf.len());
+            match j.ring.reserve(rec_len) {
+                None => {
+                    drop(st);
+                    return self.checkpoint_inner();
+                }
+                Some((pos, cost)) => {
+                    let payload = std::mem::take(&mut j.buf.buf);
+                    j.oldest_pending_ns = None;
+                    (payload, j.appended_epoch, pos, cost, j.ring.next_seq)
+                }
+            }
+        };
+        self.cache
+            .flush()
+            .ctx(|| "flushing cache device before journal write".into())?;
+        let rec = encode_record(seq, &self.sb.lock().set_uuid, &payload);
+        let half = self.layout.journal_len / 2;
+        for copy in [0, half] {
+            self.cache
+                .write_at(&rec, self.layout.journal_off + copy + pos)
+                .ctx(|| format!("writing journal record {seq}"))?;
+        }
+        self.cache
+            .flush()
+            .ctx(|| "flushing journal record".into())?;
+        let half_full = {
+            let mut st = self.state.lock();
+            st.journal.ring.advance(pos, rec.len() as u64, cost);
+            st.journal.durable_epoch = epoch;
+            st.buckets.release(epoch);
+            st.journal.ring.used * 2 > st.journal.ring.len
+        };
+        if half_full {
+            self.checkpoint_inner()?;
+        }
+        Ok(())
+    }
+
+    /// Writes a checkpoint (caller holds `commit_lock`).
+    pub fn checkpoint_locked(&self) -> Result<()> {
+        self.check_failed()?;
+        let res = self.checkpoint_inner();
+        if let Err(e) = &res {
+            self.fail(e);
+        }
+        res
+    }
+
+    fn checkpoint_inner(&self) -> Result<()> {
+        let (image, epoch, slot, seq) = {
+            let mut st = self.state.lock();
+            let st = &mut *st;
+            let j = &mut st.journal;
+            let seq = j.ckpt_seq + 1;
+            let image = checkpoint::encode(seq, &j.ring, &st.devs, &st.buckets.gen, &st.index);
+            j.buf.buf.clear();
+            j.oldest_pending_ns = None;
+            (image, j.appended_epoch, 1 - j.ckpt_slot, seq)
+        };
+        assert!(
+            image.len() as u64 <= self.layout.ckpt_len,
+            "checkpoint exceeds its slot"
+        );
+        self.cache
+            .flush()
+            .ctx(|| "flushing cache device before checkpoint".into())?;
+        self.cache
+            .write_at(&image, self.layout.ckpt_offsets[slot as usize])
+            .ctx(|| format!("writing checkpoint {seq}"))?;
+        self.cache.flush().ctx(|| "flushing checkpoint".into())?;
+        {
+            let mut sb = self.sb.lock();
+            let mut next = sb.clone();
+            next.seq += 1;
+            next.ckpt_slot = slot;
+            next.ckpt_seq = seq;
+            next.write(&*self.cache)?;
+            *sb = next;
+        }
+        let mut st = self.state.lock();
+        st.journal.ckpt_slot = slot;
+        st.journal.ckpt_seq = seq;
+        st.journal.ring.checkpointed();
+        st.journal.durable_epoch = epoch;
+        st.buckets.release(epoch);
+        Ok(())
+    }
+
+    pub fn wake_background(&self) {
+        self.wake.1.notify_all();
+    }
+}
+
+fn encode_record_len(payload_len: usize) -> u64 {
+    crate::codec::round_up(
+        (crate::codec::FRAME_HEADER_BYTES + payload_len) as u64,
+        crate::format::META_BLOCK,
+    )
+}
+
+/// Writes a fresh backing device header (the device is not yet part of any cache set).
+pub fn format_backing(
+    dev: &dyn BlockDevice,
+    label: &str,
+    mode: CacheMode,
+    force: bool,
+) -> Result<BackingHeader> {
+    refuse_if_signed(dev, force)?;
+    if dev.size_bytes() < BACKING_DATA_OFFSET + 4096 {
+        return Err(Error::Invalid(format!(
+            "backing device of {} bytes is too small (needs at least {} bytes)",
+            dev.size_bytes(),
+            BACKING_DATA_OFFSET + 4096
+        )));
+    }
+    let mut h = BackingHeader {
+        seq: 0,
+        dev_uuid: Uuid::new_v4(),
+        set_uuid: Uuid::nil(),
+        data_offset: BACKING_DATA_OFFSET,
+        data_size: (dev.size_bytes() - BACKING_DATA_OFFSET) / 512 * 512,
+        mode,
+        state: BackingState::Clean,
+        label: label.to_string(),
+    };
+    h.write(dev)?;
+    Ok(h)
+}
+
+fn refuse_if_signed(dev: &dyn BlockDevice, force: bool) -> Result<()> {
+    if force {
+        return Ok(());
+    }
+    match detect_signature(dev)? {
+        Some(what) => Err(Error::State(format!(
+            "device already holds a {what} signature; use --force to overwrite it"
+        ))),
+        None => Ok(()),
+    }
+}
+
+impl CacheSet {
+    /// Formats a cache device: superblocks, an empty checkpoint, an empty journal.
+    pub fn format(cache: &dyn BlockDevice, opts: &FormatOptions, force: bool) -> Result<Uuid> {
+        let layout = Layout::compute(cache.size_bytes(), opts.block_size, opts.bucket_size)?;
+        refuse_if_signed(cache, force)?;
+        let set_uuid = Uuid::new_v4();
+        let sb = Superblock {
+            seq: 1,
+            set_uuid,
+            dev_uuid: Uuid::new_v4(),
+            layout: layout.clone(),
+            ckpt_slot: 0,
+            ckpt_seq: 1,
+            created_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            label: opts.label.clone(),
+        };
+        let ring = Ring {
+            len: layout.journal_len / 2,
+            head: 0,
+            used: 0,
+            next_seq: 1,
+        };
+        let index = Index::new(layout.nbuckets, layout.blocks_per_bucket());
+        let gens = vec![0u8; layout.nbuckets as usize];
+        let image = checkpoint::encode(1, &ring, &BTreeMap::new(), &gens, &index);
+        // Wipe the old journal's first block and the other checkpoint slot so nothing from a
+        // previous format can be mistaken for ours.
+        let zero = vec![0u8; 4096];
+        for copy in [0, layout.journal_len / 2] {
+            cache
+                .write_at(&zero, layout.journal_off + copy)
+                .ctx(|| "clearing journal".into())?;
+        }
+        cache
+            .write_at(&zero, layout.ckpt_offsets[1])
+            .ctx(|| "clearing checkpoint slot".into())?;
+        cache
+            .write_at(&image, layout.ckpt_offsets[0])
+            .ctx(|| "writing checkpoint".into())?;
+        cache.flush().ctx(|| "flushing cache device".into())?;
+        sb.write(cache)?;
+        Ok(set_uuid)
+    }
+
+    /// Opens a formatted cache device, recovering its state from checkpoint and journal.
+    pub fn open(cache: Arc<dyn BlockDevice>, config: Config) -> Result<(CacheSet, RecoveryReport)> {
+        let started = Instant::now();
+        let Loaded {
+            sb,
+            index,
+            gens,
+            devs,
+            ring,
+            notes,
+            records_replayed,
+            entries_replayed,
+        } = checkpoint::load(&*cache)?;
+        let layout = sb.layout.clone();
+        let buckets = Buckets::new(gens, &index.bucket_live, layout.blocks_per_bucket());
+        let report = RecoveryReport {
+            notes,
+            records_replayed,
+            entries_replayed,
+            cached_blocks: index.live_blocks,
+            dirty_blocks: index.dirty_blocks,
+            duration_ms: started.elapsed().as_millis() as u64,
+        };
+        let reserve_buckets = (layout.nbuckets as usize / 32).clamp(2, 64);
+        let state = State {
+            index,
+            buckets,
+            journal: JournalState {
+                buf: Writer::default(),
+                appended_epoch: 0,
+                durable_epoch: 0,
+                oldest_pending_ns: None,
+                ring,
+                ckpt_slot: sb.ckpt_slot,
+                ckpt_seq: sb.ckpt_seq,
+            },
+            devs,
+            promotions: HashMap::new(),
+            next_promotion: 0,
+            wb_cursor: (DevId(0), 0),
+        };
+        let inner = Arc::new(Inner {
+            cache,
+            layout,
+            sb: Mutex::new(sb),
+            state: Mutex::new(state),
+            commit_lock: Mutex::new(()),
+            ranges: RangeLocks::default(),
+            backings: RwLock::new(HashMap::new()),
+            config,
+            failed: Mutex::new(None),
+            stop: AtomicBool::new(false),
+            wake: (Mutex::new(()), Condvar::new()),
+            tick: AtomicU64::new(0),
+            last_io_ns: AtomicU64::new(0),
+            reserve_buckets,
+        });
+        log::info!(
+            "cache set {} recovered in {} ms: {} records, {} entries replayed, {} blocks cached ({} dirty)",
+            inner.sb.lock().set_uuid,
+            report.duration_ms,
+            report.records_replayed,
+            report.entries_replayed,
+            report.cached_blocks,
+            report.dirty_blocks
+        );
+        let set = CacheSet {
+            inner,
+            threads: Mutex::new(Vec::new()),
+        };
+        if set.inner.config.background {
+            set.start_background();
+        }
+        Ok((set, report))
+    }
+
+    pub fn set_uuid(&self) -> Uuid {
+        self.inner.sb.lock().set_uuid
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.inner.layout
+    }
+
+    pub fn superblock(&self) -> Superblock {
+        self.inner.sb.lock().clone()
+    }
+
+    /// Attaches a backing device (formatted with [`format_backing`]) and returns its volume.
+    pub fn attach(&self, dev: Arc<dyn BlockDevice>) -> Result<crate::Volume> {
+        let inner = &self.inner;
+        inner.check_failed()?;
+        let (mut header, notes) = BackingHeader::read(&*dev)?;
+        for n in notes {
+            log::warn!("{n}");
+        }
+        let set_uuid = self.set_uuid();
+        if inner
+            .backings
+            .read()
+            .values()
+            .any(|b| b.uuid() == header.dev_uuid)
+        {
+            return Err(Error::State(format!(
+                "backing device {} is already attached",
+                header.dev_uuid
+            )));
+        }
+        let known = {
+            let st = inner.state.lock();
+            st.devs
+                .iter()
+                .find(|(_, u)| **u == header.dev_uuid)
+                .map(|(d, _)| *d)
+        };
+        let id = match known {
+            Some(id) if header.set_uuid == set_uuid => id,
+            _ => {
+                if header.set_uuid == set_uuid && header.state == BackingState::Dirty {
+                    return Err(Error::State(format!(
+                        "backing device {} is marked dirty for this cache set, but the cache holds no record of it; its dirty data is lost",
+                        header.dev_uuid
+                    )));
+                }
+                if !header.set_uuid.is_nil() && header.set_uuid != set_uuid {
+                    return Err(Error::State(format!(
+                        "backing device {} belongs to cache set {}; detach it there first",
+                        header.dev_uuid, header.set_uuid
+                    )));
+                }
+                let id = {
+                    let mut st = inner.state.lock();
+                    let id = (0..MAX_DEVS as u32)
+                        .map(DevId)
+                        .find(|d| !st.devs.contains_key(d))
+                        .ok_or_else(|| {
+                            Error::State("too many backing devices in this cache set".into())
+                        })?;
+                    st.devs.insert(id, header.dev_uuid);
+                    let now = inner.now_ns();
+                    st.log(
+                        &Entry::AttachDev {
+                            dev: id,
+                            uuid: header.dev_uuid,
+                        },
+                        now,
+                    );
+                    id
+                };
+                let _c = inner.commit_lock.lock();
+                inner.commit_locked()?;
+                header.set_uuid = set_uuid;
+                header.state = BackingState::Clean;
+                header.write(&*dev)?;
+                id
+            }
+        };
+        let dirty = inner.state.lock().index.dev_dirty_blocks(id);
+        let backing = Arc::new(Backing {
+            id,
+            data_size: header.data_size,
+            mode: AtomicU8::new(header.mode.code()),
+            dev,
+            header: Mutex::new(header),
+            sequential_cutoff: AtomicU64::new(DEFAULT_SEQUENTIAL_CUTOFF),
+            writeback_percent: AtomicU64::new(u64::from(DEFAULT_WRITEBACK_PERCENT)),
+            writeback_delay_secs: AtomicU64::new(DEFAULT_WRITEBACK_DELAY_SECS),
+            writeback_running: AtomicBool::new(true),
+            detaching: AtomicBool::new(false),
+            seq: Mutex::new(SeqDetector::default()),
+            counters: Counters::default(),
+            history: History::default(),
+            backing_written: AtomicBool::new(false),
+            dirty_since_ns: AtomicU64::new(inner.now_ns()),
+        });
+        if dirty > 0 {
+            backing.set_state(BackingState::Dirty)?;
+        }
+        inner.backings.write().insert(id, backing.clone());
+        Ok(crate::Volume {
+            inner: inner.clone(),
+            backing,
+        })
+    }
+
+    /// The volumes currently attached.
+    pub fn volumes(&self) -> Vec<crate::Volume> {
+        let mut v: Vec<_> = self
+            .inner
+            .backings
+            .read()
+            .values()
+            .map(|b| crate::Volume {
+                inner: self.inner.clone(),
+                backing: b.clone(),
+            })
+            .collect();
+        v.sort_by_key(|v| v.backing.id);
+        v
+    }
+
+    /// Writes back every dirty block of the volume (reporting `(remaining, total)` dirty bytes
+    /// as it goes), then removes it from the set and marks its header detached and clean.
+    pub fn detach(&self, vol: &crate::Volume, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+        let inner = &self.inner;
+        let b = &vol.backing;
+        b.detaching.store(true, Ordering::SeqCst);
+        let res = (|| {
+            crate::background::drain_dirty(inner, b.id, progress)?;
+            vol.flush()?;
+            {
+                let mut st = inner.state.lock();
+                let now = inner.now_ns();
+                st.invalidate(b.id, 0, 1 << 48, now);
+                st.devs.remove(&b.id);
+                st.log(&Entry::DetachDev { dev: b.id }, now);
+            }
+            {
+                let _c = inner.commit_lock.lock();
+                inner.commit_locked()?;
+            }
+            let mut h = b.header.lock();
+            let mut next = h.clone();
+            next.set_uuid = Uuid::nil();
+            next.state = BackingState::Clean;
+            next.write(&*b.dev)?;
+            *h = next;
+            Ok(())
+        })();
+        if res.is_err() {
+            b.detaching.store(false, Ordering::SeqCst);
+            return res;
+        }
+        inner.backings.write().remove(&b.id);
+        Ok(())
+    }
+
+    /// Cache device occupancy.
+    pub fn occupancy(&self) -> Occupancy {
+        let l = &self.inner.layout;
+        let st = self.inner.state.lock();
+        let bs = u64::from(l.block_size);
+        let data = u64::from(l.nbuckets) * u64::from(l.bucket_size);
+        let used_buckets = st
+            .buckets
+            .count(|s| !matches!(s, crate::alloc::BucketState::Free));
+        Occupancy {
+            total_bytes: l.device_size,
+            dirty_bytes: st.index.dirty_blocks * bs,
+            clean_bytes: (st.index.live_blocks - st.index.dirty_blocks) * bs,
+            unused_bytes: data - st.index.live_blocks * bs,
+            metadata_bytes: l.device_size - data,
+            in_use_pct: (used_buckets * 100 / l.nbuckets as usize) as u32,
+        }
+    }
+
+    /// Counters summed over every attached device.
+    pub fn totals(&self) -> Snapshot {
+        self.volumes().iter().fold(Snapshot::default(), |acc, v| {
+            acc.plus(&v.backing.counters.snapshot())
+        })
+    }
+
+    /// Index entries and the bytes of RAM the index uses (approximate, for reports).
+    pub fn index_memory(&self) -> (usize, u64) {
+        let st = self.inner.state.lock();
+        let entries = st.index.entry_count();
+        // BTreeMap node share per entry, measured with `examples/index_memory.rs` (about 62
+        // bytes); plus the per-cache-block owner (8 B) and checksum (4 B) arrays.
+        let per_entry = 64;
+        let fixed = u64::from(self.inner.layout.total_blocks()) * 12;
+        (entries, entries as u64 * per_entry + fixed)
+    }
+
+    /// Makes everything durable, writes a checkpoint, marks clean backing devices clean, and
+    /// stops background threads. Dirty data stays in the cache (it is safe there).
+    pub fn close(self) -> Result<()> {
+        self.stop_background();
+        let inner = &self.inner;
+        for b in inner.backings.read().values() {
+            if b.backing_written.swap(false, Ordering::SeqCst) {
+                b.dev.flush().ctx(|| "flushing backing device".into())?;
+            }
+        }
+        {
+            let _c = inner.commit_lock.lock();
+            inner.checkpoint_locked()?;
+        }
+        for b in inner.backings.read().values() {
+            let dirty = inner.state.lock().index.dev_dirty_blocks(b.id);
+            b.set_state(if dirty > 0 {
+                BackingState::Dirty
+            } else {
+                BackingState::Clean
+            })?;
+        }
+        Ok(())
+    }
+
+    fn start_background(&self) {
+        let mut threads = self.threads.lock();
+        for (name, f) in [
+            (
+                "tc-writeback",
+                crate::background::writeback_thread as fn(&Arc<Inner>),
+            ),
+            (
+                "tc-maint",
+                crate::background::maintenance_thread as fn(&Arc<Inner>),
+            ),
+        ] {
+            let inner = self.inner.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(name.into())
+                    .spawn(move || f(&inner))
+                    .expect("spawning a background thread"),
+            );
+        }
+    }
+
+    fn stop_background(&self) {
+        self.inner.stop.store(true, Ordering::SeqCst);
+        self.inner.wake_background();
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+    }
+
+    /// Runs one writeback batch now (tests and tools); returns blocks written back.
+    pub fn writeback_step(&self, force: bool) -> Result<u64> {
+        crate::background::writeback_batch(&self.inner, force, None)
+    }
+
+    /// Runs one round of space management (reclaim / GC) now; returns buckets freed.
+    pub fn maintenance_step(&self) -> Result<usize> {
+        crate::background::make_space(&self.inner, self.inner.reserve_buckets)
+    }
+
+    /// Commits pending journal entries now.
+    pub fn commit(&self) -> Result<()> {
+        let _c = self.inner.commit_lock.lock();
+        self.inner.commit_locked()
+    }
+
+    /// Writes a checkpoint now.
+    pub fn checkpoint(&self) -> Result<()> {
+        let _c = self.inner.commit_lock.lock();
+        self.inner.checkpoint_locked()
+    }
+
+    /// Verifies the in-memory index invariants (tests).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.inner.state.lock().index.check_invariants()
+    }
+}
+
+impl Drop for CacheSet {
+    fn drop(&mut self) {
+        self.stop_background();
+    }
+}

@@ -1,0 +1,314 @@
+//! Behaviour of the engine's features, one test each: promotion and hit counting, warm restart
+//! after a clean shutdown and after a crash, sequential cutoff with interleaved streams, miss
+//! collisions, mode switching, detach with progress, attach rules, occupancy accounting.
+
+mod common;
+
+use blockdev::{BlockDevice, MemDevice};
+use common::*;
+use engine::{CacheMode, CacheSet, Config, FormatOptions};
+use std::sync::{Arc, Barrier};
+
+fn data(id: u64, sector: u64, len: usize) -> Vec<u8> {
+    let mut b = vec![0u8; len];
+    fill(&mut b, sector, id);
+    b
+}
+
+#[test]
+fn read_misses_are_promoted_then_hit() {
+    let rig = Rig::new(1, Geometry::default(), CacheMode::Writethrough);
+    let vol = rig.vol();
+    let mut buf = vec![0u8; 16384];
+    vol.read(65536, &mut buf).unwrap();
+    assert_eq!(
+        vol.cached_ranges(65536, 16384).unwrap(),
+        vec![(65536, 16384, false)]
+    );
+    vol.read(65536, &mut buf).unwrap();
+    let s = vol.status().stats.total;
+    assert_eq!((s.cache_misses, s.cache_hits), (1, 1));
+    assert_eq!(s.hit_ratio_pct(), 50);
+}
+
+#[test]
+fn clean_data_survives_clean_shutdown_and_crash() {
+    let mut rig = Rig::new(2, Geometry::default(), CacheMode::Writethrough);
+    let d = data(7, 0, 32768);
+    rig.vol().write(0, &d, false).unwrap();
+    rig.vol().flush().unwrap();
+    rig.close_and_reopen().unwrap();
+    assert_eq!(
+        rig.vol()
+            .cached_ranges(0, 32768)
+            .unwrap()
+            .iter()
+            .map(|r| r.1)
+            .sum::<u64>(),
+        32768
+    );
+    rig.crash_and_reopen().unwrap();
+    assert_eq!(
+        rig.vol()
+            .cached_ranges(0, 32768)
+            .unwrap()
+            .iter()
+            .map(|r| r.1)
+            .sum::<u64>(),
+        32768
+    );
+    let mut buf = vec![0u8; 32768];
+    rig.vol().read(0, &mut buf).unwrap();
+    assert_eq!(buf, d);
+    assert_eq!(
+        rig.vol().status().stats.total.cache_hits,
+        1,
+        "warm restart: served from cache"
+    );
+}
+
+#[test]
+fn dirty_data_survives_crash_and_is_written_back() {
+    let mut rig = Rig::new(3, Geometry::default(), CacheMode::Writeback);
+    let d = data(9, 16, 8192);
+    rig.vol().write(8192, &d, true).unwrap();
+    assert_eq!(rig.vol().status().dirty_bytes, 8192);
+    // The backing device does not have it yet.
+    let mut raw = vec![0u8; 8192];
+    rig.backing.read_at(&mut raw, 8192 + 8192).unwrap();
+    assert_ne!(raw, d);
+    rig.crash_and_reopen().unwrap();
+    assert_eq!(rig.vol().status().dirty_bytes, 8192);
+    assert_eq!(rig.vol().status().state, "dirty");
+    rig.set().writeback_step(true).unwrap();
+    assert_eq!(rig.vol().status().dirty_bytes, 0);
+    rig.backing.read_at(&mut raw, 8192 + 8192).unwrap();
+    assert_eq!(raw, d);
+}
+
+#[test]
+fn sequential_streams_bypass_past_the_cutoff_even_interleaved() {
+    let rig = Rig::new(4, Geometry::default(), CacheMode::Writethrough);
+    let vol = rig.vol();
+    vol.set_sequential_cutoff(64 << 10);
+    let chunk = 16 << 10;
+    let mut buf = vec![0u8; chunk];
+    for i in 0..16u64 {
+        // Two interleaved sequential readers.
+        vol.read(i * chunk as u64, &mut buf).unwrap();
+        vol.read((1 << 20) + i * chunk as u64, &mut buf).unwrap();
+    }
+    let s = vol.status().stats.total;
+    // The first 64 KiB of each stream (4 requests) is cached, the rest bypasses.
+    assert_eq!(s.cache_misses, 8);
+    assert_eq!(s.cache_bypass_misses, 24);
+    assert_eq!(s.bypassed, 24 * chunk as u64);
+    assert_eq!(
+        vol.cached_ranges(0, 2 << 20)
+            .unwrap()
+            .iter()
+            .map(|r| r.1)
+            .sum::<u64>(),
+        2 * (64 << 10)
+    );
+    // 0 disables the cutoff.
+    vol.set_sequential_cutoff(0);
+    for i in 16..24u64 {
+        vol.read(i * chunk as u64, &mut buf).unwrap();
+    }
+    assert_eq!(vol.status().stats.total.cache_misses, 16);
+}
+
+/// A backing device whose reads can be held at a barrier, to put a write inside a miss.
+#[derive(Debug)]
+struct GatedDevice {
+    inner: MemDevice,
+    gate: std::sync::Mutex<Option<Arc<Barrier>>>,
+}
+
+impl BlockDevice for GatedDevice {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let r = self.inner.read_at(buf, offset);
+        let gate = self.gate.lock().unwrap().take();
+        if let Some(g) = gate {
+            g.wait(); // let the writer in
+            g.wait(); // until it is done
+        }
+        r
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, offset)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        self.inner.discard(offset, len)
+    }
+    fn describe(&self) -> String {
+        "gated".into()
+    }
+}
+
+#[test]
+fn promotion_never_overwrites_a_write_made_while_in_flight() {
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
+    let backing = Arc::new(GatedDevice {
+        inner: MemDevice::new(1 << 20),
+        gate: std::sync::Mutex::new(None),
+    });
+    CacheSet::format(
+        &*cache,
+        &FormatOptions {
+            bucket_size: 64 << 10,
+            ..FormatOptions::default()
+        },
+        false,
+    )
+    .unwrap();
+    engine::format_backing(&*backing, "g", CacheMode::Writethrough, false).unwrap();
+    let (set, _) = CacheSet::open(
+        cache,
+        Config {
+            background: false,
+            ..Config::default()
+        },
+    )
+    .unwrap();
+    let vol = set.attach(backing.clone()).unwrap();
+    let barrier = Arc::new(Barrier::new(2));
+    *backing.gate.lock().unwrap() = Some(barrier.clone());
+    let reader = {
+        let vol = vol.clone();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            vol.read(0, &mut buf).unwrap();
+            buf
+        })
+    };
+    barrier.wait();
+    let new = data(5, 0, 4096);
+    vol.write(0, &new, false).unwrap();
+    barrier.wait();
+    let old = reader.join().unwrap();
+    assert!(
+        old.iter().all(|&b| b == 0),
+        "the racing read saw the old data"
+    );
+    let mut buf = vec![0u8; 4096];
+    vol.read(0, &mut buf).unwrap();
+    assert_eq!(
+        buf, new,
+        "the stale promotion must not have replaced the new data"
+    );
+    assert_eq!(vol.status().stats.total.cache_miss_collisions, 1);
+}
+
+#[test]
+fn mode_switch_is_live_and_persisted() {
+    let mut rig = Rig::new(5, Geometry::default(), CacheMode::Writethrough);
+    for m in CacheMode::ALL {
+        rig.vol().set_mode(m).unwrap();
+        assert_eq!(rig.vol().mode(), m);
+    }
+    rig.vol().set_mode(CacheMode::Writeback).unwrap();
+    rig.vol().write(0, &data(3, 0, 4096), false).unwrap();
+    assert_eq!(rig.vol().status().dirty_bytes, 4096);
+    rig.vol().set_mode(CacheMode::Writearound).unwrap();
+    // A write around the cache over dirty data replaces it.
+    let d = data(4, 0, 4096);
+    rig.vol().write(0, &d, false).unwrap();
+    assert_eq!(rig.vol().status().dirty_bytes, 0);
+    rig.close_and_reopen().unwrap();
+    assert_eq!(rig.vol().mode(), CacheMode::Writearound);
+    let mut buf = vec![0u8; 4096];
+    rig.vol().read(0, &mut buf).unwrap();
+    assert_eq!(buf, d);
+}
+
+#[test]
+fn detach_writes_back_everything_with_progress() {
+    let rig = Rig::new(6, Geometry::default(), CacheMode::Writeback);
+    let vol = rig.vol().clone();
+    for i in 0..64u64 {
+        vol.write(i * 8192, &data(i + 1, i * 16, 4096), false)
+            .unwrap();
+    }
+    assert_eq!(vol.status().dirty_bytes, 64 * 4096);
+    let mut reports = Vec::new();
+    rig.set()
+        .detach(&vol, &mut |rem, total| reports.push((rem, total)))
+        .unwrap();
+    assert_eq!(reports.first(), Some(&(64 * 4096, 64 * 4096)));
+    assert_eq!(reports.last().map(|r| r.0), Some(0));
+    assert!(rig.set().volumes().is_empty());
+    let (h, _) = engine::format::BackingHeader::read(&*rig.backing).unwrap();
+    assert!(h.set_uuid.is_nil());
+    assert_eq!(h.state, engine::format::BackingState::Clean);
+    for i in 0..64u64 {
+        let mut raw = vec![0u8; 4096];
+        rig.backing.read_at(&mut raw, 8192 + i * 8192).unwrap();
+        assert_eq!(raw, data(i + 1, i * 16, 4096));
+    }
+    assert!(
+        vol.read(0, &mut [0u8; 512]).is_err(),
+        "a detached volume refuses requests"
+    );
+    // The detached device can join again.
+    rig.set().attach(rig.backing.clone()).unwrap();
+}
+
+#[test]
+fn attach_refuses_foreign_and_duplicate_devices() {
+    let rig = Rig::new(7, Geometry::default(), CacheMode::Writethrough);
+    let e = rig.set().attach(rig.backing.clone()).unwrap_err();
+    assert!(e.to_string().contains("already attached"), "{e}");
+    let other = Rig::new(8, Geometry::default(), CacheMode::Writethrough);
+    let e = rig.set().attach(other.backing.clone()).unwrap_err();
+    assert!(e.to_string().contains("belongs to cache set"), "{e}");
+    let blank: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(1 << 20));
+    let e = rig.set().attach(blank).unwrap_err();
+    assert!(
+        e.to_string().contains("no valid tiercache backing header"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_requests_are_rejected_cleanly() {
+    let rig = Rig::new(9, Geometry::default(), CacheMode::Writethrough);
+    let vol = rig.vol();
+    let size = vol.size_bytes();
+    assert!(vol.read(100, &mut [0u8; 512]).is_err());
+    assert!(vol.read(0, &mut [0u8; 100]).is_err());
+    assert!(vol.write(size, &[0u8; 512], false).is_err());
+    assert!(vol.discard(size - 512, 1024).is_err());
+    assert!(vol.write_zeroes(u64::MAX - 511, 512, false).is_err());
+    assert!(vol.read(0, &mut []).is_ok());
+    let tiny: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(64 << 10));
+    assert!(CacheSet::format(&*tiny, &FormatOptions::default(), false).is_err());
+    assert!(engine::format_backing(&*tiny, "x", CacheMode::Writeback, false).is_ok());
+    let e = engine::format_backing(&*tiny, "x", CacheMode::Writeback, false).unwrap_err();
+    assert!(e.to_string().contains("--force"), "{e}");
+}
+
+#[test]
+fn occupancy_adds_up() {
+    let rig = Rig::new(10, Geometry::default(), CacheMode::Writeback);
+    rig.vol().write(0, &data(1, 0, 65536), false).unwrap();
+    rig.vol().set_mode(CacheMode::Writethrough).unwrap();
+    rig.vol()
+        .write(1 << 20, &data(2, 2048, 65536), false)
+        .unwrap();
+    let o = rig.set().occupancy();
+    assert_eq!(o.dirty_bytes, 65536);
+    assert_eq!(o.clean_bytes, 65536);
+    assert_eq!(
+        o.unused_bytes + o.clean_bytes + o.dirty_bytes + o.metadata_bytes,
+        o.total_bytes
+    );
+    assert!(o.in_use_pct > 0);
+}

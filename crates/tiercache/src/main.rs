@@ -1,0 +1,306 @@
+//! The `tiercache` command: format, inspect and check tiercache devices.
+//!
+//! Invariant: every failure is one line on stderr and a non-zero exit; no panic reaches the
+//! user for bad input. All logic lives in the library crates; this file only parses
+//! arguments, calls them and prints.
+
+mod units;
+
+use anyhow::{bail, Context, Result};
+use blockdev::{BlockDevice, FileDevice, FileDeviceOptions};
+use clap::{Parser, Subcommand};
+use engine::{CacheMode, CacheSet, Config, FormatOptions};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use units::{human, parse_size};
+
+#[derive(Parser)]
+#[command(
+    name = "tiercache",
+    version,
+    about = "A crash-safe userspace block cache: a fast device caching slow ones, served over NBD",
+    long_about = "tiercache keeps the hot blocks of slow backing devices (HDDs, disk images) on a fast \
+cache device (an SSD, or a file on one), like Linux bcache but in userspace, with checksums on \
+all cached data and metadata and a journal that survives crashes.\n\n\
+Start with `tiercache make --backing SLOW --cache FAST`, inspect with `tiercache show` and \
+verify with `tiercache check`."
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Format a cache device and backing device(s) and attach them (like make-bcache).
+    Make {
+        /// Slow device or image to cache (repeat for several backing devices).
+        #[arg(long, required = true)]
+        backing: Vec<PathBuf>,
+        /// Fast device or file that holds the cache.
+        #[arg(long)]
+        cache: PathBuf,
+        /// Bucket size: the unit of allocation and reclaim on the cache device.
+        #[arg(long, default_value = "512k", value_parser = parse_size)]
+        bucket_size: u64,
+        /// Block size: the smallest unit the cache stores and checksums.
+        #[arg(long, default_value = "4k", value_parser = parse_size)]
+        block_size: u64,
+        /// Start in writeback mode (default: writethrough).
+        #[arg(long)]
+        writeback: bool,
+        /// Label of the backing device(s); also the NBD export name. With several backing
+        /// devices, "-N" is appended.
+        #[arg(long, default_value = "")]
+        label: String,
+        /// Overwrite devices that already hold a tiercache, bcache, filesystem or partition
+        /// table signature.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Print the superblock of a cache device or the header of a backing device.
+    Show { path: PathBuf },
+    /// Verify all metadata of a device (and with --data, every cached block's checksum).
+    /// Exit status: 0 healthy, 1 damaged but usable, 2 unusable.
+    Check {
+        path: PathBuf,
+        /// Also read every cached block and verify its checksum.
+        #[arg(long)]
+        data: bool,
+    },
+}
+
+fn open_dev(path: &Path, read_only: bool) -> Result<Arc<dyn BlockDevice>> {
+    if !path.exists() {
+        bail!("{}: no such file or device", path.display());
+    }
+    let dev = FileDevice::open(
+        path,
+        FileDeviceOptions {
+            read_only,
+            ..FileDeviceOptions::default()
+        },
+    )
+    .with_context(|| format!("opening {}", path.display()))?;
+    Ok(Arc::new(dev))
+}
+
+fn make(
+    backing: &[PathBuf],
+    cache: &Path,
+    bucket_size: u64,
+    block_size: u64,
+    writeback: bool,
+    label: &str,
+    force: bool,
+) -> Result<()> {
+    let to_u32 = |v: u64, what: &str| {
+        u32::try_from(v).map_err(|_| anyhow::anyhow!("{what} {v} is too large"))
+    };
+    let opts = FormatOptions {
+        block_size: to_u32(block_size, "block size")?,
+        bucket_size: to_u32(bucket_size, "bucket size")?,
+        label: String::new(),
+    };
+    if backing.iter().any(|b| b == cache) {
+        bail!("the cache and backing device must be different");
+    }
+    let cache_dev = open_dev(cache, false)?;
+    let backing_devs = backing
+        .iter()
+        .map(|p| open_dev(p, false))
+        .collect::<Result<Vec<_>>>()?;
+    let mode = if writeback {
+        CacheMode::Writeback
+    } else {
+        CacheMode::Writethrough
+    };
+    // Check everything before writing anything.
+    engine::format::Layout::compute(cache_dev.size_bytes(), opts.block_size, opts.bucket_size)
+        .with_context(|| format!("{}", cache.display()))?;
+    let set_uuid = CacheSet::format(&*cache_dev, &opts, force)
+        .with_context(|| format!("{}", cache.display()))?;
+    let mut headers = Vec::new();
+    for (i, (p, d)) in backing.iter().zip(&backing_devs).enumerate() {
+        let l = if backing.len() > 1 && !label.is_empty() {
+            format!("{label}-{i}")
+        } else {
+            label.to_string()
+        };
+        headers.push(
+            engine::format_backing(&**d, &l, mode, force)
+                .with_context(|| format!("{}", p.display()))?,
+        );
+    }
+    let (set, _) = CacheSet::open(
+        cache_dev,
+        Config {
+            background: false,
+            ..Config::default()
+        },
+    )?;
+    for (p, d) in backing.iter().zip(backing_devs) {
+        let vol = set
+            .attach(d)
+            .with_context(|| format!("attaching {}", p.display()))?;
+        println!(
+            "backing {}: uuid {} export '{}' {} mode {}",
+            p.display(),
+            vol.uuid(),
+            vol.name(),
+            human(vol.size_bytes()),
+            vol.mode()
+        );
+    }
+    let l = set.layout().clone();
+    set.close()?;
+    println!(
+        "cache {}: set {} {} buckets of {} ({} of cache space), block size {}",
+        cache.display(),
+        set_uuid,
+        l.nbuckets,
+        human(u64::from(l.bucket_size)),
+        human(u64::from(l.nbuckets) * u64::from(l.bucket_size)),
+        human(u64::from(l.block_size))
+    );
+    drop(headers);
+    Ok(())
+}
+
+fn show(path: &Path) -> Result<()> {
+    let dev = open_dev(path, true)?;
+    if let Ok((sb, notes)) = engine::format::Superblock::read(&*dev) {
+        let l = &sb.layout;
+        println!("type            cache device");
+        println!("sb.seq          {}", sb.seq);
+        println!("sb.version      {}", engine::format::FORMAT_VERSION);
+        println!("dev.uuid        {}", sb.dev_uuid);
+        println!("cset.uuid       {}", sb.set_uuid);
+        println!(
+            "dev.size        {} ({})",
+            l.device_size,
+            human(l.device_size)
+        );
+        println!("block_size      {}", l.block_size);
+        println!("bucket_size     {}", l.bucket_size);
+        println!("nbuckets        {}", l.nbuckets);
+        println!(
+            "journal         offset {} length {} (two mirrors)",
+            l.journal_off, l.journal_len
+        );
+        println!(
+            "checkpoints     offsets {} {} length {}",
+            l.ckpt_offsets[0], l.ckpt_offsets[1], l.ckpt_len
+        );
+        println!("checkpoint      slot {} seq {}", sb.ckpt_slot, sb.ckpt_seq);
+        println!("data            offset {}", l.data_off);
+        for n in notes {
+            println!("warning         {n}");
+        }
+        return Ok(());
+    }
+    match engine::format::BackingHeader::read(&*dev) {
+        Ok((h, notes)) => {
+            println!("type            backing device");
+            println!("sb.seq          {}", h.seq);
+            println!("dev.uuid        {}", h.dev_uuid);
+            println!(
+                "dev.label       {}",
+                if h.label.is_empty() {
+                    "(empty)"
+                } else {
+                    &h.label
+                }
+            );
+            println!(
+                "cset.uuid       {}",
+                if h.set_uuid.is_nil() {
+                    "(detached)".to_string()
+                } else {
+                    h.set_uuid.to_string()
+                }
+            );
+            println!("dev.data_offset {}", h.data_offset);
+            println!("dev.data_size   {} ({})", h.data_size, human(h.data_size));
+            println!("cache_mode      {}", h.mode);
+            println!(
+                "state           {}",
+                format!("{:?}", h.state).to_lowercase()
+            );
+            for n in notes {
+                println!("warning         {n}");
+            }
+            Ok(())
+        }
+        Err(_) => bail!(
+            "{}: not a tiercache cache or backing device",
+            path.display()
+        ),
+    }
+}
+
+fn check(path: &Path, data: bool) -> Result<ExitCode> {
+    let dev = open_dev(path, true)?;
+    let r = engine::check_device(&*dev, data)?;
+    println!("{}: tiercache {} device", path.display(), r.kind);
+    for (k, v) in &r.facts {
+        println!("  {k}: {v}");
+    }
+    if r.problems.is_empty() {
+        println!("  ok: no problems found");
+        return Ok(ExitCode::SUCCESS);
+    }
+    for p in &r.problems {
+        eprintln!("{}: {}", path.display(), p);
+    }
+    Ok(if r.fatal {
+        eprintln!(
+            "{}: damaged beyond use: open will refuse this device",
+            path.display()
+        );
+        ExitCode::from(2)
+    } else {
+        eprintln!(
+            "{}: damaged, but recoverable from redundant copies",
+            path.display()
+        );
+        ExitCode::from(1)
+    })
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format_timestamp_millis()
+        .init();
+    let cli = Cli::parse();
+    let res = match cli.cmd {
+        Cmd::Make {
+            backing,
+            cache,
+            bucket_size,
+            block_size,
+            writeback,
+            label,
+            force,
+        } => make(
+            &backing,
+            &cache,
+            bucket_size,
+            block_size,
+            writeback,
+            &label,
+            force,
+        )
+        .map(|_| ExitCode::SUCCESS),
+        Cmd::Show { path } => show(&path).map(|_| ExitCode::SUCCESS),
+        Cmd::Check { path, data } => check(&path, data),
+    };
+    match res {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("tiercache: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
