@@ -1,8 +1,9 @@
 //! `blockdev`: the block device abstraction every other tiercache crate builds on.
 //!
 //! Owns: the [`BlockDevice`] trait and its implementations — [`MemDevice`] (in memory),
-//! [`FileDevice`] (regular file or block device, O_DIRECT where possible) — and the test
-//! wrapper [`fault::FaultDevice`] (seeded EIO, latency, crash with lost and torn writes).
+//! [`FileDevice`] (regular file or block device, O_DIRECT where possible) — and the wrappers
+//! [`fault`] (seeded EIO, latency, crash with lost and torn writes) and [`latency`] (HDD and
+//! SSD timing models). Nothing here knows about caching.
 //!
 //! Invariants every implementation keeps:
 //! - offsets and lengths are multiples of [`SECTOR_SIZE`] (512 bytes) and lie inside
@@ -21,6 +22,7 @@ use std::io;
 
 pub mod fault;
 mod file;
+pub mod latency;
 mod mem;
 
 pub use file::{FileDevice, FileDeviceOptions};
