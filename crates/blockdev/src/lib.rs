@@ -3,7 +3,8 @@
 //! Owns: the [`BlockDevice`] trait and its implementations — [`MemDevice`] (in memory),
 //! [`FileDevice`] (regular file or block device, O_DIRECT where possible) — and the wrappers
 //! [`fault`] (seeded EIO, latency, crash with lost and torn writes) and [`latency`] (HDD and
-//! SSD timing models). Nothing here knows about caching.
+//! SSD timing models), and [`NbdDevice`] (a remote device over NBD). Nothing here knows
+//! about caching.
 //!
 //! Invariants every implementation keeps:
 //! - offsets and lengths are multiples of [`SECTOR_SIZE`] (512 bytes) and lie inside
@@ -24,9 +25,11 @@ pub mod fault;
 mod file;
 pub mod latency;
 mod mem;
+mod nbd;
 
 pub use file::{FileDevice, FileDeviceOptions};
 pub use mem::MemDevice;
+pub use nbd::{parse_uri, NbdDevice, Target};
 
 /// The unit of addressing for every device: offsets and lengths are multiples of this.
 pub const SECTOR_SIZE: u64 = 512;

@@ -289,9 +289,7 @@ impl Inner {
 
     pub fn check_failed(&self) -> Result<()> {
         match &*self.failed.lock() {
-            Some(why) => Err(Error::State(format!(
-                "cache set failed: {why}; reopen to recover"
-            ))),
+            Some(why) => Err(Error::State(why.clone())),
             None => Ok(()),
         }
     }
@@ -300,7 +298,7 @@ impl Inner {
         let mut f = self.failed.lock();
         if f.is_none() {
             log::error!("cache set failed: {why}");
-            *f = Some(why.to_string());
+            *f = Some(format!("cache set failed: {why}; reopen it to recover"));
         }
     }
 
@@ -799,10 +797,12 @@ impl CacheSet {
     }
 
     /// Makes everything durable, writes a checkpoint, marks clean backing devices clean, and
-    /// stops background threads. Dirty data stays in the cache (it is safe there).
-    pub fn close(self) -> Result<()> {
+    /// stops background threads. Dirty data stays in the cache (it is safe there). Requests
+    /// made after this get an error.
+    pub fn close(&self) -> Result<()> {
         self.stop_background();
         let inner = &self.inner;
+        inner.check_failed()?;
         for b in inner.backings.read().values() {
             if b.backing_written.swap(false, Ordering::SeqCst) {
                 b.dev.flush().ctx(|| "flushing backing device".into())?;
@@ -820,6 +820,7 @@ impl CacheSet {
                 BackingState::Clean
             })?;
         }
+        *inner.failed.lock() = Some("the cache set was closed".into());
         Ok(())
     }
 

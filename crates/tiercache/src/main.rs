@@ -4,6 +4,11 @@
 //! user for bad input. All logic lives in the library crates; this file only parses
 //! arguments, calls them and prints.
 
+mod admin;
+mod client;
+mod demo;
+mod export;
+mod serve;
 mod units;
 
 use anyhow::{bail, Context, Result};
@@ -31,8 +36,89 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// Where a running server's admin socket is.
+#[derive(clap::Args)]
+struct AdminArgs {
+    /// Admin socket of the running `tiercache serve` (default: its NBD socket + ".admin").
+    #[arg(long, default_value_os_t = serve::admin_for(std::path::Path::new(serve::DEFAULT_SOCKET)))]
+    admin: PathBuf,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
+    /// Serve every attached backing device as an NBD export (named by its label or uuid).
+    Serve {
+        /// Cache device (as formatted by `make`).
+        #[arg(long, required_unless_present = "config")]
+        cache: Option<PathBuf>,
+        /// Backing device(s) to attach and serve.
+        #[arg(long)]
+        backing: Vec<String>,
+        /// Unix socket for NBD clients.
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// Also listen on TCP: a port (bound to 127.0.0.1) or ADDRESS:PORT.
+        #[arg(long)]
+        tcp: Option<String>,
+        /// Admin socket for `tiercache status/set/...` (default: SOCKET.admin).
+        #[arg(long)]
+        admin: Option<PathBuf>,
+        /// Read settings from a TOML file (keys: cache, backing, socket, tcp, admin).
+        #[arg(long, conflicts_with_all = ["cache", "backing", "socket", "tcp", "admin"])]
+        config: Option<PathBuf>,
+    },
+    /// Quickstart: make slow and fast file-backed devices, serve them, show the cache working.
+    Demo {
+        /// Directory for the demo's device files and sockets.
+        #[arg(long, default_value = "tiercache-demo")]
+        dir: PathBuf,
+        /// Size of the slow (emulated HDD) device.
+        #[arg(long, default_value = "256M", value_parser = parse_size)]
+        size: u64,
+        /// Exit after the workload instead of serving until Ctrl-C.
+        #[arg(long)]
+        no_serve: bool,
+    },
+    /// Devices, modes, states, dirty data, occupancy and hit ratios of a running server.
+    Status {
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Statistics (bcache's names) for total, five_minute, hour and day.
+    Stats {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Change a knob of a device live: cache_mode, sequential_cutoff, writeback_percent,
+    /// writeback_delay, writeback_running, label.
+    Set {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Export name or uuid.
+        device: String,
+        knob: String,
+        value: String,
+    },
+    /// Write back all dirty data of a device, then remove it from the cache set.
+    Detach {
+        #[command(flatten)]
+        admin: AdminArgs,
+        device: String,
+    },
+    /// Attach a formatted backing device to the running cache set and export it.
+    Attach {
+        #[command(flatten)]
+        admin: AdminArgs,
+        path: PathBuf,
+    },
+    /// Stop the server gracefully (in-flight requests finish, the cache is saved).
+    Stop {
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
     /// Format a cache device and backing device(s) and attach them (like make-bcache).
     Make {
         /// Slow device or image to cache (repeat for several backing devices).
@@ -295,6 +381,47 @@ fn main() -> ExitCode {
         .map(|_| ExitCode::SUCCESS),
         Cmd::Show { path } => show(&path).map(|_| ExitCode::SUCCESS),
         Cmd::Check { path, data } => check(&path, data),
+        Cmd::Serve {
+            cache,
+            backing,
+            socket,
+            tcp,
+            admin,
+            config,
+        } => (|| {
+            let cfg = match config {
+                Some(f) => serve::ServeConfig::from_file(&f)?,
+                None => serve::ServeConfig {
+                    cache: cache.expect("clap requires --cache"),
+                    backing,
+                    socket,
+                    tcp,
+                    admin,
+                },
+            };
+            serve::serve(&cfg, |_| {})
+        })()
+        .map(|_| ExitCode::SUCCESS),
+        Cmd::Demo {
+            dir,
+            size,
+            no_serve,
+        } => demo::run(&dir, size, no_serve).map(|_| ExitCode::SUCCESS),
+        Cmd::Status { admin } => client::status(&admin.admin).map(|_| ExitCode::SUCCESS),
+        Cmd::Stats { admin, json } => client::stats(&admin.admin, json).map(|_| ExitCode::SUCCESS),
+        Cmd::Set {
+            admin,
+            device,
+            knob,
+            value,
+        } => client::set(&admin.admin, &device, &knob, &value).map(|_| ExitCode::SUCCESS),
+        Cmd::Detach { admin, device } => {
+            client::detach(&admin.admin, &device).map(|_| ExitCode::SUCCESS)
+        }
+        Cmd::Attach { admin, path } => {
+            client::attach(&admin.admin, &path).map(|_| ExitCode::SUCCESS)
+        }
+        Cmd::Stop { admin } => client::stop(&admin.admin).map(|_| ExitCode::SUCCESS),
     };
     match res {
         Ok(code) => code,

@@ -1,0 +1,254 @@
+//! The [`Export`] trait the server serves, and the live [`ExportRegistry`] of exports.
+//!
+//! Owns: which exports exist right now, and which connections use each one. Exports can be
+//! added and removed while the server runs; removal disconnects the export's clients (after
+//! their in-flight requests are answered) and hands back a [`Detached`] that can wait until the
+//! last connection is gone, so the embedder can safely tear the export down.
+//!
+//! Invariants: export names are unique in the registry; once an entry is marked removed no new
+//! connection can attach to it (both happen under the entry's lock); a connection attached to
+//! an entry is counted until its lease is dropped.
+//!
+//! Fault model: exports report failures as `io::Error`, which the server turns into NBD error
+//! replies; a panicking export is a programmer error and only takes its worker down.
+
+use crate::net::Stream;
+use nbd_proto::{BlockSize, ExportCaps, ExportCatalog, ExportInfo, ExportListing};
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::net::Shutdown;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+/// A block device served over NBD. Offsets and lengths passed in are already validated: inside
+/// the export, aligned to 512 bytes (or ending at the end of an export whose size is not a
+/// multiple of 512), and never longer than 32 MiB for reads and writes.
+pub trait Export: Send + Sync + 'static {
+    fn name(&self) -> String;
+    fn description(&self) -> String;
+    fn size_bytes(&self) -> u64;
+    fn is_rotational(&self) -> bool;
+    fn read_only(&self) -> bool;
+    /// Whether write-zeroes is always fast (advertises `NBD_FLAG_SEND_FAST_ZERO`).
+    fn can_fast_zero(&self) -> bool {
+        false
+    }
+    /// Whether flush and FUA are visible across connections (advertises `CAN_MULTI_CONN`).
+    fn can_multi_conn(&self) -> bool {
+        true
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()>;
+    fn flush(&self) -> io::Result<()>;
+    fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
+    fn write_zeroes(&self, offset: u64, len: u64, fua: bool, no_hole: bool) -> io::Result<()>;
+    /// Prefetch hint.
+    fn cache(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Consecutive extents from `offset` as (length in bytes, `NBD_STATE_*` flags); may cover
+    /// less than `len` but must not be empty.
+    fn block_status(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>>;
+}
+
+/// Builds what a client learns about an export during the handshake.
+pub(crate) fn export_info(export: &dyn Export) -> ExportInfo {
+    let read_only = export.read_only();
+    ExportInfo {
+        name: export.name(),
+        description: export.description(),
+        size_bytes: export.size_bytes(),
+        caps: ExportCaps {
+            read_only,
+            flush: true,
+            fua: true,
+            trim: !read_only,
+            write_zeroes: !read_only,
+            fast_zero: export.can_fast_zero(),
+            cache: true,
+            multi_conn: export.can_multi_conn(),
+            rotational: export.is_rotational(),
+        },
+        block_size: BlockSize::TIERCACHE,
+    }
+}
+
+struct Entry {
+    export: Arc<dyn Export>,
+    state: Mutex<EntryState>,
+    idle: Condvar,
+}
+
+#[derive(Default)]
+struct EntryState {
+    removed: bool,
+    /// Connection id → a clone of its socket, to disconnect it on removal.
+    connections: HashMap<u64, Stream>,
+}
+
+impl Entry {
+    fn lock(&self) -> MutexGuard<'_, EntryState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The set of exports a server offers; cheap to clone, shared by all clones.
+#[derive(Clone, Default)]
+pub struct ExportRegistry {
+    entries: Arc<RwLock<BTreeMap<String, Arc<Entry>>>>,
+}
+
+impl ExportRegistry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Arc<Entry>>> {
+        self.entries.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<String, Arc<Entry>>> {
+        self.entries.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds an export under `export.name()`; fails with `AlreadyExists` if the name is taken.
+    pub fn add(&self, export: Arc<dyn Export>) -> io::Result<()> {
+        let name = export.name();
+        if name.len() > nbd_proto::wire::STRING_BYTES_MAX || name.contains('\0') {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "export name must be at most 4096 bytes without NUL",
+            ));
+        }
+        let mut entries = self.write();
+        if entries.contains_key(&name) {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("export {name:?} already exists"),
+            ));
+        }
+        entries.insert(
+            name,
+            Arc::new(Entry {
+                export,
+                state: Mutex::new(EntryState::default()),
+                idle: Condvar::new(),
+            }),
+        );
+        Ok(())
+    }
+
+    /// Removes an export: new clients can no longer open it, and its current connections are
+    /// shut down for reading (in-flight requests still get their replies).
+    pub fn remove(&self, name: &str) -> Option<Detached> {
+        let entry = self.write().remove(name)?;
+        let mut state = entry.lock();
+        state.removed = true;
+        for stream in state.connections.values() {
+            stream.shutdown(Shutdown::Read);
+        }
+        drop(state);
+        Some(Detached { entry })
+    }
+
+    /// The export registered under `name`.
+    pub fn get(&self, name: &str) -> Option<Arc<dyn Export>> {
+        self.read().get(name).map(|e| Arc::clone(&e.export))
+    }
+
+    /// Names of all exports, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.read().keys().cloned().collect()
+    }
+
+    /// Registers connection `id` as a user of export `name`.
+    pub(crate) fn attach(&self, name: &str, id: u64, stream: Stream) -> Option<Lease> {
+        let entry = Arc::clone(self.read().get(name)?);
+        let mut state = entry.lock();
+        if state.removed {
+            return None;
+        }
+        state.connections.insert(id, stream);
+        drop(state);
+        Some(Lease { entry, id })
+    }
+}
+
+impl ExportCatalog for ExportRegistry {
+    fn list(&self) -> Vec<ExportListing> {
+        self.read()
+            .values()
+            .map(|e| ExportListing {
+                name: e.export.name(),
+                description: e.export.description(),
+            })
+            .collect()
+    }
+
+    fn lookup(&self, name: &str) -> Option<ExportInfo> {
+        self.read()
+            .get(name)
+            .map(|e| export_info(e.export.as_ref()))
+    }
+}
+
+/// A connection's claim on an export; unregisters on drop.
+pub(crate) struct Lease {
+    entry: Arc<Entry>,
+    id: u64,
+}
+
+impl Lease {
+    pub(crate) fn export(&self) -> &Arc<dyn Export> {
+        &self.entry.export
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut state = self.entry.lock();
+        state.connections.remove(&self.id);
+        drop(state);
+        self.entry.idle.notify_all();
+    }
+}
+
+/// An export removed from the registry whose connections may still be draining.
+pub struct Detached {
+    entry: Arc<Entry>,
+}
+
+impl Detached {
+    /// Connections still using the export.
+    pub fn connection_count(&self) -> usize {
+        self.entry.lock().connections.len()
+    }
+
+    /// Waits until no connection uses the export, then returns it; on timeout returns `self`.
+    pub fn wait_idle(self, timeout: Duration) -> Result<Arc<dyn Export>, Detached> {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.entry.lock();
+        while !state.connections.is_empty() {
+            let now = Instant::now();
+            if now >= deadline {
+                drop(state);
+                return Err(self);
+            }
+            state = self
+                .entry
+                .idle
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        drop(state);
+        Ok(Arc::clone(&self.entry.export))
+    }
+}
+
+impl std::fmt::Debug for Detached {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Detached")
+            .field("name", &self.entry.export.name())
+            .field("connections", &self.connection_count())
+            .finish()
+    }
+}

@@ -1,0 +1,132 @@
+//! Client side of the admin commands: `status`, `stats`, `set`, `detach`, `attach`, `stop`.
+//! Each sends one request to the running server's admin socket and prints the answer.
+//!
+//! Invariant: printing only; every decision is the server's (so the CLI and the admin API
+//! cannot disagree).
+
+use crate::admin::request;
+use crate::units::human;
+use anyhow::Result;
+use serde_json::{json, Value};
+use std::path::Path;
+
+fn num(v: &Value, k: &str) -> u64 {
+    v.get(k).and_then(Value::as_u64).unwrap_or(0)
+}
+
+fn text<'a>(v: &'a Value, k: &str) -> &'a str {
+    v.get(k).and_then(Value::as_str).unwrap_or("?")
+}
+
+pub fn status(admin: &Path) -> Result<()> {
+    let r = request(admin, &json!({"cmd": "status"}), &mut |_| {})?;
+    let c = &r["cache"];
+    println!(
+        "cache set {}: in_use {}%, {} dirty, {} clean, {} unused, {} metadata",
+        text(c, "set_uuid"),
+        num(c, "in_use"),
+        human(num(c, "dirty_bytes")),
+        human(num(c, "clean_bytes")),
+        human(num(c, "unused_bytes")),
+        human(num(c, "metadata_bytes"))
+    );
+    println!(
+        "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6}",
+        "DEVICE", "SIZE", "MODE", "STATE", "DIRTY", "CACHED", "HIT%"
+    );
+    for d in r["devices"].as_array().into_iter().flatten() {
+        println!(
+            "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6}",
+            text(d, "name"),
+            human(num(d, "size_bytes")),
+            text(d, "cache_mode"),
+            text(d, "state"),
+            human(num(d, "dirty_bytes")),
+            human(num(d, "cached_bytes")),
+            num(&d["stats_total"], "cache_hit_ratio")
+        );
+    }
+    Ok(())
+}
+
+pub fn stats(admin: &Path, as_json: bool) -> Result<()> {
+    let r = request(admin, &json!({"cmd": "stats"}), &mut |_| {})?;
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    for d in r["devices"].as_array().into_iter().flatten() {
+        println!("{} ({}):", text(d, "name"), text(d, "uuid"));
+        let windows = [
+            "stats_total",
+            "stats_five_minute",
+            "stats_hour",
+            "stats_day",
+        ];
+        print!("  {:<24}", "");
+        for w in windows {
+            print!(" {:>16}", w.trim_start_matches("stats_"));
+        }
+        println!();
+        let keys: Vec<String> = d["stats_total"]
+            .as_object()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
+        for k in keys {
+            print!("  {k:<24}");
+            for w in windows {
+                print!(" {:>16}", num(&d[w], &k));
+            }
+            println!();
+        }
+    }
+    Ok(())
+}
+
+pub fn set(admin: &Path, device: &str, knob: &str, value: &str) -> Result<()> {
+    request(
+        admin,
+        &json!({"cmd": "set", "device": device, "knob": knob, "value": value}),
+        &mut |_| {},
+    )?;
+    println!("{device}: {knob} = {value}");
+    Ok(())
+}
+
+pub fn detach(admin: &Path, device: &str) -> Result<()> {
+    request(
+        admin,
+        &json!({"cmd": "detach", "device": device}),
+        &mut |p| {
+            let (rem, total) = (num(p, "dirty_bytes"), num(p, "total_bytes"));
+            let pct = ((total - rem) * 100).checked_div(total).unwrap_or(100);
+            eprintln!(
+                "writing back: {} of {} dirty data left ({pct}% done)",
+                human(rem),
+                human(total)
+            );
+        },
+    )?;
+    println!("{device}: detached (all dirty data written back)");
+    Ok(())
+}
+
+pub fn attach(admin: &Path, path: &Path) -> Result<()> {
+    let r = request(
+        admin,
+        &json!({"cmd": "attach", "path": path.to_string_lossy()}),
+        &mut |_| {},
+    )?;
+    println!(
+        "{}: attached, exported as '{}'",
+        path.display(),
+        text(&r, "name")
+    );
+    Ok(())
+}
+
+pub fn stop(admin: &Path) -> Result<()> {
+    request(admin, &json!({"cmd": "stop"}), &mut |_| {})?;
+    println!("server is stopping");
+    Ok(())
+}

@@ -1,0 +1,62 @@
+//! `VolumeExport`: serves an engine `Volume` through the server's `Export` trait.
+//!
+//! Invariant: a thin adapter — every decision about caching is the engine's; this only maps
+//! calls and errors (engine errors become `io::Error`s, which the server turns into NBD error
+//! replies).
+
+use engine::Volume;
+use std::io;
+
+pub struct VolumeExport {
+    vol: Volume,
+    name: String,
+}
+
+impl VolumeExport {
+    pub fn new(vol: Volume) -> VolumeExport {
+        let name = vol.name();
+        VolumeExport { vol, name }
+    }
+}
+
+impl server::Export for VolumeExport {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn description(&self) -> String {
+        format!("tiercache volume {} ({})", self.vol.uuid(), self.vol.mode())
+    }
+    fn size_bytes(&self) -> u64 {
+        self.vol.size_bytes()
+    }
+    fn is_rotational(&self) -> bool {
+        self.vol.is_rotational()
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        Ok(self.vol.read(offset, buf)?)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        Ok(self.vol.write(offset, data, fua)?)
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(self.vol.flush()?)
+    }
+    fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        Ok(self.vol.discard(offset, len)?)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, fua: bool, _no_hole: bool) -> io::Result<()> {
+        // Zeroes always reach the backing device as a zeroing command (never a hole in the
+        // cache), which satisfies NO_HOLE too.
+        Ok(self.vol.write_zeroes(offset, len, fua)?)
+    }
+    fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
+        Ok(self.vol.prefetch(offset, len)?)
+    }
+    fn block_status(&self, _offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
+        // The cache does not know where the backing device has holes: everything is data.
+        Ok(vec![(len, 0)])
+    }
+}

@@ -1,0 +1,234 @@
+//! `tiercache serve`: opens a cache set and its backing devices, serves every attached volume
+//! as an NBD export (named by its label, or uuid), runs the admin socket, and shuts down
+//! cleanly on SIGINT/SIGTERM or `tiercache stop`.
+//!
+//! Invariants: exports always mirror the set's attached volumes (attach/detach/label changes
+//! re-sync them); shutdown order is stop accepting → finish in-flight requests → close the
+//! cache set (journal + checkpoint durable) → exit 0, so a restart finds the cache warm; TCP
+//! binds to 127.0.0.1 unless an address is given.
+
+use crate::admin::{self, Control};
+use crate::export::VolumeExport;
+use anyhow::{bail, Context, Result};
+use blockdev::{BlockDevice, FileDevice, FileDeviceOptions};
+use engine::{CacheSet, Config};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// `serve` settings, from the command line or a TOML file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeConfig {
+    /// Cache device (file or block device).
+    pub cache: PathBuf,
+    /// Backing devices: paths (files or block devices).
+    #[serde(default)]
+    pub backing: Vec<String>,
+    /// Unix socket for NBD clients.
+    pub socket: Option<PathBuf>,
+    /// TCP address for NBD clients ("127.0.0.1:10809", or a port alone for 127.0.0.1).
+    pub tcp: Option<String>,
+    /// Admin socket (default: the NBD socket path with ".admin" appended).
+    pub admin: Option<PathBuf>,
+}
+
+impl ServeConfig {
+    pub fn from_file(path: &Path) -> Result<ServeConfig> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.socket
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET))
+    }
+
+    pub fn admin(&self) -> PathBuf {
+        self.admin
+            .clone()
+            .unwrap_or_else(|| admin_for(&self.socket()))
+    }
+}
+
+pub const DEFAULT_SOCKET: &str = "/tmp/tiercache.sock";
+
+/// The admin socket that goes with an NBD socket.
+pub fn admin_for(socket: &Path) -> PathBuf {
+    let mut s = socket.as_os_str().to_owned();
+    s.push(".admin");
+    PathBuf::from(s)
+}
+
+/// Parses a TCP listen address; a bare port means 127.0.0.1.
+pub fn parse_tcp(s: &str) -> Result<std::net::SocketAddr> {
+    if let Ok(port) = s.parse::<u16>() {
+        return Ok(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    s.parse()
+        .with_context(|| format!("'{s}' is not an address like 127.0.0.1:10809"))
+}
+
+/// Opens a device for the cache or a backing device.
+pub fn open_device(path: &Path) -> Result<Arc<dyn BlockDevice>> {
+    if !path.exists() {
+        bail!("{}: no such file or device", path.display());
+    }
+    Ok(Arc::new(
+        FileDevice::open(path, FileDeviceOptions::default())
+            .with_context(|| format!("opening {}", path.display()))?,
+    ))
+}
+
+/// Opens a backing device named by a path.
+pub fn open_backing(spec: &str) -> Result<Arc<dyn BlockDevice>> {
+    if spec.contains("://") {
+        bail!(
+            "'{spec}': NBD backing devices are not supported yet; give a file or block device path"
+        );
+    }
+    open_device(Path::new(spec))
+}
+
+/// A running server: the cache set, its exports, the admin socket.
+pub struct Running {
+    pub set: Arc<CacheSet>,
+    pub exports: server::ExportRegistry,
+    stop: AtomicBool,
+}
+
+impl Running {
+    /// Makes the exports match the attached volumes.
+    pub fn sync_exports(&self) {
+        let vols = self.set.volumes();
+        let names: Vec<String> = vols.iter().map(|v| v.name()).collect();
+        for name in self.exports.names() {
+            if !names.contains(&name) {
+                // Its clients are disconnected after their in-flight requests finish.
+                drop(self.exports.remove(&name));
+            }
+        }
+        for v in vols {
+            if !self.exports.names().contains(&v.name()) {
+                if let Err(e) = self.exports.add(Arc::new(VolumeExport::new(v))) {
+                    log::error!("cannot export a volume: {e}");
+                }
+            }
+        }
+    }
+
+    pub fn request_stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Control for Running {
+    fn set(&self) -> &CacheSet {
+        &self.set
+    }
+    fn volumes_changed(&self) {
+        self.sync_exports();
+    }
+    fn stop(&self) {
+        self.request_stop();
+    }
+    fn open_backing(&self, path: &Path) -> Result<Arc<dyn BlockDevice>> {
+        open_device(path)
+    }
+}
+
+/// Opens the set and serves until stopped. `on_ready` runs once everything listens (the demo
+/// uses it to drive its workload); it may call `request_stop`.
+pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> Result<()> {
+    let cache = open_device(&cfg.cache)?;
+    let backings = cfg
+        .backing
+        .iter()
+        .map(|b| open_backing(b))
+        .collect::<Result<Vec<_>>>()?;
+    serve_devices(cfg, cache, backings, on_ready)
+}
+
+/// Like `serve`, with devices already opened (the demo wraps its slow device in a model).
+pub fn serve_devices(
+    cfg: &ServeConfig,
+    cache: Arc<dyn BlockDevice>,
+    backings: Vec<Arc<dyn BlockDevice>>,
+    on_ready: impl FnOnce(&Arc<Running>) + Send,
+) -> Result<()> {
+    let (set, report) =
+        CacheSet::open(cache, Config::default()).context("opening the cache set")?;
+    for n in &report.notes {
+        log::warn!("{n}");
+    }
+    log::info!(
+        "recovered in {} ms: {} cached blocks ({} dirty), {} journal records replayed",
+        report.duration_ms,
+        report.cached_blocks,
+        report.dirty_blocks,
+        report.records_replayed
+    );
+    for (i, b) in backings.into_iter().enumerate() {
+        let v = set.attach(b).with_context(|| {
+            format!(
+                "attaching backing device {}",
+                cfg.backing.get(i).map(String::as_str).unwrap_or("?")
+            )
+        })?;
+        log::info!(
+            "export '{}': {} bytes, mode {}",
+            v.name(),
+            v.size_bytes(),
+            v.mode()
+        );
+    }
+    let running = Arc::new(Running {
+        set: Arc::new(set),
+        exports: server::ExportRegistry::default(),
+        stop: AtomicBool::new(false),
+    });
+    running.sync_exports();
+    let signals = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, signals.clone()).context("installing signal handlers")?;
+    }
+    let mut binds = vec![server::BindAddr::Unix(cfg.socket())];
+    if let Some(t) = &cfg.tcp {
+        binds.push(server::BindAddr::Tcp(parse_tcp(t)?));
+    }
+    let handles = binds
+        .iter()
+        .map(|b| {
+            server::start(b, running.exports.clone(), server::ServerConfig::default())
+                .with_context(|| format!("listening on {b:?}"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    admin::listen(&cfg.admin(), running.clone() as Arc<dyn Control>)?;
+    log::info!(
+        "serving on {} (admin socket {}){}",
+        cfg.socket().display(),
+        cfg.admin().display(),
+        cfg.tcp
+            .as_ref()
+            .map(|t| format!(", tcp {t}"))
+            .unwrap_or_default()
+    );
+    std::thread::scope(|s| {
+        s.spawn(|| on_ready(&running));
+        while !signals.load(Ordering::SeqCst) && !running.stop.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    log::info!("shutting down: finishing in-flight requests");
+    for h in handles {
+        h.shutdown();
+    }
+    let _ = std::fs::remove_file(cfg.admin());
+    running.set.close().context("closing the cache set")?;
+    log::info!("cache set closed cleanly");
+    Ok(())
+}

@@ -1,0 +1,462 @@
+//! End-to-end tests of `tiercache serve` with real NBD clients: nbdinfo, qemu-io, qemu-img,
+//! nbdcopy, fio (nbd engine, verify), nbdfuse + losetup + mkfs.ext4 + mount + fsck, the admin
+//! commands, graceful stop and warm restart, kill -9 and recovery.
+//!
+//! A missing tool is a failure under CI=true and a printed skip otherwise.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn have(tool: &str) -> bool {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !found {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("{tool} is required in CI but is not installed");
+        }
+        eprintln!("SKIP: {tool} is not installed");
+    }
+    found
+}
+
+fn tc() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tiercache"));
+    c.env("RUST_LOG", "warn");
+    c
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let o = cmd.output().expect("spawning a command");
+    assert!(
+        o.status.success(),
+        "{:?} failed: {}\n{}",
+        cmd,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Device files formatted by `tiercache make`, and a server over them.
+struct Fixture {
+    dir: tempfile::TempDir,
+    server: Option<Child>,
+}
+
+impl Fixture {
+    fn new(backing_mib: u64, cache_mib: u64, writeback: bool) -> Fixture {
+        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+        for (name, mib) in [("slow.img", backing_mib), ("fast.img", cache_mib)] {
+            std::fs::File::create(dir.path().join(name))
+                .unwrap()
+                .set_len(mib << 20)
+                .unwrap();
+        }
+        let mut make = tc();
+        make.args([
+            "make",
+            "--label",
+            "data",
+            "--bucket-size",
+            "256k",
+            "--backing",
+        ])
+        .arg(dir.path().join("slow.img"))
+        .arg("--cache")
+        .arg(dir.path().join("fast.img"));
+        if writeback {
+            make.arg("--writeback");
+        }
+        run(&mut make);
+        Fixture { dir, server: None }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.path("nbd.sock")
+    }
+
+    fn admin(&self) -> String {
+        format!("{}.admin", self.socket().display())
+    }
+
+    fn uri(&self) -> String {
+        format!("nbd+unix:///data?socket={}", self.socket().display())
+    }
+
+    fn start(&mut self) {
+        let _ = std::fs::remove_file(self.socket());
+        let child = tc()
+            .arg("serve")
+            .arg("--cache")
+            .arg(self.path("fast.img"))
+            .arg("--backing")
+            .arg(self.path("slow.img"))
+            .arg("--socket")
+            .arg(self.socket())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting tiercache serve");
+        self.server = Some(child);
+        let t = Instant::now();
+        while !(self.socket().exists() && Path::new(&self.admin()).exists()) {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn tc_admin(&self, args: &[&str]) -> Output {
+        let mut c = tc();
+        c.args(&args[..1])
+            .arg("--admin")
+            .arg(self.admin())
+            .args(&args[1..]);
+        run(&mut c)
+    }
+
+    /// Graceful stop through the admin socket; the server must exit 0.
+    fn stop(&mut self) {
+        self.tc_admin(&["stop"]);
+        let status = self.server.take().unwrap().wait().unwrap();
+        assert!(status.success(), "server exited with {status}");
+    }
+
+    fn kill9(&mut self) {
+        let mut c = self.server.take().unwrap();
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.server.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn real_clients_and_admin_and_warm_restart() {
+    if !(have("nbdinfo") && have("qemu-io") && have("qemu-img") && have("nbdcopy")) {
+        return;
+    }
+    let mut f = Fixture::new(64, 32, false);
+    f.start();
+    let info = stdout(&run(Command::new("nbdinfo").arg("--json").arg(f.uri())));
+    let v: serde_json::Value = serde_json::from_str(&info).unwrap();
+    let export = &v["exports"][0];
+    assert_eq!(export["export-size"], (64u64 << 20) - 8192, "{info}");
+    assert_eq!(export["export-name"], "data");
+    assert_eq!(export["block_size_minimum"], 512);
+    assert_eq!(export["can_flush"], true, "{info}");
+    assert_eq!(export["can_fua"], true);
+    assert_eq!(export["can_trim"], true);
+    assert_eq!(export["can_multi_conn"], true);
+    // qemu-io patterns, including unaligned-to-4k offsets.
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0xab 4608 1M",
+        "-c",
+        "flush",
+        &f.uri(),
+    ]));
+    let o = run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "read -P 0xab 4608 1M",
+        "-c",
+        "read -P 0 0 4608",
+        &f.uri(),
+    ]));
+    assert!(
+        !stdout(&o).contains("Pattern verification failed"),
+        "{}",
+        stdout(&o)
+    );
+    // qemu-img convert in and out, then compare.
+    let src = f.path("src.raw");
+    let mut data = vec![0u8; 8 << 20];
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = (i * 31 % 251) as u8;
+    }
+    std::fs::write(&src, &data).unwrap();
+    run(Command::new("qemu-img")
+        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+        .arg(&src)
+        .arg(f.uri()));
+    let out = f.path("out.raw");
+    run(Command::new("qemu-img")
+        .args(["convert", "-f", "raw", "-O", "raw"])
+        .arg(f.uri())
+        .arg(&out));
+    assert_eq!(&std::fs::read(&out).unwrap()[..data.len()], &data[..]);
+    // nbdcopy round trip.
+    let back = f.path("back.raw");
+    run(Command::new("nbdcopy").arg(f.uri()).arg(&back));
+    assert_eq!(std::fs::read(&back).unwrap(), std::fs::read(&out).unwrap());
+    // Admin: status, stats, set, bad knobs.
+    let s = stdout(&f.tc_admin(&["status"]));
+    assert!(s.contains("data") && s.contains("writethrough"), "{s}");
+    f.tc_admin(&["set", "data", "cache_mode", "writeback"]);
+    f.tc_admin(&["set", "data", "sequential_cutoff", "1M"]);
+    let j: serde_json::Value =
+        serde_json::from_str(&stdout(&f.tc_admin(&["stats", "--json"]))).unwrap();
+    let d = &j["devices"][0];
+    assert_eq!(d["cache_mode"], "writeback");
+    assert_eq!(d["sequential_cutoff"], 1 << 20);
+    assert!(d["stats_total"]["cache_hits"].as_u64().unwrap() > 0, "{j}");
+    let mut bad = tc();
+    bad.args([
+        "set",
+        "--admin",
+        &f.admin(),
+        "data",
+        "cache_mode",
+        "fastest",
+    ]);
+    let o = bad.output().unwrap();
+    assert!(
+        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("unknown cache mode")
+    );
+    let mut bad = tc();
+    bad.args(["set", "--admin", &f.admin(), "data", "colour", "blue"]);
+    let o = bad.output().unwrap();
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("unknown knob"));
+    // Graceful stop, restart: the cache is warm.
+    f.stop();
+    f.start();
+    let j: serde_json::Value =
+        serde_json::from_str(&stdout(&f.tc_admin(&["stats", "--json"]))).unwrap();
+    assert!(
+        j["devices"][0]["cached_bytes"].as_u64().unwrap() > 0,
+        "warm restart lost the cache: {j}"
+    );
+    run(Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(&out)
+        .arg(f.uri()));
+    f.stop();
+}
+
+#[test]
+fn fio_verify_in_every_mode_with_live_switching() {
+    if !have("fio") {
+        return;
+    }
+    let mut f = Fixture::new(96, 16, false);
+    f.start();
+    let switcher = {
+        let admin = f.admin();
+        std::thread::spawn(move || {
+            for i in 0..40 {
+                let mode = ["writeback", "writearound", "none", "writethrough"][i % 4];
+                let _ = tc()
+                    .args(["set", "--admin", &admin, "data", "cache_mode", mode])
+                    .output();
+                std::thread::sleep(Duration::from_millis(150));
+            }
+        })
+    };
+    for rw in ["randwrite", "write"] {
+        let o = Command::new("fio")
+            .args([
+                "--name=verify",
+                "--ioengine=nbd",
+                &format!("--uri={}", f.uri()),
+                &format!("--rw={rw}"),
+                "--bs=4k",
+                "--size=16m",
+                "--offset_increment=20m",
+                "--numjobs=4",
+                "--iodepth=16",
+                "--verify=crc32c",
+                "--verify_fatal=1",
+                "--do_verify=1",
+                "--group_reporting",
+                "--verify_state_save=0",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "fio {rw} failed: {}\n{}",
+            stdout(&o),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(!stdout(&o).contains("verify failed"), "{}", stdout(&o));
+    }
+    switcher.join().unwrap();
+    f.stop();
+}
+
+#[test]
+fn ext4_over_nbdfuse_survives_kill_9() {
+    let root = is_root();
+    if !root {
+        eprintln!("SKIP: the filesystem test needs root (loop devices, mount)");
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("CI runs as root; the filesystem test must run");
+        }
+        return;
+    }
+    if !(have("nbdfuse") && have("losetup") && have("mkfs.ext4") && have("fsck.ext4")) {
+        return;
+    }
+    let mut f = Fixture::new(128, 32, true);
+    f.start();
+    let fuse_dir = f.path("fuse");
+    let mnt = f.path("mnt");
+    std::fs::create_dir_all(&fuse_dir).unwrap();
+    std::fs::create_dir_all(&mnt).unwrap();
+    let mount_fs = |f: &Fixture, mkfs: bool| -> (Child, String) {
+        let fuse = Command::new("nbdfuse")
+            .arg(&fuse_dir)
+            .arg(f.uri())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        while !fuse_dir.join("nbd").exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "nbdfuse did not come up"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let lo = stdout(&run(Command::new("losetup")
+            .args(["-f", "--show"])
+            .arg(fuse_dir.join("nbd"))))
+        .trim()
+        .to_string();
+        if mkfs {
+            run(Command::new("mkfs.ext4").args(["-q", "-F", &lo]));
+        }
+        run(Command::new("mount").arg(&lo).arg(&mnt));
+        (fuse, lo)
+    };
+    let unmount_fs = |fuse: Child, lo: &str| {
+        let _ = Command::new("umount").arg(&mnt).status();
+        let _ = Command::new("losetup").args(["-d", lo]).status();
+        let _ = Command::new("fusermount3")
+            .arg("-u")
+            .arg(&fuse_dir)
+            .status();
+        let _ = Command::new("fusermount").arg("-u").arg(&fuse_dir).status();
+        let mut fuse = fuse;
+        let _ = fuse.kill();
+        let _ = fuse.wait();
+    };
+    let (fuse, lo) = mount_fs(&f, true);
+    for d in 0..8 {
+        let sub = mnt.join(format!("dir{d}"));
+        std::fs::create_dir_all(&sub).unwrap();
+        for i in 0..20 {
+            std::fs::write(
+                sub.join(format!("f{i}")),
+                format!("file {d}/{i} ").repeat(100 + i * 37),
+            )
+            .unwrap();
+        }
+    }
+    run(&mut Command::new("sync"));
+    unmount_fs(fuse, &lo);
+    // fsck through a fresh connection.
+    let (fuse, lo) = mount_fs(&f, false);
+    run(Command::new("umount").arg(&mnt));
+    let o = Command::new("fsck.ext4")
+        .args(["-n", "-f", &lo])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "fsck: {}{}",
+        stdout(&o),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    run(Command::new("mount").arg(&lo).arg(&mnt));
+    std::fs::write(mnt.join("after-fsck"), "synced before the crash").unwrap();
+    run(&mut Command::new("sync"));
+    // Power cut: kill -9 the server (writeback mode: the data is dirty in the cache).
+    f.kill9();
+    unmount_fs(fuse, &lo);
+    f.start();
+    let (fuse, lo) = mount_fs(&f, false);
+    assert_eq!(
+        std::fs::read_to_string(mnt.join("after-fsck")).unwrap(),
+        "synced before the crash"
+    );
+    for d in 0..8 {
+        for i in 0..20 {
+            let got = std::fs::read_to_string(mnt.join(format!("dir{d}/f{i}"))).unwrap();
+            assert_eq!(got, format!("file {d}/{i} ").repeat(100 + i * 37));
+        }
+    }
+    unmount_fs(fuse, &lo);
+    f.stop();
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| stdout(&o).trim() == "0")
+        .unwrap_or(false)
+}
+
+#[test]
+fn kill_9_after_flush_loses_nothing() {
+    if !have("qemu-io") {
+        return;
+    }
+    let mut f = Fixture::new(32, 16, true);
+    f.start();
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x5c 0 2M",
+        "-c",
+        "flush",
+        &f.uri(),
+    ]));
+    f.kill9();
+    f.start();
+    let o = run(Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0x5c 0 2M", &f.uri()]));
+    assert!(
+        !stdout(&o).contains("Pattern verification failed"),
+        "{}",
+        stdout(&o)
+    );
+    let s = stdout(&f.tc_admin(&["status"]));
+    assert!(
+        s.contains("dirty"),
+        "writeback data should still be dirty after the crash: {s}"
+    );
+    // Detach writes it all back, with progress.
+    let mut c = tc();
+    c.args(["detach", "--admin", &f.admin(), "data"]);
+    let o = run(&mut c);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("writing back"));
+    f.stop();
+    let raw = std::fs::read(f.path("slow.img")).unwrap();
+    assert!(raw[8192..8192 + (2 << 20)].iter().all(|&b| b == 0x5c));
+}

@@ -1,0 +1,4 @@
+//! Fuzz target: `nbd_proto::fuzzing::client_handshake` on arbitrary bytes.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| nbd_proto::fuzzing::client_handshake(data));
