@@ -197,20 +197,8 @@ fn gc_one(inner: &Inner) -> Result<bool> {
                         gen,
                         dirty,
                     };
-                    st.index.insert(dev, from, ext, &crcs);
                     let now = inner.now_ns();
-                    st.log(
-                        &Entry::Insert {
-                            dev,
-                            block: from,
-                            len: n,
-                            cache_block: cb,
-                            gen,
-                            dirty,
-                            crcs,
-                        },
-                        now,
-                    );
+                    st.insert_extent(dev, from, ext, crcs, now);
                 }
                 done += n;
             }

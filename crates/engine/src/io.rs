@@ -21,7 +21,6 @@
 use crate::alloc::WritePoint;
 use crate::format::BackingState;
 use crate::index::Seg;
-use crate::journal::Entry;
 use crate::policy::is_sequential_bypass;
 use crate::set::{Backing, DevKnobs, DevStatus, Inner, Promotion};
 use crate::stats::Counters;
@@ -544,20 +543,8 @@ impl Volume {
                     .expect("promotion registered")
                     .collided = false;
             }
-            st.index.insert(dev, b, ext, &crcs);
             let now = inner.now_ns();
-            st.log(
-                &Entry::Insert {
-                    dev,
-                    block: b,
-                    len: n,
-                    cache_block: cb,
-                    gen,
-                    dirty,
-                    crcs,
-                },
-                now,
-            );
+            st.insert_extent(dev, b, ext, crcs, now);
             let pending = st.journal.buf.buf.len();
             drop(st);
             drop(grant);

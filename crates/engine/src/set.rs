@@ -142,6 +142,31 @@ impl State {
         }
     }
 
+    /// Maps backing blocks to freshly written cache blocks (journaled). The cache data must
+    /// already be written; it becomes durable with the next commit.
+    pub fn insert_extent(
+        &mut self,
+        dev: DevId,
+        block: u64,
+        ext: crate::index::Extent,
+        crcs: Vec<u32>,
+        now_ns: u64,
+    ) {
+        self.index.insert(dev, block, ext, &crcs);
+        self.log(
+            &Entry::Insert {
+                dev,
+                block,
+                len: ext.len,
+                cache_block: ext.cache_block,
+                gen: ext.gen,
+                dirty: ext.dirty,
+                crcs,
+            },
+            now_ns,
+        );
+    }
+
     /// Drops a range from the index (journaled) if anything is cached there.
     pub fn invalidate(&mut self, dev: DevId, b0: u64, b1: u64, now_ns: u64) {
         self.collide(dev, b0, b1);

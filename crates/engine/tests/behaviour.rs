@@ -160,25 +160,11 @@ fn promotion_never_overwrites_a_write_made_while_in_flight() {
         inner: MemDevice::new(1 << 20),
         gate: std::sync::Mutex::new(None),
     });
-    CacheSet::format(
-        &*cache,
-        &FormatOptions {
-            bucket_size: 64 << 10,
-            ..FormatOptions::default()
-        },
-        false,
-    )
-    .unwrap();
-    engine::format_backing(&*backing, "g", CacheMode::Writethrough, false).unwrap();
-    let (set, _) = CacheSet::open(
-        cache,
-        Config {
-            background: false,
-            ..Config::default()
-        },
-    )
-    .unwrap();
-    let vol = set.attach(backing.clone()).unwrap();
+    let no_threads = Config {
+        background: false,
+        ..Config::default()
+    };
+    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writethrough, no_threads);
     let barrier = Arc::new(Barrier::new(2));
     *backing.gate.lock().unwrap() = Some(barrier.clone());
     let reader = {
@@ -322,25 +308,11 @@ fn works_on_file_devices_with_direct_io() {
     let cache: Arc<dyn BlockDevice> = Arc::new(FileDevice::create(&cache_path, 8 << 20).unwrap());
     let backing: Arc<dyn BlockDevice> =
         Arc::new(FileDevice::create(&backing_path, 4 << 20).unwrap());
-    CacheSet::format(
-        &*cache,
-        &FormatOptions {
-            bucket_size: 64 << 10,
-            ..FormatOptions::default()
-        },
-        false,
-    )
-    .unwrap();
-    engine::format_backing(&*backing, "f", CacheMode::Writeback, false).unwrap();
-    let (set, _) = CacheSet::open(
-        cache,
-        Config {
-            background: false,
-            ..Config::default()
-        },
-    )
-    .unwrap();
-    let vol = set.attach(backing).unwrap();
+    let no_threads = || Config {
+        background: false,
+        ..Config::default()
+    };
+    let (set, vol) = format_and_open(cache, backing, CacheMode::Writeback, no_threads());
     // Unaligned lengths and offsets (512-byte granularity) through the cache.
     let d = data(11, 3, 512 * 37);
     vol.write(512 * 3, &d, false).unwrap();
@@ -350,14 +322,7 @@ fn works_on_file_devices_with_direct_io() {
         Arc::new(FileDevice::open(&cache_path, Default::default()).unwrap());
     let backing: Arc<dyn BlockDevice> =
         Arc::new(FileDevice::open(&backing_path, Default::default()).unwrap());
-    let (set, _) = CacheSet::open(
-        cache,
-        Config {
-            background: false,
-            ..Config::default()
-        },
-    )
-    .unwrap();
+    let (set, _) = CacheSet::open(cache, no_threads()).unwrap();
     let vol = set.attach(backing).unwrap();
     assert!(
         vol.status().dirty_bytes > 0,

@@ -7,7 +7,7 @@ mod common;
 
 use blockdev::{BlockDevice, MemDevice};
 use common::*;
-use engine::{CacheMode, CacheSet, Config, FormatOptions};
+use engine::{CacheMode, Config};
 use rand::Rng;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,18 +18,7 @@ fn full_cache_steady_state_writeback() {
     let seed = seed_from_env("full_cache_steady_state_writeback");
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
     let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((12 << 20) + 8192));
-    CacheSet::format(
-        &*cache,
-        &FormatOptions {
-            bucket_size: 64 << 10,
-            ..FormatOptions::default()
-        },
-        false,
-    )
-    .unwrap();
-    engine::format_backing(&*backing, "big", CacheMode::Writeback, false).unwrap();
-    let (set, _) = CacheSet::open(cache.clone(), Config::default()).unwrap();
-    let vol = set.attach(backing.clone()).unwrap();
+    let (set, vol) = format_and_open(cache, backing, CacheMode::Writeback, Config::default());
     vol.set_sequential_cutoff(0);
     vol.set_writeback_delay_secs(0);
     let data_bytes = set.layout().nbuckets as u64 * set.layout().bucket_size as u64;

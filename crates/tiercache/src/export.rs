@@ -1,4 +1,5 @@
-//! `VolumeExport`: serves an engine `Volume` through the server's `Export` trait.
+//! Adapters to the server's `Export` trait: `VolumeExport` serves an engine `Volume`;
+//! `DeviceExport` serves a bare device (for `tiercache emulate`).
 //!
 //! Invariant: a thin adapter — every decision about caching is the engine's; this only maps
 //! calls and errors (engine errors become `io::Error`s, which the server turns into NBD error
@@ -57,6 +58,59 @@ impl server::Export for VolumeExport {
     }
     fn block_status(&self, _offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
         // The cache does not know where the backing device has holes: everything is data.
+        Ok(vec![(len, 0)])
+    }
+}
+
+/// `DeviceExport`: serves a bare `BlockDevice` (used by `tiercache emulate`).
+pub struct DeviceExport {
+    pub dev: std::sync::Arc<dyn blockdev::BlockDevice>,
+    pub name: String,
+}
+
+impl server::Export for DeviceExport {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn description(&self) -> String {
+        self.dev.describe()
+    }
+    fn size_bytes(&self) -> u64 {
+        self.dev.size_bytes()
+    }
+    fn is_rotational(&self) -> bool {
+        self.dev.is_rotational()
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.dev.read_at(buf, offset)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        self.dev.write_at(data, offset)?;
+        if fua {
+            self.dev.flush()?;
+        }
+        Ok(())
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.dev.flush()
+    }
+    fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.dev.discard(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, fua: bool, _no_hole: bool) -> io::Result<()> {
+        self.dev.write_zeroes(offset, len)?;
+        if fua {
+            self.dev.flush()?;
+        }
+        Ok(())
+    }
+    fn cache(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+    fn block_status(&self, _offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
         Ok(vec![(len, 0)])
     }
 }

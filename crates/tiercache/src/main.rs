@@ -7,17 +7,19 @@
 mod admin;
 mod client;
 mod demo;
+mod devices;
+mod emulate;
 mod export;
 mod serve;
 mod units;
 
 use anyhow::{bail, Context, Result};
-use blockdev::{BlockDevice, FileDevice, FileDeviceOptions};
+use blockdev::BlockDevice;
 use clap::{Parser, Subcommand};
 use engine::{CacheMode, CacheSet, Config, FormatOptions};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
+
 use units::{human, parse_size};
 
 #[derive(Parser)]
@@ -79,6 +81,41 @@ enum Cmd {
         #[arg(long)]
         no_serve: bool,
     },
+    /// Serve a file over NBD through a latency model of a slow disk (hdd) or flash (ssd).
+    Emulate {
+        #[arg(value_enum)]
+        kind: EmulateKind,
+        /// Backing file (created with --size if it does not exist).
+        #[arg(long)]
+        file: PathBuf,
+        /// Size of the file to create.
+        #[arg(long, value_parser = parse_size)]
+        size: Option<u64>,
+        /// Unix socket to serve on.
+        #[arg(long)]
+        socket: PathBuf,
+        /// Export name.
+        #[arg(long, default_value = "disk")]
+        name: String,
+        /// HDD: seek time between adjacent tracks (ms).
+        #[arg(long, default_value_t = 0.5)]
+        track_to_track_ms: f64,
+        /// HDD: seek time across the whole disk (ms).
+        #[arg(long, default_value_t = 15.0)]
+        full_stroke_ms: f64,
+        /// HDD: spindle speed; rotational delay is uniform in one revolution.
+        #[arg(long, default_value_t = 7200.0)]
+        rpm: f64,
+        /// Sequential transfer rate (MB/s); default 180 for hdd, 1500 for ssd.
+        #[arg(long)]
+        transfer_mb_s: Option<f64>,
+        /// SSD: fixed latency per request (microseconds).
+        #[arg(long, default_value_t = 80.0)]
+        latency_us: f64,
+        /// Seed of the HDD model's rotational delays.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Devices, modes, states, dirty data, occupancy and hit ratios of a running server.
     Status {
         #[command(flatten)]
@@ -121,7 +158,7 @@ enum Cmd {
     },
     /// Format a cache device and backing device(s) and attach them (like make-bcache).
     Make {
-        /// Slow device or image to cache (repeat for several backing devices).
+        /// Slow device, image or NBD URI to cache (repeat for several backing devices).
         #[arg(long, required = true)]
         backing: Vec<PathBuf>,
         /// Fast device or file that holds the cache.
@@ -157,19 +194,10 @@ enum Cmd {
     },
 }
 
-fn open_dev(path: &Path, read_only: bool) -> Result<Arc<dyn BlockDevice>> {
-    if !path.exists() {
-        bail!("{}: no such file or device", path.display());
-    }
-    let dev = FileDevice::open(
-        path,
-        FileDeviceOptions {
-            read_only,
-            ..FileDeviceOptions::default()
-        },
-    )
-    .with_context(|| format!("opening {}", path.display()))?;
-    Ok(Arc::new(dev))
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum EmulateKind {
+    Hdd,
+    Ssd,
 }
 
 fn make(
@@ -192,10 +220,10 @@ fn make(
     if backing.iter().any(|b| b == cache) {
         bail!("the cache and backing device must be different");
     }
-    let cache_dev = open_dev(cache, false)?;
+    let cache_dev = devices::open_path(cache, false)?;
     let backing_devs = backing
         .iter()
-        .map(|p| open_dev(p, false))
+        .map(|p| devices::open_spec(&p.to_string_lossy(), false))
         .collect::<Result<Vec<_>>>()?;
     let mode = if writeback {
         CacheMode::Writeback
@@ -255,7 +283,7 @@ fn make(
 }
 
 fn show(path: &Path) -> Result<()> {
-    let dev = open_dev(path, true)?;
+    let dev = devices::open_spec(&path.to_string_lossy(), true)?;
     if let Ok((sb, notes)) = engine::format::Superblock::read(&*dev) {
         let l = &sb.layout;
         println!("type            cache device");
@@ -327,7 +355,7 @@ fn show(path: &Path) -> Result<()> {
 }
 
 fn check(path: &Path, data: bool) -> Result<ExitCode> {
-    let dev = open_dev(path, true)?;
+    let dev = devices::open_spec(&path.to_string_lossy(), true)?;
     let r = engine::check_device(&*dev, data)?;
     println!("{}: tiercache {} device", path.display(), r.kind);
     for (k, v) in &r.facts {
@@ -400,6 +428,32 @@ fn main() -> ExitCode {
                 },
             };
             serve::serve(&cfg, |_| {})
+        })()
+        .map(|_| ExitCode::SUCCESS),
+        Cmd::Emulate {
+            kind,
+            file,
+            size,
+            socket,
+            name,
+            track_to_track_ms,
+            full_stroke_ms,
+            rpm,
+            transfer_mb_s,
+            latency_us,
+            seed,
+        } => (|| {
+            let model = match kind {
+                EmulateKind::Hdd => emulate::hdd_model(
+                    track_to_track_ms,
+                    full_stroke_ms,
+                    rpm,
+                    transfer_mb_s.unwrap_or(180.0),
+                    seed,
+                ),
+                EmulateKind::Ssd => emulate::ssd_model(latency_us, transfer_mb_s.unwrap_or(1500.0)),
+            };
+            emulate::run(emulate::device(&file, size, model)?, &socket, &name)
         })()
         .map(|_| ExitCode::SUCCESS),
         Cmd::Demo {

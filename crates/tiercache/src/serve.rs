@@ -9,8 +9,8 @@
 
 use crate::admin::{self, Control};
 use crate::export::VolumeExport;
-use anyhow::{bail, Context, Result};
-use blockdev::{BlockDevice, FileDevice, FileDeviceOptions};
+use anyhow::{Context, Result};
+use blockdev::BlockDevice;
 use engine::{CacheSet, Config};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -24,7 +24,7 @@ use std::time::Duration;
 pub struct ServeConfig {
     /// Cache device (file or block device).
     pub cache: PathBuf,
-    /// Backing devices: paths (files or block devices).
+    /// Backing devices: paths (files or block devices) or NBD URIs.
     #[serde(default)]
     pub backing: Vec<String>,
     /// Unix socket for NBD clients.
@@ -73,27 +73,6 @@ pub fn parse_tcp(s: &str) -> Result<std::net::SocketAddr> {
         .with_context(|| format!("'{s}' is not an address like 127.0.0.1:10809"))
 }
 
-/// Opens a device for the cache or a backing device.
-pub fn open_device(path: &Path) -> Result<Arc<dyn BlockDevice>> {
-    if !path.exists() {
-        bail!("{}: no such file or device", path.display());
-    }
-    Ok(Arc::new(
-        FileDevice::open(path, FileDeviceOptions::default())
-            .with_context(|| format!("opening {}", path.display()))?,
-    ))
-}
-
-/// Opens a backing device named by a path.
-pub fn open_backing(spec: &str) -> Result<Arc<dyn BlockDevice>> {
-    if spec.contains("://") {
-        bail!(
-            "'{spec}': NBD backing devices are not supported yet; give a file or block device path"
-        );
-    }
-    open_device(Path::new(spec))
-}
-
 /// A running server: the cache set, its exports, the admin socket.
 pub struct Running {
     pub set: Arc<CacheSet>,
@@ -137,18 +116,18 @@ impl Control for Running {
         self.request_stop();
     }
     fn open_backing(&self, path: &Path) -> Result<Arc<dyn BlockDevice>> {
-        open_device(path)
+        crate::devices::open_spec(&path.to_string_lossy(), false)
     }
 }
 
 /// Opens the set and serves until stopped. `on_ready` runs once everything listens (the demo
 /// uses it to drive its workload); it may call `request_stop`.
 pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> Result<()> {
-    let cache = open_device(&cfg.cache)?;
+    let cache = crate::devices::open_path(&cfg.cache, false)?;
     let backings = cfg
         .backing
         .iter()
-        .map(|b| open_backing(b))
+        .map(|b| crate::devices::open_spec(b, false))
         .collect::<Result<Vec<_>>>()?;
     serve_devices(cfg, cache, backings, on_ready)
 }

@@ -460,3 +460,149 @@ fn kill_9_after_flush_loses_nothing() {
     let raw = std::fs::read(f.path("slow.img")).unwrap();
     assert!(raw[8192..8192 + (2 << 20)].iter().all(|&b| b == 0x5c));
 }
+
+#[test]
+fn remote_backing_device_over_nbd_from_emulate() {
+    if !have("qemu-io") {
+        return;
+    }
+    let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+    let hdd_sock = dir.path().join("hdd.sock");
+    let mut emu = tc()
+        .args(["emulate", "hdd", "--size", "32M", "--file"])
+        .arg(dir.path().join("disk.img"))
+        .arg("--socket")
+        .arg(&hdd_sock)
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !hdd_sock.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "emulate did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let remote = format!("nbd+unix:///disk?socket={}", hdd_sock.display());
+    let fast = dir.path().join("fast.img");
+    std::fs::File::create(&fast)
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
+    run(tc()
+        .args(["make", "--label", "net", "--backing", &remote, "--cache"])
+        .arg(&fast));
+    let sock = dir.path().join("tc.sock");
+    let mut server = tc()
+        .arg("serve")
+        .arg("--cache")
+        .arg(&fast)
+        .args(["--backing", &remote, "--socket"])
+        .arg(&sock)
+        .spawn()
+        .unwrap();
+    let admin = format!("{}.admin", sock.display());
+    while !Path::new(&admin).exists() {
+        assert!(t.elapsed() < Duration::from_secs(30), "serve did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let uri = format!("nbd+unix:///net?socket={}", sock.display());
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x42 4096 256k",
+        "-c",
+        "flush",
+        &uri,
+    ]));
+    let o = run(Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0x42 4096 256k", &uri]));
+    assert!(!stdout(&o).contains("Pattern verification failed"));
+    run(tc().args(["stop", "--admin", &admin]));
+    assert!(server.wait().unwrap().success());
+    // The data reached the emulated disk itself (writethrough), past the 8 KiB header.
+    let o =
+        run(Command::new("qemu-io").args(["-f", "raw", "-c", "read -P 0x42 12288 256k", &remote]));
+    assert!(
+        !stdout(&o).contains("Pattern verification failed"),
+        "{}",
+        stdout(&o)
+    );
+    stop_child(&mut emu);
+}
+
+fn stop_child(c: &mut Child) {
+    let _ = c.kill();
+    let _ = c.wait();
+}
+
+#[test]
+fn serve_from_a_toml_config_file() {
+    if !have("nbdinfo") {
+        return;
+    }
+    let mut f = Fixture::new(16, 8, false);
+    let cfg = f.path("tiercache.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "cache = \"{}\"\nbacking = [\"{}\"]\nsocket = \"{}\"\n",
+            f.path("fast.img").display(),
+            f.path("slow.img").display(),
+            f.socket().display()
+        ),
+    )
+    .unwrap();
+    f.server = Some(tc().arg("serve").arg("--config").arg(&cfg).spawn().unwrap());
+    let t = Instant::now();
+    while !Path::new(&f.admin()).exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = run(Command::new("nbdinfo").arg("--size").arg(f.uri()));
+    assert_eq!(stdout(&o).trim(), ((16u64 << 20) - 8192).to_string());
+    f.stop();
+    // A config with an unknown key is refused with a clear message.
+    std::fs::write(&cfg, "cache = \"x\"\ncolour = \"blue\"\n").unwrap();
+    let o = tc()
+        .arg("serve")
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("unknown field"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn demo_runs_end_to_end_and_the_cache_warms_up() {
+    let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+    let o = run(tc()
+        .args(["demo", "--no-serve", "--size", "64M", "--dir"])
+        .arg(dir.path().join("demo")));
+    let out = stdout(&o);
+    let ratios: Vec<u64> = out
+        .lines()
+        .filter(|l| l.trim_end().ends_with('%'))
+        .map(|l| {
+            l.split_whitespace()
+                .last()
+                .unwrap()
+                .trim_end_matches('%')
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(ratios.len(), 5, "{out}");
+    assert!(
+        ratios[4] > ratios[0] + 30,
+        "hit ratio should climb pass by pass: {ratios:?}"
+    );
+}

@@ -390,3 +390,25 @@ pub fn seed_from_env(test: &str) -> u64 {
     eprintln!("{test}: seed={seed} (replay with TIERCACHE_SEED={seed})");
     seed
 }
+
+/// Formats `cache` (64 KiB buckets) and `backing`, opens the set and attaches the volume.
+pub fn format_and_open(
+    cache: Arc<dyn BlockDevice>,
+    backing: Arc<dyn BlockDevice>,
+    mode: CacheMode,
+    config: Config,
+) -> (CacheSet, Volume) {
+    CacheSet::format(
+        &*cache,
+        &FormatOptions {
+            bucket_size: 64 << 10,
+            ..FormatOptions::default()
+        },
+        false,
+    )
+    .expect("format cache");
+    engine::format_backing(&*backing, "vol", mode, false).expect("format backing");
+    let (set, _) = CacheSet::open(cache, config).expect("open set");
+    let vol = set.attach(backing).expect("attach");
+    (set, vol)
+}

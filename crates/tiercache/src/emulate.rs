@@ -1,0 +1,82 @@
+//! `tiercache emulate hdd|ssd`: serves a file over NBD through a latency model, so benchmarks,
+//! tests and users get an honest slow (or fast) disk without owning one. The model is the
+//! `blockdev::latency` wrapper; this only parses options and serves it.
+//!
+//! Invariant: serves until SIGINT/SIGTERM, then finishes in-flight requests and exits 0.
+
+use crate::export::DeviceExport;
+use anyhow::{Context, Result};
+use blockdev::latency::{HddModel, LatencyDevice, Model, SsdModel};
+use blockdev::{BlockDevice, FileDevice, FileDeviceOptions};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Opens (or creates with `size`) the file and wraps it in the model.
+pub fn device(file: &Path, size: Option<u64>, model: Model) -> Result<Arc<dyn BlockDevice>> {
+    let dev = if file.exists() {
+        FileDevice::open(file, FileDeviceOptions::default())
+    } else {
+        let size = size.with_context(|| {
+            format!(
+                "{} does not exist; give --size to create it",
+                file.display()
+            )
+        })?;
+        FileDevice::create(file, size)
+    }
+    .with_context(|| format!("opening {}", file.display()))?;
+    Ok(Arc::new(LatencyDevice::new(dev, model)))
+}
+
+pub fn run(dev: Arc<dyn BlockDevice>, socket: &Path, name: &str) -> Result<()> {
+    let registry = server::ExportRegistry::new();
+    registry.add(Arc::new(DeviceExport {
+        dev: dev.clone(),
+        name: name.to_string(),
+    }))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
+    let handle = server::start(
+        &server::BindAddr::Unix(socket.to_path_buf()),
+        registry,
+        server::ServerConfig::default(),
+    )
+    .with_context(|| format!("listening on {}", socket.display()))?;
+    log::info!(
+        "emulating {} at {}",
+        dev.describe(),
+        handle.local_addr().uri(name)
+    );
+    while !stop.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    handle.shutdown();
+    Ok(())
+}
+
+pub fn hdd_model(
+    track_to_track_ms: f64,
+    full_stroke_ms: f64,
+    rpm: f64,
+    transfer_mb_per_s: f64,
+    seed: u64,
+) -> Model {
+    Model::Hdd(HddModel {
+        track_to_track_ms,
+        full_stroke_ms,
+        rpm,
+        transfer_mb_per_s,
+        seed,
+    })
+}
+
+pub fn ssd_model(latency_us: f64, transfer_mb_per_s: f64) -> Model {
+    Model::Ssd(SsdModel {
+        latency_us,
+        transfer_mb_per_s,
+    })
+}
