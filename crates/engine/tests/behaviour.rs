@@ -337,3 +337,71 @@ fn works_on_file_devices_with_direct_io() {
     let raw = std::fs::read(&backing_path).unwrap();
     assert_eq!(&raw[8192 + 512 * 3..8192 + 512 * 40], &d[..]);
 }
+
+/// Counts flushes that reach a device.
+#[derive(Debug)]
+struct FlushCounter {
+    inner: MemDevice,
+    flushes: std::sync::atomic::AtomicU64,
+}
+
+impl BlockDevice for FlushCounter {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, offset)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.flushes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        self.inner.discard(offset, len)
+    }
+    fn describe(&self) -> String {
+        "counter".into()
+    }
+}
+
+#[test]
+fn deferred_flush_reaches_the_backing_device_only_when_it_was_written() {
+    let backing = Arc::new(FlushCounter {
+        inner: MemDevice::new(1 << 20),
+        flushes: Default::default(),
+    });
+    let no_threads = Config {
+        background: false,
+        ..Config::default()
+    };
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
+    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads);
+    let flushes = || backing.flushes.load(std::sync::atomic::Ordering::SeqCst);
+    vol.write(0, &data(1, 0, 4096), false).unwrap(); // marks the header dirty (flushed once)
+    let before = flushes();
+    for i in 0..10u64 {
+        vol.write(i * 4096, &data(i + 2, i * 8, 4096), false)
+            .unwrap();
+        vol.flush().unwrap();
+    }
+    assert_eq!(
+        flushes(),
+        before,
+        "fsync in writeback must not flush the slow device"
+    );
+    vol.set_mode(CacheMode::Writearound).unwrap();
+    let before = flushes();
+    vol.write(65536, &data(20, 128, 4096), false).unwrap();
+    vol.flush().unwrap();
+    assert_eq!(
+        flushes(),
+        before + 1,
+        "a direct write must be flushed on the slow device"
+    );
+    vol.flush().unwrap();
+    assert_eq!(flushes(), before + 1, "nothing new reached it");
+}
