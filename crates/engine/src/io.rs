@@ -45,6 +45,9 @@ impl std::fmt::Debug for Volume {
     }
 }
 
+/// Window of the miss fill on rotational backing devices (see `Volume::miss_fill`).
+const MISS_FILL_BYTES: u64 = 64 << 10;
+
 /// How a write uses the cache.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Route {
@@ -284,9 +287,15 @@ impl Volume {
         let end = offset + buf.len() as u64;
         let (b0, b1) = (offset / bs, end.div_ceil(bs));
         let tick = inner.next_tick();
-        let (segs, promo) = {
+        let (segs, promo, around) = {
             let mut st = inner.state.lock();
             let segs = st.index.lookup(dev, b0, b1);
+            let miss = !bypass && segs.iter().any(|s| s.ext.is_none());
+            let around = if miss {
+                self.miss_fill(&st.index, b0, b1)
+            } else {
+                ((b0, b0), (b1, b1))
+            };
             for s in &segs {
                 if let Some(e) = s.ext {
                     let bucket = st.index.bucket_of(e.cache_block);
@@ -294,24 +303,40 @@ impl Volume {
                     st.buckets.touch(bucket, tick);
                 }
             }
-            let promo = (!bypass && segs.iter().any(|s| s.ext.is_none())).then(|| {
+            let promo = miss.then(|| {
                 let id = st.next_promotion;
                 st.next_promotion += 1;
                 st.promotions.insert(
                     id,
                     Promotion {
                         dev,
-                        b0,
-                        b1,
+                        b0: around.0 .0,
+                        b1: around.1 .1,
                         collided: false,
                     },
                 );
                 id
             });
-            (segs, promo)
+            (segs, promo, around)
         };
         let hit = segs.iter().all(|s| s.ext.is_some());
-        let result = self.read_segments(&segs, offset, buf, promo.is_some());
+        // Uncached blocks next to a miss come along in the same backing read, in offset order.
+        let result = (|| {
+            let mut fills = Vec::new();
+            let ((p0, p1), (s0, s1)) = around;
+            if p1 > p0 {
+                let mut d = vec![0u8; ((p1 - p0) * bs) as usize];
+                self.backing_read(&mut d, p0 * bs)?;
+                fills.push((p0, d));
+            }
+            fills.extend(self.read_segments(&segs, offset, buf, promo.is_some())?);
+            if s1 > s0 {
+                let mut d = vec![0u8; ((s1 - s0) * bs) as usize];
+                self.backing_read(&mut d, s0 * bs)?;
+                fills.push((s0, d));
+            }
+            Ok(fills)
+        })();
         {
             let mut st = inner.state.lock();
             let durable = st.journal.durable_epoch;
@@ -351,6 +376,32 @@ impl Volume {
             self.promote(id, fills);
         }
         Ok(())
+    }
+
+    /// The miss fill: on a rotational backing device a miss costs the seek, not the bytes, so
+    /// the uncached blocks around `[b0, b1)` up to the enclosing `MISS_FILL_BYTES`-aligned
+    /// window are read and promoted too. Returns the extra ranges before and after the request
+    /// (empty when the device is not rotational or the neighbours are cached).
+    fn miss_fill(&self, index: &crate::index::Index, b0: u64, b1: u64) -> ((u64, u64), (u64, u64)) {
+        let bs = self.inner.block_size();
+        let window = MISS_FILL_BYTES / bs;
+        if !self.backing.dev.is_rotational() || window <= 1 {
+            return ((b0, b0), (b1, b1));
+        }
+        let dev_blocks = self.size_bytes() / bs;
+        let w0 = b0 / window * window;
+        let w1 = (b1.div_ceil(window) * window).min(dev_blocks).max(b1);
+        let before = index.lookup(self.backing.id, w0, b0);
+        let p0 = match before.last() {
+            Some(s) if s.ext.is_none() => s.block,
+            _ => b0,
+        };
+        let after = index.lookup(self.backing.id, b1, w1);
+        let s1 = match after.first() {
+            Some(s) if s.ext.is_none() => s.block + s.len,
+            _ => b1,
+        };
+        ((p0, b0), (b1, s1))
     }
 
     /// Reads every segment into `buf`; returns whole-block data of the holes to promote.

@@ -88,7 +88,8 @@ fn dirty_data_survives_crash_and_is_written_back() {
 
 #[test]
 fn sequential_streams_bypass_past_the_cutoff_even_interleaved() {
-    let rig = Rig::new(4, Geometry::default(), CacheMode::Writethrough);
+    // An odd seed: the backing device is not rotational, so there is no miss fill.
+    let rig = Rig::new(41, Geometry::default(), CacheMode::Writethrough);
     let vol = rig.vol();
     vol.set_sequential_cutoff(64 << 10);
     let chunk = 16 << 10;
@@ -404,4 +405,46 @@ fn deferred_flush_reaches_the_backing_device_only_when_it_was_written() {
     );
     vol.flush().unwrap();
     assert_eq!(flushes(), before + 1, "nothing new reached it");
+}
+
+#[test]
+fn misses_on_a_rotational_device_fill_the_surrounding_window() {
+    let g = Geometry {
+        cache_bytes: 4 << 20,
+        ..Geometry::default()
+    };
+    let rig = Rig::new(12, g, CacheMode::Writethrough);
+    assert!(rig.backing.is_rotational());
+    let vol = rig.vol();
+    let mut buf = vec![0u8; 4096];
+    // A 4 KiB miss in the middle of a 64 KiB window promotes the whole window.
+    vol.read(5 * 4096, &mut buf).unwrap();
+    assert_eq!(
+        vol.cached_ranges(0, 1 << 20)
+            .unwrap()
+            .iter()
+            .map(|r| r.1)
+            .sum::<u64>(),
+        65536
+    );
+    let s = vol.status().stats.total;
+    assert_eq!((s.cache_misses, s.backing_read_bytes), (1, 65536));
+    // Its neighbours now hit; a cached block stops the fill.
+    vol.read(0, &mut buf).unwrap();
+    vol.read(15 * 4096, &mut buf).unwrap();
+    assert_eq!(vol.status().stats.total.cache_hits, 2);
+    vol.write(20 * 4096, &data(3, 160, 4096), false).unwrap();
+    vol.read(18 * 4096, &mut buf).unwrap();
+    let cached = vol.cached_ranges(65536, 65536).unwrap();
+    assert_eq!(cached.first().map(|r| r.0), Some(65536));
+    assert_eq!(
+        cached.last(),
+        Some(&(20 * 4096, 4096, false)),
+        "the written block"
+    );
+    assert_eq!(
+        cached.iter().map(|r| r.1).sum::<u64>(),
+        5 * 4096,
+        "fill stops at the cached block"
+    );
 }

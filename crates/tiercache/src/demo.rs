@@ -21,7 +21,7 @@ use std::time::Instant;
 const EXPORT: &str = "demo";
 const PASSES: usize = 5;
 const READS_PER_PASS: usize = 400;
-const HOT_SET_BYTES: u64 = 4 << 20;
+const HOT_SET_BYTES: u64 = 32 << 20;
 
 pub fn run(dir: &Path, size: u64, no_serve: bool) -> Result<()> {
     if size < 64 << 20 {

@@ -97,7 +97,9 @@ impl Fixture {
     }
 
     fn start(&mut self) {
+        // A killed server leaves both sockets behind; wait for the new ones.
         let _ = std::fs::remove_file(self.socket());
+        let _ = std::fs::remove_file(self.admin());
         let child = tc()
             .arg("serve")
             .arg("--cache")

@@ -156,6 +156,8 @@ impl Rig {
         let ctrl = FaultController::new(seed);
         let cache = Arc::new(SimDevice::new("cache", g.cache_bytes, ctrl.clone()));
         let backing = Arc::new(SimDevice::new("backing", g.backing_bytes, ctrl.clone()));
+        // Half the seeds see a rotational backing device (which turns on the miss fill).
+        backing.set_rotational(seed.is_multiple_of(2));
         CacheSet::format(
             &*cache,
             &FormatOptions {
