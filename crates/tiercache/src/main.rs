@@ -30,8 +30,10 @@ use units::{human, parse_size};
     long_about = "tiercache keeps the hot blocks of slow backing devices (HDDs, disk images) on a fast \
 cache device (an SSD, or a file on one), like Linux bcache but in userspace, with checksums on \
 all cached data and metadata and a journal that survives crashes.\n\n\
-Start with `tiercache make --backing SLOW --cache FAST`, inspect with `tiercache show` and \
-verify with `tiercache check`."
+Try it with `tiercache demo`. For your own devices: `tiercache make --backing SLOW --cache \
+FAST --label NAME`, then `tiercache serve --cache FAST --backing SLOW` and connect any NBD \
+client to nbd+unix:///NAME?socket=/tmp/tiercache.sock; watch and tune it with `tiercache \
+status` and `tiercache set`."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -56,7 +58,7 @@ enum Cmd {
         /// Backing device(s) to attach and serve.
         #[arg(long)]
         backing: Vec<String>,
-        /// Unix socket for NBD clients.
+        /// Unix socket for NBD clients [default: /tmp/tiercache.sock].
         #[arg(long)]
         socket: Option<PathBuf>,
         /// Also listen on TCP: a port (bound to 127.0.0.1) or ADDRESS:PORT.
