@@ -15,6 +15,12 @@
 //! - `SimDevice::crash_image` = durable image + each write since the last completed flush,
 //!   in order, kept whole, dropped, or torn (a random subset of its 512-byte sectors).
 //!   Sectors are never torn internally.
+//!
+//! Fault model (what tests can inject): EIO from rules (per device name, operation, byte range,
+//! probability, firing budget), seeded latency per operation, and a crash at a chosen I/O
+//! number or on demand. Requests rejected as `InvalidInput` reach no device and are not
+//! counted. `write_zeroes` counts as a write and `discard` as a discard; on a `SimDevice` both
+//! are recorded as writes of zeroes.
 
 use crate::{check_range, BlockDevice, SECTOR_SIZE};
 use parking_lot::Mutex;
@@ -113,10 +119,14 @@ impl FaultController {
         self.rules.lock().clear();
     }
 
-    /// Adds a seeded-random delay in `[min, max]` to every matching operation.
+    /// Adds a seeded-random delay in `[min, max]` to every operation matching `op`, replacing
+    /// an earlier setting for the same `op` (`Duration::ZERO` twice turns it off). When several
+    /// settings match an operation, the earliest set one applies.
     pub fn set_latency(&self, op: FaultOp, min: Duration, max: Duration) {
         assert!(min <= max, "latency range is inverted");
-        self.latency.lock().push((op, min, max));
+        let mut lat = self.latency.lock();
+        lat.retain(|&(o, _, _)| o != op);
+        lat.push((op, min, max));
     }
 
     /// Accounts one I/O. `Ok(true)`: this I/O is the crash point (it must fail after
@@ -149,9 +159,10 @@ impl FaultController {
         let mut rules = self.rules.lock();
         for rule in rules.iter_mut() {
             let dev_ok = rule.device.as_deref().is_none_or(|d| d == device);
+            // Flushes (and empty requests) cover no bytes, so they never match a range rule.
             let range_ok = rule
                 .range
-                .is_none_or(|(s, e)| offset < e && s < offset + len.max(1));
+                .is_none_or(|(s, e)| len > 0 && offset < e && s < offset.saturating_add(len));
             if dev_ok
                 && range_ok
                 && rule.op.matches(op)
@@ -351,7 +362,12 @@ impl<D: BlockDevice> FaultyDevice<D> {
         }
     }
 
+    /// Rejects bad requests (they reach no device and count as no I/O), then consults the
+    /// controller.
     fn gate(&self, op: FaultOp, offset: u64, len: u64) -> io::Result<()> {
+        if op != FaultOp::Flush {
+            check_range(self.inner.size_bytes(), offset, len)?;
+        }
         if self.ctrl.begin(&self.name, op, offset, len)? {
             return Err(crash_error());
         }
@@ -483,6 +499,104 @@ mod tests {
         assert!(d.write_at(&[1; 512], 4608).is_err());
         d.write_at(&[1; 512], 4096).unwrap();
         d.read_at(&mut [0; 512], 4096).unwrap();
+    }
+
+    #[test]
+    fn crashing_write_is_in_flight_and_may_tear() {
+        let s = seed();
+        let mut outcomes = std::collections::BTreeSet::new();
+        for i in 0..100 {
+            let c = FaultController::new(s.wrapping_add(i));
+            let d = SimDevice::new("d", 8192, c.clone());
+            c.set_crash_at(Some(2));
+            d.write_at(&[1; 4096], 0).unwrap();
+            let e = d.write_at(&[2; 4096], 4096).unwrap_err();
+            assert!(e.to_string().contains("simulated crash"), "{e}");
+            assert_eq!(c.io_count(), 2);
+            assert!(d.flush().is_err(), "flush after the crash must fail");
+            let img = d.crash_image();
+            outcomes.insert(img[4096..].chunks(512).filter(|s| s[0] == 2).count());
+        }
+        assert!(
+            outcomes.contains(&0) && outcomes.contains(&8),
+            "seed {s}: {outcomes:?}"
+        );
+        assert!(outcomes.len() > 2, "seed {s}: never torn: {outcomes:?}");
+    }
+
+    #[test]
+    fn discard_and_write_zeroes_are_pending_until_flush() {
+        let c = FaultController::new(5);
+        let d = SimDevice::from_image("d", vec![8; 4096], c.clone());
+        d.discard(0, 1024).unwrap();
+        d.write_zeroes(2048, 512).unwrap();
+        assert_eq!(d.pending_writes(), 2);
+        assert_eq!(d.durable_image(), vec![8; 4096]);
+        let live = d.live_image();
+        assert_eq!(&live[..1024], &[0; 1024]);
+        assert_eq!(&live[1024..2048], &[8; 1024]);
+        assert_eq!(&live[2048..2560], &[0; 512]);
+        d.flush().unwrap();
+        assert_eq!(d.pending_writes(), 0);
+        assert_eq!(d.durable_image(), live);
+        assert_eq!(
+            d.crash_image(),
+            live,
+            "nothing pending: the crash image is durable"
+        );
+        assert_eq!(c.io_count(), 3);
+        assert_eq!(d.describe(), "sim d 4096 bytes");
+    }
+
+    #[test]
+    fn latency_is_applied_and_bounded() {
+        let c = FaultController::new(9);
+        let d = SimDevice::new("d", 4096, c.clone());
+        c.set_latency(
+            FaultOp::Read,
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+        );
+        c.set_latency(
+            FaultOp::Read,
+            Duration::from_millis(2),
+            Duration::from_millis(3),
+        );
+        let t = std::time::Instant::now();
+        d.read_at(&mut [0; 512], 0).unwrap();
+        let took = t.elapsed();
+        assert!(took >= Duration::from_millis(2), "{took:?}");
+        assert!(
+            took < Duration::from_secs(1),
+            "set_latency replaces: {took:?}"
+        );
+    }
+
+    #[test]
+    fn faulty_device_rejects_bad_requests_without_counting() {
+        let c = FaultController::new(0);
+        let d = FaultyDevice::new("x", MemDevice::new(4096), c.clone());
+        c.add_rule(FaultRule {
+            device: None,
+            op: FaultOp::Any,
+            range: Some((0, 4096)),
+            probability: 1.0,
+            remaining: None,
+        });
+        assert_eq!(
+            d.read_at(&mut [0; 512], u64::MAX - 511).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            d.discard(u64::MAX - 511, 1024).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(c.io_count(), 0);
+        d.flush().unwrap(); // a flush covers no bytes: range rules do not match it
+        assert!(d.read_at(&mut [0; 512], 0).is_err());
+        c.clear_rules();
+        d.read_at(&mut [0; 512], 0).unwrap();
+        assert_eq!(c.io_count(), 3);
     }
 
     #[test]

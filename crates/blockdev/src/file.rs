@@ -1,14 +1,19 @@
 //! `FileDevice`: a regular file or a block device, with O_DIRECT where the filesystem allows.
 //!
+//! Owns: one open file (two descriptors on it: O_DIRECT when the filesystem allows it, and a
+//! buffered one for requests the direct one cannot take), its size and its alignment rules.
+//!
 //! Invariants: requests are checked with `check_range` first; with O_DIRECT, every request
-//! reaching the kernel has its buffer, offset and length aligned to the direct-I/O alignment
-//! (unaligned ones go through an aligned bounce buffer, or through a buffered descriptor when
-//! offset/length themselves are unaligned); `flush` is `fdatasync` either way. Short reads and
-//! writes are retried; EINTR is retried; bytes past the end of a short regular file read as
-//! zeroes.
+//! reaching the kernel has its offset and length aligned to the direct-I/O offset alignment and
+//! its buffer to the memory alignment (from `statx(STATX_DIOALIGN)`, else probed) — unaligned
+//! buffers go through an aligned bounce buffer, unaligned offsets/lengths through the buffered
+//! descriptor; `flush` is `fdatasync` either way (it also flushes the drive's write cache).
+//! Short reads and writes are retried; EINTR is retried; bytes past the end of a regular file
+//! that shrank after opening read as zeroes.
 //!
 //! Fault model: every error from the kernel is returned as-is; a failed write leaves any
-//! subset of its sectors written.
+//! subset of its sectors written. `discard` on a regular file punches a hole (zeroes); where
+//! that is unsupported it writes zeroes; on a block device it is a hint (unsupported ⇒ `Ok`).
 
 use crate::{check_range, BlockDevice, SECTOR_SIZE};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
@@ -24,6 +29,9 @@ pub struct FileDeviceOptions {
     /// Try O_DIRECT (falls back to buffered I/O where the filesystem refuses it).
     pub direct: bool,
     pub read_only: bool,
+    /// When the path does not exist, create a sparse regular file of this size (rounded down
+    /// to a multiple of 512) instead of failing.
+    pub create_size_bytes: Option<u64>,
 }
 
 impl Default for FileDeviceOptions {
@@ -31,6 +39,7 @@ impl Default for FileDeviceOptions {
         FileDeviceOptions {
             direct: true,
             read_only: false,
+            create_size_bytes: None,
         }
     }
 }
@@ -41,7 +50,10 @@ pub struct FileDevice {
     /// O_DIRECT descriptor when direct I/O works, else the buffered one.
     direct: Option<File>,
     buffered: File,
-    align: usize,
+    /// Direct I/O: offsets and lengths must be multiples of this.
+    dio_offset_align: usize,
+    /// Direct I/O: buffers must start at a multiple of this.
+    dio_mem_align: usize,
     size: u64,
     rotational: bool,
     block_device: bool,
@@ -51,6 +63,7 @@ const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
 const BLKDISCARD: libc::c_ulong = 0x1277;
 const BLKZEROOUT: libc::c_ulong = 0x127f;
 const BOUNCE_ALIGN: usize = 4096;
+const PUNCH_HOLE: libc::c_int = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
 
 /// A heap buffer aligned for O_DIRECT.
 struct Aligned {
@@ -100,8 +113,18 @@ fn rotational_of(meta: &std::fs::Metadata) -> bool {
 }
 
 impl FileDevice {
-    /// Opens an existing regular file or block device.
+    /// Opens a regular file or block device (creating the file when `create_size_bytes` is set
+    /// and the path does not exist).
     pub fn open(path: &Path, opts: FileDeviceOptions) -> io::Result<FileDevice> {
+        if let Some(size_bytes) = opts.create_size_bytes {
+            if !opts.read_only {
+                match OpenOptions::new().write(true).create_new(true).open(path) {
+                    Ok(f) => f.set_len(size_bytes / SECTOR_SIZE * SECTOR_SIZE)?,
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
         let mut o = OpenOptions::new();
         o.read(true).write(!opts.read_only);
         let buffered = o.open(path)?;
@@ -133,7 +156,8 @@ impl FileDevice {
             path: path.to_path_buf(),
             direct: None,
             buffered,
-            align: 512,
+            dio_offset_align: 512,
+            dio_mem_align: 512,
             size,
             rotational: block_device && rotational_of(&meta),
             block_device,
@@ -157,6 +181,8 @@ impl FileDevice {
         FileDevice::open(path, FileDeviceOptions::default())
     }
 
+    /// Opens the O_DIRECT descriptor and learns its alignment; leaves the device buffered when
+    /// the filesystem refuses direct I/O (e.g. tmpfs: EINVAL) or no alignment works.
     fn try_direct(&mut self, read_only: bool) {
         let Ok(f) = OpenOptions::new()
             .read(true)
@@ -164,18 +190,30 @@ impl FileDevice {
             .custom_flags(libc::O_DIRECT)
             .open(&self.path)
         else {
-            return; // e.g. tmpfs: EINVAL
-        };
-        if self.size == 0 {
-            self.direct = Some(f);
             return;
-        }
-        for align in [512usize, 4096] {
-            let mut buf = Aligned::new(align);
-            if f.read_at(buf.slice(align), 0).is_ok() {
-                self.align = align;
+        };
+        match dio_align(&f) {
+            // The kernel says direct I/O is unsupported for this file, or wants buffers aligned
+            // beyond what our bounce buffers give.
+            Some(None) => {}
+            Some(Some((_, mem_align))) if mem_align > BOUNCE_ALIGN => {}
+            Some(Some((offset_align, mem_align))) => {
+                self.dio_offset_align = offset_align.max(SECTOR_SIZE as usize);
+                self.dio_mem_align = mem_align.max(1);
                 self.direct = Some(f);
-                return;
+            }
+            None if self.size == 0 => self.direct = Some(f), // nothing can be read or written
+            None => {
+                // Probe: an aligned read at offset 0; 512 first, 4096 when that is EINVAL.
+                for align in [512usize, BOUNCE_ALIGN] {
+                    let mut buf = Aligned::new(align);
+                    if f.read_at(buf.slice(align), 0).is_ok() {
+                        self.dio_offset_align = align;
+                        self.dio_mem_align = align;
+                        self.direct = Some(f);
+                        return;
+                    }
+                }
             }
         }
     }
@@ -192,7 +230,8 @@ impl FileDevice {
     fn fd_for(&self, offset: u64, len: usize) -> (&File, bool) {
         match &self.direct {
             Some(d)
-                if offset.is_multiple_of(self.align as u64) && len.is_multiple_of(self.align) =>
+                if offset.is_multiple_of(self.dio_offset_align as u64)
+                    && len.is_multiple_of(self.dio_offset_align) =>
             {
                 (d, true)
             }
@@ -236,6 +275,35 @@ impl FileDevice {
     }
 }
 
+/// The direct-I/O alignment the kernel reports: `None` when `statx` cannot tell (old kernel
+/// or filesystem), `Some(None)` when direct I/O is unsupported for this file, else
+/// `Some(Some((offset_align, mem_align)))`.
+fn dio_align(f: &File) -> Option<Option<(usize, usize)>> {
+    // SAFETY: `statx` is plain old data; all-zero bytes are a valid value.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: an empty C string with AT_EMPTY_PATH names the descriptor itself; the kernel
+    // writes at most one `statx` through the pointer, which is valid and exclusively ours.
+    let r = unsafe {
+        libc::statx(
+            f.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
+    if r != 0 || stx.stx_mask & libc::STATX_DIOALIGN == 0 {
+        return None;
+    }
+    if stx.stx_dio_offset_align == 0 {
+        return Some(None);
+    }
+    Some(Some((
+        stx.stx_dio_offset_align as usize,
+        stx.stx_dio_mem_align as usize,
+    )))
+}
+
 /// Reads all of `buf`, retrying short reads and EINTR; bytes past the end of a short file read
 /// as zeroes.
 fn read_full(fd: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
@@ -269,7 +337,7 @@ impl BlockDevice for FileDevice {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         check_range(self.size, offset, buf.len() as u64)?;
         let (fd, direct) = self.fd_for(offset, buf.len());
-        if direct && !(buf.as_ptr() as usize).is_multiple_of(self.align) {
+        if direct && !(buf.as_ptr() as usize).is_multiple_of(self.dio_mem_align) {
             let mut bounce = Aligned::new(buf.len());
             read_full(fd, bounce.slice(buf.len()), offset)?;
             buf.copy_from_slice(bounce.slice(buf.len()));
@@ -283,7 +351,7 @@ impl BlockDevice for FileDevice {
         check_range(self.size, offset, buf.len() as u64)?;
         let (fd, direct) = self.fd_for(offset, buf.len());
         let mut bounce;
-        let src: &[u8] = if direct && !(buf.as_ptr() as usize).is_multiple_of(self.align) {
+        let src: &[u8] = if direct && !(buf.as_ptr() as usize).is_multiple_of(self.dio_mem_align) {
             bounce = Aligned::new(buf.len());
             let s = bounce.slice(buf.len());
             s.copy_from_slice(buf);
@@ -317,18 +385,17 @@ impl BlockDevice for FileDevice {
         if len == 0 {
             return Ok(());
         }
-        let r = if self.block_device {
-            self.range_ioctl(BLKDISCARD, offset, len)
+        if self.block_device {
+            match self.range_ioctl(BLKDISCARD, offset, len) {
+                Err(e) if unsupported(&e) => Ok(()), // discard is a hint
+                r => r,
+            }
         } else {
-            self.fallocate(
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                offset,
-                len,
-            )
-        };
-        match r {
-            Err(e) if unsupported(&e) => Ok(()), // discard is a hint
-            r => r,
+            match self.fallocate(PUNCH_HOLE, offset, len) {
+                // Keep "discarded ranges of files read back zeroes" true everywhere.
+                Err(e) if unsupported(&e) => self.zero_fill(offset, len),
+                r => r,
+            }
         }
     }
 
@@ -340,18 +407,14 @@ impl BlockDevice for FileDevice {
         let r = if self.block_device {
             self.range_ioctl(BLKZEROOUT, offset, len)
         } else {
-            self.fallocate(
+            match self.fallocate(
                 libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
                 offset,
                 len,
-            )
-            .or_else(|_| {
-                self.fallocate(
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    offset,
-                    len,
-                )
-            })
+            ) {
+                Err(e) if unsupported(&e) => self.fallocate(PUNCH_HOLE, offset, len),
+                r => r,
+            }
         };
         match r {
             Ok(()) => Ok(()),
@@ -369,7 +432,7 @@ impl BlockDevice for FileDevice {
             Some(_) => format!(
                 "file {} (O_DIRECT, align {})",
                 self.path.display(),
-                self.align
+                self.dio_offset_align
             ),
             None => format!("file {} (buffered)", self.path.display()),
         }
@@ -383,6 +446,8 @@ mod tests {
     fn round_trip(dir: &Path) {
         let p = dir.join(format!("tc-file-test-{}", std::process::id()));
         let d = FileDevice::create(&p, 1 << 20).unwrap();
+        eprintln!("{}", d.describe());
+        assert_eq!(d.describe().contains("O_DIRECT"), d.is_direct());
         let data: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
         d.write_at(&data, 4096).unwrap();
         // Unaligned buffer and 512-byte granularity both work.
@@ -420,11 +485,105 @@ mod tests {
     }
 
     #[test]
-    fn file_on_tmpfs_falls_back_to_buffered() {
+    fn file_on_tmpfs_round_trips() {
+        // tmpfs refuses O_DIRECT on older kernels (buffered fallback) and accepts it on newer
+        // ones; either way the device must work.
         let shm = Path::new("/dev/shm");
         if shm.is_dir() {
             round_trip(shm);
         }
+    }
+
+    #[test]
+    fn buffered_mode_round_trips() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dev");
+        let opts = FileDeviceOptions {
+            direct: false,
+            create_size_bytes: Some(65536 + 100),
+            ..FileDeviceOptions::default()
+        };
+        let d = FileDevice::open(&p, opts).unwrap();
+        assert!(!d.is_direct());
+        assert!(d.describe().contains("(buffered)"), "{}", d.describe());
+        assert_eq!(d.size_bytes(), 65536, "size rounds down to whole sectors");
+        d.write_at(&[3; 1536], 512).unwrap();
+        d.flush().unwrap();
+        let mut b = vec![0u8; 2048];
+        d.read_at(&mut b, 0).unwrap();
+        assert_eq!(&b[..512], &[0; 512]);
+        assert_eq!(&b[512..], &[3; 1536]);
+    }
+
+    #[test]
+    fn discard_punches_zeroes_and_write_zeroes_zeroes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dev");
+        let d = FileDevice::create(&p, 1 << 20).unwrap();
+        let data = vec![0xabu8; 1 << 20];
+        d.write_at(&data, 0).unwrap();
+        d.flush().unwrap();
+        d.discard(65536, 65536).unwrap();
+        d.discard(512, 512).unwrap(); // smaller than a filesystem block: partial zeroing
+        d.write_zeroes(4096 * 40, 4096 + 512).unwrap();
+        let mut back = vec![0u8; 1 << 20];
+        d.read_at(&mut back, 0).unwrap();
+        for (i, sector) in back.chunks(512).enumerate() {
+            let off = i * 512;
+            let zero = (65536..131072).contains(&off)
+                || off == 512
+                || (4096 * 40..4096 * 41 + 512).contains(&off);
+            let want = if zero { 0 } else { 0xab };
+            assert!(sector.iter().all(|&b| b == want), "sector at {off}");
+        }
+        assert_eq!(
+            d.discard(0, 100).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+        assert_eq!(
+            d.write_zeroes(1 << 20, 512).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+    }
+
+    #[test]
+    fn reads_past_end_of_a_shrunken_file_are_zeroes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dev");
+        let d = FileDevice::create(&p, 65536).unwrap();
+        d.write_at(&[9; 65536], 0).unwrap();
+        d.flush().unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let mut b = vec![1u8; 8192];
+        d.read_at(&mut b, 0).unwrap();
+        assert_eq!(&b[..4096], &[9; 4096]);
+        assert_eq!(&b[4096..], &[0; 4096]);
+    }
+
+    #[test]
+    fn read_only_refuses_writes_and_create_keeps_existing_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dev");
+        FileDevice::create(&p, 8192)
+            .unwrap()
+            .write_at(&[4; 512], 0)
+            .unwrap();
+        let opts = FileDeviceOptions {
+            read_only: true,
+            create_size_bytes: Some(1 << 20),
+            ..FileDeviceOptions::default()
+        };
+        let d = FileDevice::open(&p, opts).unwrap();
+        assert_eq!(d.size_bytes(), 8192, "an existing file is not resized");
+        assert!(d.write_at(&[0; 512], 0).is_err());
+        let mut b = [0u8; 512];
+        d.read_at(&mut b, 0).unwrap();
+        assert_eq!(b, [4; 512]);
     }
 
     #[test]

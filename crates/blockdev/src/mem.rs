@@ -1,8 +1,13 @@
 //! `MemDevice`: a device held in memory.
 //!
+//! Owns: one byte vector (the device contents) behind one RwLock (tests and benchmarks, not
+//! production data).
+//!
 //! Invariants: contents are exactly what was last written (flush is a no-op, nothing is ever
 //! lost); discard and write-zeroes zero the range; requests are checked with `check_range`.
-//! Thread-safe through one RwLock (tests and benchmarks, not production data).
+//!
+//! Fault model: none — the only error is `InvalidInput` for a misaligned or out-of-range
+//! request. Use `fault::SimDevice` to model crashes and EIO.
 
 use crate::{check_range, BlockDevice, SECTOR_SIZE};
 use parking_lot::RwLock;
@@ -111,5 +116,33 @@ mod tests {
             d.discard(u64::MAX - 511, 512).unwrap_err().kind(),
             io::ErrorKind::InvalidInput
         );
+    }
+
+    #[test]
+    fn image_round_trips_and_threads_share_the_device() {
+        let d = std::sync::Arc::new(MemDevice::from_image(vec![1; 4 * 4096]));
+        let threads: Vec<_> = (0..4u8)
+            .map(|t| {
+                let d = d.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..100 {
+                        d.write_at(&[t + 2; 4096], u64::from(t) * 4096).unwrap();
+                        let mut b = [0u8; 4096];
+                        d.read_at(&mut b, u64::from(t) * 4096).unwrap();
+                        assert_eq!(b, [t + 2; 4096]);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let img = d.image();
+        for (t, chunk) in img.chunks(4096).enumerate() {
+            assert!(chunk.iter().all(|&b| usize::from(b) == t + 2));
+        }
+        d.set_rotational(true);
+        assert!(d.is_rotational());
+        assert_eq!(d.describe(), "memory 16384 bytes");
     }
 }
