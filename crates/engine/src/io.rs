@@ -320,10 +320,29 @@ impl Volume {
             (segs, promo, around)
         };
         let hit = segs.iter().all(|s| s.ext.is_some());
-        // Uncached blocks next to a miss come along in the same backing read, in offset order.
+        // Uncached blocks next to a miss come along, in offset order; a request that is one
+        // hole is read together with them in a single backing read (one seek, even when other
+        // requests are queued on the disk).
         let result = (|| {
-            let mut fills = Vec::new();
             let ((p0, p1), (s0, s1)) = around;
+            if promo.is_some() && segs.len() == 1 && segs[0].ext.is_none() {
+                let from = p0 * bs;
+                let to = if s1 > s0 {
+                    s1 * bs
+                } else {
+                    (b1 * bs).min(self.size_bytes())
+                };
+                let mut d = vec![0u8; (to - from) as usize];
+                self.backing_read(&mut d, from)?;
+                buf.copy_from_slice(&d[(offset - from) as usize..(end - from) as usize]);
+                d.truncate((d.len() as u64 / bs * bs) as usize);
+                return Ok(if d.is_empty() {
+                    Vec::new()
+                } else {
+                    vec![(p0, d)]
+                });
+            }
+            let mut fills = Vec::new();
             if p1 > p0 {
                 let mut d = vec![0u8; ((p1 - p0) * bs) as usize];
                 self.backing_read(&mut d, p0 * bs)?;

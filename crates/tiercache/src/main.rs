@@ -5,6 +5,7 @@
 //! arguments, calls them and prints.
 
 mod admin;
+mod bench;
 mod client;
 mod demo;
 mod devices;
@@ -83,6 +84,9 @@ enum Cmd {
         #[arg(long)]
         no_serve: bool,
     },
+    /// Benchmark hdd, ssd, tiercache (writethrough/writeback/writearound) and nbdkit-cache on
+    /// an emulated disk with the field's workloads (see docs/benchmarks.md).
+    Bench(bench::BenchArgs),
     /// Serve a file over NBD through a latency model of a slow disk (hdd) or flash (ssd).
     Emulate {
         #[arg(value_enum)]
@@ -432,6 +436,7 @@ fn main() -> ExitCode {
             serve::serve(&cfg, |_| {})
         })()
         .map(|_| ExitCode::SUCCESS),
+        Cmd::Bench(args) => bench::run(&args).map(|_| ExitCode::SUCCESS),
         Cmd::Emulate {
             kind,
             file,
