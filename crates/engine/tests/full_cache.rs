@@ -17,14 +17,14 @@ use std::time::{Duration, Instant};
 fn full_cache_steady_state_writeback() {
     let seed = seed_from_env("full_cache_steady_state_writeback");
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
-    let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((12 << 20) + 8192));
+    let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((16 << 20) + 8192));
     let (set, vol) = format_and_open(cache, backing, CacheMode::Writeback, Config::default());
     vol.set_sequential_cutoff(0);
     vol.set_writeback_delay_secs(0);
     let data_bytes = set.layout().nbuckets as u64 * set.layout().bucket_size as u64;
     assert!(
-        vol.size_bytes() >= 2 * data_bytes,
-        "working set must exceed the cache"
+        vol.size_bytes() >= 5 * data_bytes,
+        "the working set must be five times the cache"
     );
     let threads = 4u64;
     let region = vol.size_bytes() / threads / 4096 * 4096;
