@@ -141,20 +141,39 @@ impl Index {
         ext
     }
 
-    /// Keys of entries overlapping `[b0, b1)`, in order.
+    /// Entries overlapping `[b0, b1)`, in order, without allocating.
+    fn overlapping_iter(
+        &self,
+        dev: DevId,
+        b0: u64,
+        b1: u64,
+    ) -> impl Iterator<Item = (u64, Extent)> + '_ {
+        let before = self
+            .map
+            .range(..(dev.0, b0))
+            .next_back()
+            .filter(|(&(d, s), e)| d == dev.0 && s + u64::from(e.len) > b0);
+        before
+            .into_iter()
+            .chain(self.map.range((dev.0, b0)..(dev.0, b1)))
+            .map(|(&(_, s), e)| (s, *e))
+    }
+
+    /// Entries overlapping `[b0, b1)`, in order (collected, for callers that mutate).
     fn overlapping(&self, dev: DevId, b0: u64, b1: u64) -> Vec<(u64, Extent)> {
-        let mut out = Vec::new();
-        if let Some((&(d, s), e)) = self.map.range(..(dev.0, b0)).next_back() {
-            if d == dev.0 && s + u64::from(e.len) > b0 {
-                out.push((s, *e));
-            }
-        }
-        out.extend(
-            self.map
-                .range((dev.0, b0)..(dev.0, b1))
-                .map(|(&(_, s), e)| (s, *e)),
-        );
-        out
+        self.overlapping_iter(dev, b0, b1).collect()
+    }
+
+    /// Whether any entry overlapping `[b0, b1)` satisfies `pred` (no allocation: this runs on
+    /// every write that goes around the cache).
+    pub fn any_overlapping(
+        &self,
+        dev: DevId,
+        b0: u64,
+        b1: u64,
+        pred: impl Fn(&Extent) -> bool,
+    ) -> bool {
+        self.overlapping_iter(dev, b0, b1).any(|(_, e)| pred(&e))
     }
 
     /// Splits entries so that `b` is an entry boundary (no entry strictly contains it).
@@ -225,7 +244,7 @@ impl Index {
     pub fn lookup(&self, dev: DevId, b0: u64, b1: u64) -> Vec<Seg> {
         let mut out = Vec::new();
         let mut at = b0;
-        for (s, e) in self.overlapping(dev, b0, b1) {
+        for (s, e) in self.overlapping_iter(dev, b0, b1) {
             let from = s.max(b0);
             let to = (s + u64::from(e.len)).min(b1);
             if from > at {

@@ -99,13 +99,7 @@ impl Volume {
     /// Switches the cache mode live; persisted in the backing header.
     pub fn set_mode(&self, mode: CacheMode) -> Result<()> {
         let b = &self.backing;
-        let mut h = b.header.lock();
-        if h.mode != mode {
-            let mut next = h.clone();
-            next.mode = mode;
-            next.write(&*b.dev)?;
-            *h = next;
-        }
+        b.update_header(|h| h.mode = mode)?;
         b.mode.store(mode.code(), Ordering::SeqCst);
         self.inner.wake_background();
         Ok(())
@@ -148,13 +142,7 @@ impl Volume {
                 crate::format::LABEL_BYTES
             )));
         }
-        let b = &self.backing;
-        let mut h = b.header.lock();
-        let mut next = h.clone();
-        next.label = label.to_string();
-        next.write(&*b.dev)?;
-        *h = next;
-        Ok(())
+        self.backing.update_header(|h| h.label = label.to_string())
     }
 
     /// Status and statistics of this device.
@@ -835,21 +823,9 @@ impl Volume {
             .state
             .lock()
             .index
-            .lookup(self.backing.id, b0, b1)
-            .iter()
-            .any(|s| s.ext.is_some_and(|e| e.dirty));
+            .any_overlapping(self.backing.id, b0, b1, |e| e.dirty);
         if dirty {
-            self.flush_backing()?;
-        }
-        Ok(())
-    }
-
-    fn flush_backing(&self) -> Result<()> {
-        if self.backing.backing_written.swap(false, Ordering::SeqCst) {
-            if let Err(e) = self.backing.dev.flush() {
-                self.backing.backing_written.store(true, Ordering::SeqCst);
-                return Err(Error::io("flushing backing device", e));
-            }
+            self.backing.flush_if_written()?;
         }
         Ok(())
     }
@@ -860,7 +836,7 @@ impl Volume {
         let target = self.inner.state.lock().journal.appended_epoch;
         self.inner.commit_to(target)?;
         // Deferred flush: the backing device is flushed only if something reached it.
-        self.flush_backing()
+        self.backing.flush_if_written()
     }
 
     /// Discards a range: the cache forgets the blocks it covers and the discard is passed down.

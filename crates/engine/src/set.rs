@@ -170,12 +170,7 @@ impl State {
     /// Drops a range from the index (journaled) if anything is cached there.
     pub fn invalidate(&mut self, dev: DevId, b0: u64, b1: u64, now_ns: u64) {
         self.collide(dev, b0, b1);
-        if self
-            .index
-            .lookup(dev, b0, b1)
-            .iter()
-            .any(|s| s.ext.is_some())
-        {
+        if self.index.any_overlapping(dev, b0, b1, |_| true) {
             self.index.remove_range(dev, b0, b1);
             self.log(
                 &Entry::Invalidate {
@@ -230,14 +225,32 @@ impl Backing {
         }
     }
 
-    /// Writes the backing device header with the given state if it differs.
-    pub(crate) fn set_state(&self, state: BackingState) -> Result<()> {
+    /// Applies `change` to the header and writes it (both copies), unless it changes
+    /// nothing. The in-memory header changes only once the write succeeded.
+    pub(crate) fn update_header(&self, change: impl FnOnce(&mut BackingHeader)) -> Result<()> {
         let mut h = self.header.lock();
-        if h.state != state {
-            let mut next = h.clone();
-            next.state = state;
+        let mut next = h.clone();
+        change(&mut next);
+        if next != *h {
             next.write(&*self.dev)?;
             *h = next;
+        }
+        Ok(())
+    }
+
+    /// Writes the backing device header with the given state if it differs.
+    pub(crate) fn set_state(&self, state: BackingState) -> Result<()> {
+        self.update_header(|h| h.state = state)
+    }
+
+    /// Flushes the backing device if anything was written to it since its last flush (the
+    /// deferred flush); on failure the device stays marked as written.
+    pub(crate) fn flush_if_written(&self) -> Result<()> {
+        if self.backing_written.swap(false, Ordering::SeqCst) {
+            if let Err(e) = self.dev.flush() {
+                self.backing_written.store(true, Ordering::SeqCst);
+                return Err(Error::io("flushing backing device", e));
+            }
         }
         Ok(())
     }
@@ -768,13 +781,10 @@ impl CacheSet {
                 let _c = inner.commit_lock.lock();
                 inner.commit_locked()?;
             }
-            let mut h = b.header.lock();
-            let mut next = h.clone();
-            next.set_uuid = Uuid::nil();
-            next.state = BackingState::Clean;
-            next.write(&*b.dev)?;
-            *h = next;
-            Ok(())
+            b.update_header(|h| {
+                h.set_uuid = Uuid::nil();
+                h.state = BackingState::Clean;
+            })
         })();
         if res.is_err() {
             b.detaching.store(false, Ordering::SeqCst);
@@ -829,9 +839,7 @@ impl CacheSet {
         let inner = &self.inner;
         inner.check_failed()?;
         for b in inner.backings.read().values() {
-            if b.backing_written.swap(false, Ordering::SeqCst) {
-                b.dev.flush().ctx(|| "flushing backing device".into())?;
-            }
+            b.flush_if_written()?;
         }
         {
             let _c = inner.commit_lock.lock();

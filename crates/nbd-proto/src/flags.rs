@@ -63,6 +63,19 @@ pub struct ExportCaps {
 }
 
 impl ExportCaps {
+    /// Everything on: a writable, non-rotational export that takes every command.
+    pub const ALL: ExportCaps = ExportCaps {
+        read_only: false,
+        flush: true,
+        fua: true,
+        trim: true,
+        write_zeroes: true,
+        fast_zero: true,
+        cache: true,
+        multi_conn: true,
+        rotational: false,
+    };
+
     /// The transmission flags to advertise, given whether structured replies were negotiated.
     pub fn transmission_flags(&self, structured_replies: bool) -> TransmissionFlags {
         let mut flags = TransmissionFlags::HAS_FLAGS;
@@ -122,17 +135,7 @@ mod tests {
     use super::*;
 
     fn caps() -> ExportCaps {
-        ExportCaps {
-            read_only: false,
-            flush: true,
-            fua: true,
-            trim: true,
-            write_zeroes: true,
-            fast_zero: true,
-            cache: true,
-            multi_conn: true,
-            rotational: false,
-        }
+        ExportCaps::ALL
     }
 
     #[test]

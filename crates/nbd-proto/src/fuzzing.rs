@@ -31,17 +31,7 @@ impl ExportCatalog for OneExport {
             name: "fuzz".into(),
             description: "fuzz export".into(),
             size_bytes: 1 << 20,
-            caps: ExportCaps {
-                read_only: false,
-                flush: true,
-                fua: true,
-                trim: true,
-                write_zeroes: true,
-                fast_zero: true,
-                cache: true,
-                multi_conn: true,
-                rotational: false,
-            },
+            caps: ExportCaps::ALL,
             block_size: BlockSize::TIERCACHE,
         })
     }

@@ -302,17 +302,7 @@ mod tests {
     const SIZE: u64 = 1 << 20;
 
     fn caps() -> ExportCaps {
-        ExportCaps {
-            read_only: false,
-            flush: true,
-            fua: true,
-            trim: true,
-            write_zeroes: true,
-            fast_zero: true,
-            cache: true,
-            multi_conn: true,
-            rotational: false,
-        }
+        ExportCaps::ALL
     }
 
     fn ctx(caps: ExportCaps, structured: bool) -> TransmissionContext {

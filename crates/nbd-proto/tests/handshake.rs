@@ -23,15 +23,9 @@ impl ExportCatalog for Catalog {
 
 fn caps() -> ExportCaps {
     ExportCaps {
-        read_only: false,
-        flush: true,
-        fua: true,
-        trim: true,
-        write_zeroes: true,
         fast_zero: false,
-        cache: true,
-        multi_conn: true,
         rotational: true,
+        ..ExportCaps::ALL
     }
 }
 

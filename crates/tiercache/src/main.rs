@@ -241,17 +241,14 @@ fn make(
         .with_context(|| format!("{}", cache.display()))?;
     let set_uuid = CacheSet::format(&*cache_dev, &opts, force)
         .with_context(|| format!("{}", cache.display()))?;
-    let mut headers = Vec::new();
     for (i, (p, d)) in backing.iter().zip(&backing_devs).enumerate() {
         let l = if backing.len() > 1 && !label.is_empty() {
             format!("{label}-{i}")
         } else {
             label.to_string()
         };
-        headers.push(
-            engine::format_backing(&**d, &l, mode, force)
-                .with_context(|| format!("{}", p.display()))?,
-        );
+        engine::format_backing(&**d, &l, mode, force)
+            .with_context(|| format!("{}", p.display()))?;
     }
     let (set, _) = CacheSet::open(
         cache_dev,
@@ -284,7 +281,6 @@ fn make(
         human(u64::from(l.nbuckets) * u64::from(l.bucket_size)),
         human(u64::from(l.block_size))
     );
-    drop(headers);
     Ok(())
 }
 
