@@ -22,7 +22,7 @@ use crate::types::{DevId, Error, IoContext, Result};
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Pending journal bytes after which a writer commits at once.
 pub const JOURNAL_BUF_MAX: usize = 256 * 1024;
@@ -30,8 +30,11 @@ pub const JOURNAL_BUF_MAX: usize = 256 * 1024;
 const WRITEBACK_BATCH_BYTES: u64 = 4 << 20;
 /// Most bytes one backing write of merged extents carries.
 const WRITEBACK_RUN_BYTES: u64 = 1 << 20;
-/// Blocks per batch when trickling below the target.
-const WRITEBACK_TRICKLE_BYTES: u64 = 256 << 10;
+/// Most bytes of one batch while sharing the backing device with clients: small, so a
+/// client waits behind little writeback at a time.
+const WRITEBACK_SHARE_BYTES: u64 = 128 << 10;
+/// Longest single sleep while paying off a shared batch, so a change of rate is seen soon.
+const WRITEBACK_SHARE_SLEEP_MAX: Duration = Duration::from_millis(100);
 /// Most buckets one space-management round empties.
 const RECLAIM_MAX: usize = 16;
 const BACKGROUND_PERIOD: Duration = Duration::from_millis(50);
@@ -259,67 +262,87 @@ pub fn writeback_batch(inner: &Inner, force: bool, only: Option<DevId>) -> Resul
     Ok(writeback_pass(inner, force, only)?.0)
 }
 
+/// The rate of every attached device (restricted to `only`) that has writeback to do.
+fn device_rates(
+    inner: &Inner,
+    st: &crate::set::State,
+    backings: &[Arc<crate::set::Backing>],
+    force: bool,
+    only: Option<DevId>,
+) -> Vec<(DevId, WritebackRate)> {
+    let now = inner.now_ns();
+    let total = u64::from(inner.layout.total_blocks());
+    backings
+        .iter()
+        .filter(|b| only.is_none_or(|d| d == b.id))
+        .map(|b| {
+            let rate = if force {
+                WritebackRate::Full
+            } else {
+                writeback_rate(&WritebackInputs {
+                    running: b.writeback_running.load(Ordering::Relaxed),
+                    detaching: b.detaching.load(Ordering::Relaxed),
+                    dirty_blocks: st.index.dev_dirty_blocks(b.id),
+                    total_blocks: total,
+                    writeback_percent: b.writeback_percent.load(Ordering::Relaxed),
+                    dirty_max_pct: u64::from(inner.config.dirty_max_pct),
+                    dirty_age_ns: now.saturating_sub(b.dirty_since_ns.load(Ordering::Relaxed)),
+                    delay_ns: b
+                        .writeback_delay_secs
+                        .load(Ordering::Relaxed)
+                        .saturating_mul(1_000_000_000),
+                    backing_quiet_ns: now
+                        .saturating_sub(b.client_backing_ns.load(Ordering::Relaxed)),
+                })
+            };
+            (b.id, rate)
+        })
+        .filter(|(_, r)| *r != WritebackRate::Idle)
+        .collect()
+}
+
+fn strongest(rates: &[(DevId, WritebackRate)]) -> WritebackRate {
+    rates
+        .iter()
+        .map(|r| r.1)
+        .max()
+        .unwrap_or(WritebackRate::Idle)
+}
+
+/// The strongest writeback rate that applies now, without writing anything back.
+fn current_rate(inner: &Inner) -> WritebackRate {
+    let backings: Vec<_> = inner.backings.read().values().cloned().collect();
+    let st = inner.state.lock();
+    strongest(&device_rates(inner, &st, &backings, false, None))
+}
+
 /// Like `writeback_batch`, also returning the strongest rate that applied.
 fn writeback_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<(u64, WritebackRate)> {
     inner.check_failed()?;
     let bs = inner.block_size();
-    let now = inner.now_ns();
     let backings: Vec<_> = inner.backings.read().values().cloned().collect();
-    let total = u64::from(inner.layout.total_blocks());
     let (rates, entries) = {
         let st = inner.state.lock();
-        let rates: Vec<(DevId, WritebackRate)> = backings
-            .iter()
-            .filter(|b| only.is_none_or(|d| d == b.id))
-            .map(|b| {
-                let rate = if force {
-                    WritebackRate::Full
-                } else {
-                    writeback_rate(&WritebackInputs {
-                        running: b.writeback_running.load(Ordering::Relaxed),
-                        detaching: b.detaching.load(Ordering::Relaxed),
-                        dirty_blocks: st.index.dev_dirty_blocks(b.id),
-                        total_blocks: total,
-                        writeback_percent: b.writeback_percent.load(Ordering::Relaxed),
-                        dirty_age_ns: now.saturating_sub(b.dirty_since_ns.load(Ordering::Relaxed)),
-                        delay_ns: b
-                            .writeback_delay_secs
-                            .load(Ordering::Relaxed)
-                            .saturating_mul(1_000_000_000),
-                        idle_ns: now.saturating_sub(inner.last_io_ns.load(Ordering::Relaxed)),
-                    })
-                };
-                (b.id, rate)
-            })
-            .filter(|(_, r)| *r != WritebackRate::Idle)
-            .collect();
-        let best = rates
-            .iter()
-            .map(|r| r.1)
-            .max()
-            .unwrap_or(WritebackRate::Idle);
+        let rates = device_rates(inner, &st, &backings, force, only);
+        let best = strongest(&rates);
         if best == WritebackRate::Idle {
             return Ok((0, WritebackRate::Idle));
         }
         let budget = if best == WritebackRate::Full {
             WRITEBACK_BATCH_BYTES
         } else {
-            WRITEBACK_TRICKLE_BYTES
+            WRITEBACK_SHARE_BYTES
         } / bs;
         let start = only.map(|d| (d, 0)).unwrap_or(st.wb_cursor);
         let entries: Vec<_> = st
             .index
-            .dirty_from(start, budget * 4)
+            .dirty_from(start, budget)
             .into_iter()
             .filter(|(d, _, _)| rates.iter().any(|r| r.0 == *d))
             .collect();
         (rates, entries)
     };
-    let best = rates
-        .iter()
-        .map(|r| r.1)
-        .max()
-        .unwrap_or(WritebackRate::Idle);
+    let best = strongest(&rates);
     let mut entries = entries;
     entries.sort_by_key(|(d, s, _)| (*d, *s));
     // Merge backing-contiguous neighbours into runs.
@@ -483,11 +506,28 @@ fn sleep(inner: &Inner, d: Duration) {
     }
 }
 
-/// Writeback loop: full speed above the target, a trickle below it, nothing when clean.
+/// Writeback loop. At `Full` rate it runs batch after batch; at `Share(p)` it sleeps after
+/// each batch until the batch's time is `p` % of the time spent (re-checking the rate at
+/// least every `WRITEBACK_SHARE_SLEEP_MAX`, so a surge of dirty data or an idle disk is
+/// answered quickly); with nothing to do it polls every 100 ms.
 pub fn writeback_thread(inner: &Arc<Inner>) {
+    let mut owed = Duration::ZERO;
     while !inner.stop.load(Ordering::SeqCst) {
+        if !owed.is_zero() {
+            if matches!(current_rate(inner), WritebackRate::Share(_)) {
+                let t = Instant::now();
+                sleep(inner, owed.min(WRITEBACK_SHARE_SLEEP_MAX));
+                owed = owed.saturating_sub(t.elapsed());
+                continue;
+            }
+            owed = Duration::ZERO;
+        }
+        let t = Instant::now();
         match writeback_pass(inner, false, None) {
             Ok((n, WritebackRate::Full)) if n > 0 => {}
+            Ok((n, WritebackRate::Share(pct))) if n > 0 => {
+                owed = t.elapsed() * (100 - pct) / pct;
+            }
             Ok(_) => sleep(inner, Duration::from_millis(100)),
             Err(e) => {
                 log::error!("writeback: {e}");

@@ -25,6 +25,7 @@ use crate::policy::is_sequential_bypass;
 use crate::set::{Backing, DevKnobs, DevStatus, Inner, Promotion};
 use crate::stats::Counters;
 use crate::types::{CacheMode, Error, IoContext, Result};
+use blockdev::BlockDevice;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -203,7 +204,6 @@ impl Volume {
 
     fn note_io(&self, offset: u64, len: u64) -> u64 {
         let now = self.inner.now_ns();
-        self.inner.last_io_ns.store(now, Ordering::Relaxed);
         self.backing.seq.lock().observe(offset, len, now)
     }
 
@@ -214,11 +214,23 @@ impl Volume {
         )
     }
 
+    /// Runs a client I/O on the backing device, stamping when clients last used it (before
+    /// and after, so a long request counts as use all along) for writeback to yield to.
+    fn on_backing<T>(&self, io: impl FnOnce(&dyn BlockDevice) -> T) -> T {
+        let stamp = || {
+            self.backing
+                .client_backing_ns
+                .store(self.inner.now_ns(), Ordering::Relaxed)
+        };
+        stamp();
+        let r = io(&*self.backing.dev);
+        stamp();
+        r
+    }
+
     fn backing_read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         Counters::add(&self.backing.counters.backing_read_bytes, buf.len() as u64);
-        self.backing
-            .dev
-            .read_at(buf, self.backing.data_offset() + offset)
+        self.on_backing(|d| d.read_at(buf, self.backing.data_offset() + offset))
             .ctx(|| format!("reading backing device at {offset}"))
     }
 
@@ -228,9 +240,7 @@ impl Volume {
             data.len() as u64,
         );
         let r = self
-            .backing
-            .dev
-            .write_at(data, self.backing.data_offset() + offset)
+            .on_backing(|d| d.write_at(data, self.backing.data_offset() + offset))
             .ctx(|| format!("writing backing device at {offset}"));
         self.backing.backing_written.store(true, Ordering::SeqCst);
         r
@@ -753,9 +763,7 @@ impl Volume {
     fn backing_zero(&self, offset: u64, len: u64) -> Result<()> {
         Counters::add(&self.backing.counters.backing_written_bytes, len);
         let r = self
-            .backing
-            .dev
-            .write_zeroes(self.backing.data_offset() + offset, len)
+            .on_backing(|d| d.write_zeroes(self.backing.data_offset() + offset, len))
             .ctx(|| format!("zeroing backing device at {offset}"));
         self.backing.backing_written.store(true, Ordering::SeqCst);
         r
@@ -851,9 +859,7 @@ impl Volume {
         let (b0, b1) = (offset / bs, (offset + len).div_ceil(bs));
         let _guard = inner.ranges.lock(self.backing.id, b0, b1);
         let r = self
-            .backing
-            .dev
-            .discard(self.backing.data_offset() + offset, len)
+            .on_backing(|d| d.discard(self.backing.data_offset() + offset, len))
             .ctx(|| format!("discarding backing device at {offset}"));
         self.backing.backing_written.store(true, Ordering::SeqCst);
         r?;

@@ -1,4 +1,5 @@
-//! Pure policy state machines: sequential stream detection (what to bypass).
+//! Pure policy state machines: sequential stream detection (what to bypass) and the
+//! writeback rate (how much of the backing device's time writeback may take).
 //!
 //! Invariants: the detector holds at most `SEQ_SLOTS` streams (bounded memory, no I/O, no
 //! clock of its own: time is passed in), and the same inputs give the same decisions.
@@ -56,13 +57,18 @@ pub fn is_sequential_bypass(stream_bytes: u64, cutoff_bytes: u64) -> bool {
 }
 
 /// How hard writeback should work on one device.
+///
+/// Ordered by strength: when several devices share the writeback thread, the strongest rate
+/// sets the batch size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum WritebackRate {
     /// Nothing to do (no dirty data, writeback stopped, or still inside writeback_delay).
     Idle,
-    /// Below the target: write back slowly, leaving the disk to clients.
-    Trickle,
-    /// Above the target, the device is idle, or it is being detached: as fast as possible.
+    /// Clients are using the backing device: writeback may take this percentage (1..=99) of
+    /// its time and sleeps for the rest, so foreground I/O keeps the disk's actuator.
+    Share(u32),
+    /// The backing device is idle, dirty data is near the limit, or the device is being
+    /// detached: as fast as possible.
     Full,
 }
 
@@ -73,16 +79,30 @@ pub struct WritebackInputs {
     pub dirty_blocks: u64,
     pub total_blocks: u64,
     pub writeback_percent: u64,
+    /// Dirty data may fill at most this percentage of the cache (then writes bypass it).
+    pub dirty_max_pct: u64,
     pub dirty_age_ns: u64,
     pub delay_ns: u64,
-    pub idle_ns: u64,
+    /// Time since a client request last reached the backing device (a miss, a bypass or a
+    /// writethrough write); cache hits leave the disk free and do not count.
+    pub backing_quiet_ns: u64,
 }
 
-/// Idle time after which the backing device is considered free for full-speed writeback.
+/// Below the target, writeback runs at full speed only after the backing device has been
+/// left alone by clients this long (bcache: full speed when idle).
 pub const WRITEBACK_IDLE_NS: u64 = 1_000_000_000;
+/// Above the target, the backing device counts as busy if a client used it this recently.
+pub const WRITEBACK_BUSY_NS: u64 = 100_000_000;
+/// Share of the backing device's time writeback takes below the target while clients use it.
+pub const WRITEBACK_TRICKLE_PCT: u32 = 2;
+/// Share at the target; it grows linearly to 100 % as dirty data reaches `dirty_max_pct`.
+pub const WRITEBACK_TARGET_PCT: u32 = 10;
 
 /// The writeback decision (bcache: `writeback_percent` target, `writeback_delay` before
-/// starting on new dirty data, full speed when idle).
+/// starting on new dirty data, full speed when idle). Unlike bcache, being over the target
+/// does not mean draining flat out while clients wait on the same disk: the share of the
+/// disk writeback takes grows with how close dirty data is to the limit where writes would
+/// start bypassing the cache.
 pub fn writeback_rate(i: &WritebackInputs) -> WritebackRate {
     if i.dirty_blocks == 0 {
         return WritebackRate::Idle;
@@ -93,16 +113,33 @@ pub fn writeback_rate(i: &WritebackInputs) -> WritebackRate {
     if !i.running {
         return WritebackRate::Idle;
     }
-    if i.dirty_blocks * 100 > i.total_blocks * i.writeback_percent {
-        return WritebackRate::Full;
+    let target = i.total_blocks * i.writeback_percent;
+    let dirty = i.dirty_blocks * 100;
+    if dirty > target {
+        if i.backing_quiet_ns >= WRITEBACK_BUSY_NS {
+            return WritebackRate::Full;
+        }
+        let limit = i.total_blocks * i.dirty_max_pct.max(i.writeback_percent + 1);
+        if dirty >= limit {
+            return WritebackRate::Full;
+        }
+        let over = u128::from(dirty - target);
+        let span = u128::from(limit - target);
+        let extra = over * u128::from(100 - WRITEBACK_TARGET_PCT) / span;
+        let pct = WRITEBACK_TARGET_PCT + extra as u32;
+        return if pct >= 100 {
+            WritebackRate::Full
+        } else {
+            WritebackRate::Share(pct)
+        };
     }
     if i.dirty_age_ns < i.delay_ns {
         return WritebackRate::Idle;
     }
-    if i.idle_ns >= WRITEBACK_IDLE_NS {
+    if i.backing_quiet_ns >= WRITEBACK_IDLE_NS {
         WritebackRate::Full
     } else {
-        WritebackRate::Trickle
+        WritebackRate::Share(WRITEBACK_TRICKLE_PCT)
     }
 }
 
@@ -128,61 +165,88 @@ mod tests {
     }
 
     #[test]
-    fn writeback_rate_follows_target_delay_and_idleness() {
+    fn writeback_rate_follows_target_delay_idleness_and_urgency() {
         let base = WritebackInputs {
             running: true,
             detaching: false,
             dirty_blocks: 5,
             total_blocks: 100,
             writeback_percent: 10,
+            dirty_max_pct: 90,
             dirty_age_ns: 0,
             delay_ns: 30,
-            idle_ns: 0,
+            backing_quiet_ns: 0,
         };
-        assert_eq!(writeback_rate(&base), WritebackRate::Idle);
+        let rate = |f: &dyn Fn(&mut WritebackInputs)| {
+            let mut i = WritebackInputs { ..base };
+            f(&mut i);
+            writeback_rate(&i)
+        };
+        // Below the target: nothing inside the delay, a trickle while clients use the disk,
+        // full speed once it has been quiet.
+        assert_eq!(rate(&|_| {}), WritebackRate::Idle);
         assert_eq!(
-            writeback_rate(&WritebackInputs {
-                dirty_age_ns: 31,
-                ..base
-            }),
-            WritebackRate::Trickle
+            rate(&|i| i.dirty_age_ns = 31),
+            WritebackRate::Share(WRITEBACK_TRICKLE_PCT)
         );
         assert_eq!(
-            writeback_rate(&WritebackInputs {
-                dirty_age_ns: 31,
-                idle_ns: WRITEBACK_IDLE_NS,
-                ..base
+            rate(&|i| {
+                i.dirty_age_ns = 31;
+                i.backing_quiet_ns = WRITEBACK_IDLE_NS;
+            }),
+            WritebackRate::Full
+        );
+        // Above the target: the share grows from the target share to full at the limit, and
+        // a quiet disk gets full speed at once.
+        assert_eq!(
+            rate(&|i| i.dirty_blocks = 11),
+            WritebackRate::Share(WRITEBACK_TARGET_PCT + 1)
+        );
+        assert_eq!(rate(&|i| i.dirty_blocks = 50), WritebackRate::Share(55));
+        assert_eq!(rate(&|i| i.dirty_blocks = 89), WritebackRate::Share(98));
+        assert_eq!(rate(&|i| i.dirty_blocks = 90), WritebackRate::Full);
+        assert_eq!(
+            rate(&|i| {
+                i.dirty_blocks = 11;
+                i.backing_quiet_ns = WRITEBACK_BUSY_NS;
+            }),
+            WritebackRate::Full
+        );
+        let mut last = WritebackRate::Idle;
+        for d in 11..=100 {
+            let r = rate(&|i| i.dirty_blocks = d);
+            assert!(
+                r >= last,
+                "rate must not fall as dirty data grows ({d}: {r:?})"
+            );
+            last = r;
+        }
+        // A limit at or under the target still gives a sane, full rate above the target.
+        assert_eq!(
+            rate(&|i| {
+                i.dirty_blocks = 20;
+                i.dirty_max_pct = 5;
             }),
             WritebackRate::Full
         );
         assert_eq!(
-            writeback_rate(&WritebackInputs {
-                dirty_blocks: 11,
-                ..base
-            }),
-            WritebackRate::Full
-        );
-        assert_eq!(
-            writeback_rate(&WritebackInputs {
-                dirty_blocks: 11,
-                running: false,
-                ..base
+            rate(&|i| {
+                i.dirty_blocks = 11;
+                i.running = false;
             }),
             WritebackRate::Idle
         );
         assert_eq!(
-            writeback_rate(&WritebackInputs {
-                running: false,
-                detaching: true,
-                ..base
+            rate(&|i| {
+                i.running = false;
+                i.detaching = true;
             }),
             WritebackRate::Full
         );
         assert_eq!(
-            writeback_rate(&WritebackInputs {
-                dirty_blocks: 0,
-                detaching: true,
-                ..base
+            rate(&|i| {
+                i.dirty_blocks = 0;
+                i.detaching = true;
             }),
             WritebackRate::Idle
         );

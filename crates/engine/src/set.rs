@@ -203,6 +203,9 @@ pub struct Backing {
     pub(crate) backing_written: AtomicBool,
     /// When this device last went from no dirty data to some (writeback_delay starts there).
     pub(crate) dirty_since_ns: AtomicU64,
+    /// When a client request last started or finished an I/O on the backing device
+    /// (writeback's own I/O excluded): writeback yields while this is recent.
+    pub(crate) client_backing_ns: AtomicU64,
 }
 
 impl Backing {
@@ -269,7 +272,6 @@ pub(crate) struct Inner {
     pub stop: AtomicBool,
     pub wake: (Mutex<()>, Condvar),
     pub tick: AtomicU64,
-    pub last_io_ns: AtomicU64,
     pub reserve_buckets: usize,
 }
 
@@ -614,7 +616,6 @@ impl CacheSet {
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
             tick: AtomicU64::new(0),
-            last_io_ns: AtomicU64::new(0),
             reserve_buckets,
         });
         log::info!(
@@ -734,6 +735,7 @@ impl CacheSet {
             history: History::default(),
             backing_written: AtomicBool::new(false),
             dirty_since_ns: AtomicU64::new(inner.now_ns()),
+            client_backing_ns: AtomicU64::new(0),
         });
         if dirty > 0 {
             backing.set_state(BackingState::Dirty)?;

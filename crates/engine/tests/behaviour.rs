@@ -448,3 +448,28 @@ fn misses_on_a_rotational_device_fill_the_surrounding_window() {
         "fill stops at the cached block"
     );
 }
+
+#[test]
+fn writeback_yields_to_clients_of_the_backing_device_until_it_is_quiet() {
+    let rig = Rig::new(43, Geometry::default(), CacheMode::Writeback);
+    let vol = rig.vol();
+    // 200 dirty blocks, none adjacent (no merging), a third of the cache: over the 10 %
+    // target, under the 90 % limit.
+    for i in 0..200u64 {
+        vol.write(i * 8192, &data(i, i * 16, 4096), false).unwrap();
+    }
+    vol.flush().unwrap();
+    assert_eq!(vol.status().dirty_bytes, 200 * 4096);
+    // A client miss uses the backing device now: a writeback pass takes a small batch only.
+    let mut buf = vec![0u8; 4096];
+    vol.read(4096, &mut buf).unwrap();
+    let shared = rig.set().writeback_step(false).unwrap();
+    assert_eq!(shared, 32, "a shared batch is 128 KiB of 4 KiB blocks");
+    // Cache hits leave the disk alone; once no client has touched it for 100 ms, full speed.
+    vol.read(0, &mut buf).unwrap();
+    rig.clock.advance_ns(100_000_000);
+    vol.read(0, &mut buf).unwrap();
+    assert_eq!(vol.status().stats.total.cache_hits, 2);
+    assert_eq!(rig.set().writeback_step(false).unwrap(), 200 - 32);
+    assert_eq!(vol.status().dirty_bytes, 0);
+}
