@@ -473,9 +473,12 @@ fn writeback_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<(u6
 }
 
 fn write_backing(b: &crate::set::Backing, at: u64, buf: &[u8]) -> Result<()> {
-    b.dev
+    let r = b
+        .dev
         .write_at(buf, b.data_offset() + at)
-        .ctx(|| format!("writeback to backing device at {at}"))
+        .ctx(|| format!("writeback to backing device at {at}"));
+    b.readahead.lock().invalidate(at, at + buf.len() as u64);
+    r
 }
 
 /// Writes back every dirty block of `dev`, reporting `(remaining, total)` dirty bytes.

@@ -14,6 +14,9 @@
 //! - dirty data leaves the index (overwritten by a bypass or writethrough write, zeroed,
 //!   discarded) only after what supersedes it is durable on the backing device: the backing
 //!   device is flushed first, so a crash can never expose data older than the dirty copy;
+//! - sequential reads that bypass the cache are served through `readahead` windows only for
+//!   blocks the index shows uncached, and every write to the backing device invalidates the
+//!   windows it overlaps after it completes;
 //! - a sub-block write either merges into the cached block (read-modify-write, so a dirty
 //!   block never loses its other sectors) or, when the block is not cached, goes straight to
 //!   the backing device.
@@ -22,6 +25,7 @@ use crate::alloc::WritePoint;
 use crate::format::BackingState;
 use crate::index::Seg;
 use crate::policy::is_sequential_bypass;
+use crate::readahead;
 use crate::set::{Backing, DevKnobs, DevStatus, Inner, Promotion};
 use crate::stats::Counters;
 use crate::types::{CacheMode, Error, IoContext, Result};
@@ -48,6 +52,33 @@ impl std::fmt::Debug for Volume {
 
 /// Window of the miss fill on rotational backing devices (see `Volume::miss_fill`).
 const MISS_FILL_BYTES: u64 = 64 << 10;
+/// A bypassing stream of more than one request and at least this long is read ahead
+/// (`readahead::WINDOW_BYTES` at a time).
+const READAHEAD_AFTER_BYTES: u64 = 64 << 10;
+
+/// How a read treats the cache.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Read {
+    /// Hits from the cache, misses promoted.
+    Cached,
+    /// Hits from the cache, misses read from the backing device exactly.
+    Bypass,
+    /// Like `Bypass`, with misses served through readahead windows (a sequential stream).
+    Ahead,
+    /// Like `Cached`, without counting in the hit statistics (NBD_CMD_CACHE).
+    Prefetch,
+}
+
+/// How `read_segments` reads the uncached parts of a request.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Holes {
+    /// Exactly the requested bytes.
+    Exact,
+    /// Whole blocks, returned for promotion.
+    Fill,
+    /// Through the readahead windows.
+    Ahead,
+}
 
 /// How a write uses the cache.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -242,6 +273,10 @@ impl Volume {
         let r = self
             .on_backing(|d| d.write_at(data, self.backing.data_offset() + offset))
             .ctx(|| format!("writing backing device at {offset}"));
+        self.backing
+            .readahead
+            .lock()
+            .invalidate(offset, offset + data.len() as u64);
         self.backing.backing_written.store(true, Ordering::SeqCst);
         r
     }
@@ -256,29 +291,38 @@ impl Volume {
         }
         let stream = self.note_io(offset, buf.len() as u64);
         let bypass = self.mode() == CacheMode::None || self.seq_bypass(stream);
-        self.read_inner(offset, buf, bypass, false)
+        let len = buf.len() as u64;
+        let read = if bypass && stream > len && stream >= READAHEAD_AFTER_BYTES {
+            Read::Ahead
+        } else if bypass {
+            Read::Bypass
+        } else {
+            Read::Cached
+        };
+        self.read_inner(offset, buf, read)
     }
 
     /// Prefetches a range into the cache (NBD_CMD_CACHE).
     pub fn prefetch(&self, offset: u64, len: u64) -> Result<()> {
         self.check(offset, len)?;
+        if self.mode() == CacheMode::None {
+            // Nothing would be kept: the hint is honoured by doing nothing.
+            return Ok(());
+        }
         let chunk = 1u64 << 20;
         let mut buf = vec![0u8; chunk.min(len) as usize];
         let mut at = 0;
         while at < len {
             let n = chunk.min(len - at) as usize;
-            self.read_inner(
-                offset + at,
-                &mut buf[..n],
-                self.mode() == CacheMode::None,
-                true,
-            )?;
+            self.read_inner(offset + at, &mut buf[..n], Read::Prefetch)?;
             at += n as u64;
         }
         Ok(())
     }
 
-    fn read_inner(&self, offset: u64, buf: &mut [u8], bypass: bool, prefetch: bool) -> Result<()> {
+    fn read_inner(&self, offset: u64, buf: &mut [u8], read: Read) -> Result<()> {
+        let bypass = matches!(read, Read::Bypass | Read::Ahead);
+        let prefetch = read == Read::Prefetch;
         let inner = &*self.inner;
         let dev = self.backing.id;
         let bs = inner.block_size();
@@ -346,7 +390,14 @@ impl Volume {
                 self.backing_read(&mut d, p0 * bs)?;
                 fills.push((p0, d));
             }
-            fills.extend(self.read_segments(&segs, offset, buf, promo.is_some())?);
+            let holes = if promo.is_some() {
+                Holes::Fill
+            } else if read == Read::Ahead {
+                Holes::Ahead
+            } else {
+                Holes::Exact
+            };
+            fills.extend(self.read_segments(&segs, offset, buf, holes)?);
             if s1 > s0 {
                 let mut d = vec![0u8; ((s1 - s0) * bs) as usize];
                 self.backing_read(&mut d, s0 * bs)?;
@@ -427,8 +478,9 @@ impl Volume {
         segs: &[Seg],
         offset: u64,
         buf: &mut [u8],
-        want_fills: bool,
+        holes: Holes,
     ) -> Result<Vec<(u64, Vec<u8>)>> {
+        let want_fills = holes == Holes::Fill;
         let bs = self.inner.block_size();
         let end = offset + buf.len() as u64;
         let mut fills = Vec::new();
@@ -453,6 +505,13 @@ impl Volume {
                     } else {
                         (seg_start.max(offset), seg_end.min(end))
                     };
+                    if holes == Holes::Ahead {
+                        self.read_ahead(
+                            from,
+                            &mut buf[(from - offset) as usize..(to - offset) as usize],
+                        )?;
+                        continue;
+                    }
                     let mut d = vec![0u8; (to - from) as usize];
                     self.backing_read(&mut d, from)?;
                     let copy_from = seg_start.max(offset);
@@ -479,6 +538,22 @@ impl Volume {
             );
         }
         Ok(fills)
+    }
+
+    /// Reads uncached data of a sequential stream from a readahead window, or reads a new
+    /// window from the backing device starting at `from` (see `readahead`'s invariants).
+    fn read_ahead(&self, from: u64, out: &mut [u8]) -> Result<()> {
+        let ra = &self.backing.readahead;
+        if ra.lock().get(from, out) {
+            return Ok(());
+        }
+        let generation = ra.lock().generation();
+        let to = (from + (out.len() as u64).max(readahead::WINDOW_BYTES)).min(self.size_bytes());
+        let mut d = vec![0u8; (to - from) as usize];
+        self.backing_read(&mut d, from)?;
+        out.copy_from_slice(&d[..out.len()]);
+        ra.lock().insert(generation, from, d);
+        Ok(())
     }
 
     /// Reads a cached extent (its bucket is pinned by the caller) and verifies every block.
@@ -765,6 +840,10 @@ impl Volume {
         let r = self
             .on_backing(|d| d.write_zeroes(self.backing.data_offset() + offset, len))
             .ctx(|| format!("zeroing backing device at {offset}"));
+        self.backing
+            .readahead
+            .lock()
+            .invalidate(offset, offset + len);
         self.backing.backing_written.store(true, Ordering::SeqCst);
         r
     }
@@ -861,6 +940,10 @@ impl Volume {
         let r = self
             .on_backing(|d| d.discard(self.backing.data_offset() + offset, len))
             .ctx(|| format!("discarding backing device at {offset}"));
+        self.backing
+            .readahead
+            .lock()
+            .invalidate(offset, offset + len);
         self.backing.backing_written.store(true, Ordering::SeqCst);
         r?;
         // Only blocks wholly inside the range are dropped: a partly discarded dirty block

@@ -22,6 +22,7 @@ mod io;
 mod journal;
 pub mod policy;
 mod rangelock;
+mod readahead;
 mod set;
 pub mod stats;
 mod types;

@@ -206,6 +206,8 @@ pub struct Backing {
     /// When a client request last started or finished an I/O on the backing device
     /// (writeback's own I/O excluded): writeback yields while this is recent.
     pub(crate) client_backing_ns: AtomicU64,
+    /// Readahead windows for sequential reads that bypass the cache.
+    pub(crate) readahead: Mutex<crate::readahead::ReadAhead>,
 }
 
 impl Backing {
@@ -736,6 +738,7 @@ impl CacheSet {
             backing_written: AtomicBool::new(false),
             dirty_since_ns: AtomicU64::new(inner.now_ns()),
             client_backing_ns: AtomicU64::new(0),
+            readahead: Mutex::default(),
         });
         if dirty > 0 {
             backing.set_state(BackingState::Dirty)?;

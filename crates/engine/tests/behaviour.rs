@@ -473,3 +473,43 @@ fn writeback_yields_to_clients_of_the_backing_device_until_it_is_quiet() {
     assert_eq!(rig.set().writeback_step(false).unwrap(), 200 - 32);
     assert_eq!(vol.status().dirty_bytes, 0);
 }
+
+#[test]
+fn sequential_reads_past_the_cutoff_are_read_ahead() {
+    // An odd seed: no miss fill, so only readahead batches backing reads.
+    let mut rig = Rig::new(45, Geometry::default(), CacheMode::Writethrough);
+    let d = data(3, 0, 1 << 20);
+    rig.backing.write_at(&d, 8192).unwrap();
+    rig.vol().set_sequential_cutoff(64 << 10);
+    let before = rig.ctrl.io_count();
+    let mut buf = vec![0u8; 4096];
+    for i in 0..256u64 {
+        rig.vol().read(i * 4096, &mut buf).unwrap();
+        assert_eq!(buf, d[(i * 4096) as usize..][..4096], "block {i}");
+    }
+    let ios = rig.ctrl.io_count() - before;
+    // 16 promoted misses (a backing read and a cache write each) before the cutoff, then one
+    // backing read per 128 KiB window: 38, far fewer than the 256 reads without readahead.
+    assert!(ios <= 40, "{ios} device I/Os for 256 sequential reads");
+    let s = rig.vol().status().stats.total;
+    assert_eq!(s.cache_bypass_misses, 256 - 16);
+    // A write into the window ahead is seen by the next read.
+    rig.vol().set_mode(CacheMode::Writearound).unwrap();
+    rig.vol().set_sequential_cutoff(64 << 10);
+    let w = data(4, 0, 4096);
+    for i in 0..64u64 {
+        if i == 20 {
+            rig.vol()
+                .write((i + 1) * 4096 + (1 << 20) / 2, &w, false)
+                .unwrap();
+        }
+        rig.vol().read(i * 4096 + (1 << 20) / 2, &mut buf).unwrap();
+        let want = if i == 21 {
+            &w[..]
+        } else {
+            &d[(i * 4096 + (1 << 20) / 2) as usize..][..4096]
+        };
+        assert_eq!(buf, want, "block {i} of the second stream");
+    }
+    rig.close_and_reopen().unwrap();
+}

@@ -26,6 +26,7 @@ fn mode_for(seed: u64) -> CacheMode {
 /// I/Os the workload issued when it ran to the end.
 fn crash_run(seed: u64, ops: &[Op], crash_at: Option<u64>) -> Result<u64, String> {
     let mut rig = Rig::new(seed, Geometry::default(), mode_for(seed));
+    rig.short_cutoff_for_some_seeds(seed);
     let sectors = (rig.vol().size_bytes() / SECTOR as u64) as usize;
     let mut model = Model::new(sectors);
     let base = rig.ctrl.io_count();

@@ -17,6 +17,7 @@ enum Step {
 
 fn run(seed: u64, steps: &[Step], mode: CacheMode) -> Result<(), String> {
     let mut rig = Rig::new(seed, Geometry::default(), mode);
+    rig.short_cutoff_for_some_seeds(seed);
     let sectors = (rig.vol().size_bytes() / SECTOR as u64) as usize;
     let mut model = Model::new(sectors);
     let mut id = 0;

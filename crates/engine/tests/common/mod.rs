@@ -148,6 +148,8 @@ pub struct Rig {
     pub clock: Arc<ManualClock>,
     pub set: Option<CacheSet>,
     pub vol: Option<Volume>,
+    /// Sequential cutoff applied at every open (`None`: the default).
+    pub seq_cutoff: Option<u64>,
 }
 
 impl Rig {
@@ -177,6 +179,7 @@ impl Rig {
             clock,
             set: None,
             vol: None,
+            seq_cutoff: None,
         };
         rig.open().expect("open fresh set");
         rig
@@ -189,6 +192,9 @@ impl Rig {
         )?;
         let vol = set.attach(self.backing.clone() as Arc<dyn BlockDevice>)?;
         vol.set_writeback_delay_secs(0);
+        if let Some(c) = self.seq_cutoff {
+            vol.set_sequential_cutoff(c);
+        }
         self.set = Some(set);
         self.vol = Some(vol);
         Ok(())
@@ -196,6 +202,16 @@ impl Rig {
 
     pub fn vol(&self) -> &Volume {
         self.vol.as_ref().expect("volume open")
+    }
+
+    /// For a quarter of the seeds, a 32 KiB sequential cutoff from now on, so sequential
+    /// streams bypass the cache and are served through readahead.
+    pub fn short_cutoff_for_some_seeds(&mut self, seed: u64) {
+        // Bits 2-3 of the seed: independent of tests that pick the mode by `seed % 4`.
+        if (seed >> 2) % 4 == 1 {
+            self.seq_cutoff = Some(32 << 10);
+            self.vol().set_sequential_cutoff(32 << 10);
+        }
     }
 
     pub fn set(&self) -> &CacheSet {
@@ -230,16 +246,38 @@ impl Rig {
 /// One step of a random workload.
 #[derive(Clone, Debug)]
 pub enum Op {
-    Write { sector: usize, n: usize, fua: bool },
-    Read { sector: usize, n: usize },
+    Write {
+        sector: usize,
+        n: usize,
+        fua: bool,
+    },
+    Read {
+        sector: usize,
+        n: usize,
+    },
     Flush,
-    Discard { sector: usize, n: usize },
-    Zero { sector: usize, n: usize, fua: bool },
+    Discard {
+        sector: usize,
+        n: usize,
+    },
+    Zero {
+        sector: usize,
+        n: usize,
+        fua: bool,
+    },
     Mode(CacheMode),
     Writeback,
     Maintenance,
     Checkpoint,
     Tick,
+    /// 16 consecutive reads of `n` sectors from `sector` (a sequential stream); with
+    /// `write`, the stream's 7th chunk is overwritten after the 5th is read (readahead must
+    /// not serve the old data).
+    Stream {
+        sector: usize,
+        n: usize,
+        write: bool,
+    },
 }
 
 /// Draws a random op over a device of `sectors` sectors.
@@ -284,6 +322,14 @@ pub fn op_from(kind: u8, a: u32, b: u32, c: u32, sectors: usize) -> Op {
         87..=91 => Op::Writeback,
         92..=95 => Op::Maintenance,
         96 => Op::Checkpoint,
+        97..=98 => {
+            let n = len.min(sectors / 16);
+            Op::Stream {
+                sector: sector.min(sectors - 16 * n),
+                n,
+                write: flag(50),
+            }
+        }
         _ => Op::Tick,
     }
 }
@@ -352,6 +398,30 @@ pub fn apply(
         Op::Tick => {
             rig.clock.advance_ns(2_000_000_000);
             Ok(())
+        }
+        Op::Stream { sector, n, write } => {
+            let mut buf = vec![0u8; n * SECTOR];
+            let mut r = Ok(());
+            for i in 0..16 {
+                let at = sector + i * n;
+                if let Err(e) = vol.read((at * SECTOR) as u64, &mut buf) {
+                    r = Err(e);
+                    break;
+                }
+                model.check(at, &buf)?;
+                if write && i == 4 {
+                    let w = Op::Write {
+                        sector: at + 2 * n,
+                        n,
+                        fua: false,
+                    };
+                    if let Err(e) = apply(rig, model, &w, next_id)? {
+                        r = Err(e);
+                        break;
+                    }
+                }
+            }
+            r
         }
     };
     Ok(res)
