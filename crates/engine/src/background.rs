@@ -32,7 +32,7 @@ const WRITEBACK_BATCH_BYTES: u64 = 4 << 20;
 const WRITEBACK_RUN_BYTES: u64 = 1 << 20;
 /// Most bytes of one batch while sharing the backing device with clients: small, so a
 /// client waits behind little writeback at a time.
-const WRITEBACK_SHARE_BYTES: u64 = 128 << 10;
+const WRITEBACK_SHARE_BYTES: u64 = 64 << 10;
 /// Longest single sleep while paying off a shared batch, so a change of rate is seen soon.
 const WRITEBACK_SHARE_SLEEP_MAX: Duration = Duration::from_millis(100);
 /// Most buckets one space-management round empties.

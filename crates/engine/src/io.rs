@@ -10,7 +10,8 @@
 //!   cache is checked against its crc32c: a clean block that fails is dropped and re-read from
 //!   the backing device, a dirty one is an error, never wrong data;
 //! - a read miss is promoted only if no write touched its range while it was in flight
-//!   (`cache_miss_collisions` counts the ones dropped);
+//!   (`cache_miss_collisions` counts the ones dropped); a miss inside a promotion in flight
+//!   waits for it once (bounded) instead of reading the backing device again;
 //! - dirty data leaves the index (overwritten by a bypass or writethrough write, zeroed,
 //!   discarded) only after what supersedes it is durable on the backing device: the backing
 //!   device is flushed first, so a crash can never expose data older than the dirty copy;
@@ -55,6 +56,9 @@ const MISS_FILL_BYTES: u64 = 64 << 10;
 /// A bypassing stream of more than one request and at least this long is read ahead
 /// (`readahead::WINDOW_BYTES` at a time).
 const READAHEAD_AFTER_BYTES: u64 = 64 << 10;
+
+/// Longest a miss waits for a promotion in flight over its blocks before reading them itself.
+const PROMOTION_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How a read treats the cache.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -329,10 +333,31 @@ impl Volume {
         let end = offset + buf.len() as u64;
         let (b0, b1) = (offset / bs, end.div_ceil(bs));
         let tick = inner.next_tick();
-        let (segs, promo, around) = {
+        let mut waited = false;
+        let (segs, promo, around) = loop {
             let mut st = inner.state.lock();
             let segs = st.index.lookup(dev, b0, b1);
             let miss = !bypass && segs.iter().any(|s| s.ext.is_none());
+            // A miss wholly inside a promotion in flight (concurrent readers of one window,
+            // e.g. a sequential stream at queue depth > 1) waits for it, then reads the
+            // cache, instead of reading the backing device again. Once only: a promotion that
+            // collided or failed leaves the blocks uncached and this read fetches them itself.
+            if miss && !waited {
+                let covering = st
+                    .promotions
+                    .iter()
+                    .find(|(_, p)| p.dev == dev && p.b0 <= b0 && b1 <= p.b1 && !p.collided)
+                    .map(|(id, _)| *id);
+                if let Some(id) = covering {
+                    waited = true;
+                    inner.promoted.wait_while_for(
+                        &mut st,
+                        |st| st.promotions.contains_key(&id),
+                        PROMOTION_WAIT_MAX,
+                    );
+                    continue;
+                }
+            }
             let around = if miss {
                 self.miss_fill(&st.index, b0, b1)
             } else {
@@ -359,7 +384,7 @@ impl Volume {
                 );
                 id
             });
-            (segs, promo, around)
+            break (segs, promo, around);
         };
         let hit = segs.iter().all(|s| s.ext.is_some());
         // Uncached blocks next to a miss come along, in offset order; a request that is one
@@ -420,6 +445,7 @@ impl Volume {
             Err(e) => {
                 if let Some(id) = promo {
                     inner.state.lock().promotions.remove(&id);
+                    inner.promoted.notify_all();
                 }
                 Counters::add(&self.backing.counters.io_errors, 1);
                 return Err(e);
@@ -621,6 +647,7 @@ impl Volume {
             }
         }
         let p = inner.state.lock().promotions.remove(&id);
+        inner.promoted.notify_all();
         if p.is_some_and(|p| p.collided) {
             Counters::add(&self.backing.counters.cache_miss_collisions, 1);
         }

@@ -95,8 +95,10 @@ pub const WRITEBACK_IDLE_NS: u64 = 1_000_000_000;
 pub const WRITEBACK_BUSY_NS: u64 = 100_000_000;
 /// Share of the backing device's time writeback takes below the target while clients use it.
 pub const WRITEBACK_TRICKLE_PCT: u32 = 2;
-/// Share at the target; it grows linearly to 100 % as dirty data reaches `dirty_max_pct`.
-pub const WRITEBACK_TARGET_PCT: u32 = 10;
+/// Share just over the target; it grows with the square of how far dirty data has gone from
+/// the target toward `dirty_max_pct`, to 100 % there: clients keep the disk while there is
+/// room, writeback takes it as the room runs out.
+pub const WRITEBACK_TARGET_PCT: u32 = 2;
 
 /// The writeback decision (bcache: `writeback_percent` target, `writeback_delay` before
 /// starting on new dirty data, full speed when idle). Unlike bcache, being over the target
@@ -125,7 +127,7 @@ pub fn writeback_rate(i: &WritebackInputs) -> WritebackRate {
         }
         let over = u128::from(dirty - target);
         let span = u128::from(limit - target);
-        let extra = over * u128::from(100 - WRITEBACK_TARGET_PCT) / span;
+        let extra = over * over * u128::from(100 - WRITEBACK_TARGET_PCT) / (span * span);
         let pct = WRITEBACK_TARGET_PCT + extra as u32;
         return if pct >= 100 {
             WritebackRate::Full
@@ -200,10 +202,11 @@ mod tests {
         // a quiet disk gets full speed at once.
         assert_eq!(
             rate(&|i| i.dirty_blocks = 11),
-            WritebackRate::Share(WRITEBACK_TARGET_PCT + 1)
+            WritebackRate::Share(WRITEBACK_TARGET_PCT)
         );
-        assert_eq!(rate(&|i| i.dirty_blocks = 50), WritebackRate::Share(55));
-        assert_eq!(rate(&|i| i.dirty_blocks = 89), WritebackRate::Share(98));
+        assert_eq!(rate(&|i| i.dirty_blocks = 50), WritebackRate::Share(26));
+        assert_eq!(rate(&|i| i.dirty_blocks = 74), WritebackRate::Share(64));
+        assert_eq!(rate(&|i| i.dirty_blocks = 89), WritebackRate::Share(97));
         assert_eq!(rate(&|i| i.dirty_blocks = 90), WritebackRate::Full);
         assert_eq!(
             rate(&|i| {

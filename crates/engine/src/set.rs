@@ -273,6 +273,8 @@ pub(crate) struct Inner {
     pub failed: Mutex<Option<String>>,
     pub stop: AtomicBool,
     pub wake: (Mutex<()>, Condvar),
+    /// Signalled (with `state`) whenever a promotion leaves `State::promotions`.
+    pub promoted: Condvar,
     pub tick: AtomicU64,
     pub reserve_buckets: usize,
 }
@@ -617,6 +619,7 @@ impl CacheSet {
             failed: Mutex::new(None),
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
+            promoted: Condvar::new(),
             tick: AtomicU64::new(0),
             reserve_buckets,
         });
