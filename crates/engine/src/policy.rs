@@ -67,8 +67,7 @@ pub enum WritebackRate {
     /// Clients are using the backing device: writeback may take this percentage (1..=99) of
     /// its time and sleeps for the rest, so foreground I/O keeps the disk's actuator.
     Share(u32),
-    /// The backing device is idle, dirty data is near the limit, or the device is being
-    /// detached: as fast as possible.
+    /// The backing device is idle or the device is being detached: as fast as possible.
     Full,
 }
 
@@ -96,15 +95,20 @@ pub const WRITEBACK_BUSY_NS: u64 = 100_000_000;
 /// Share of the backing device's time writeback takes below the target while clients use it.
 pub const WRITEBACK_TRICKLE_PCT: u32 = 2;
 /// Share just over the target; it grows with the square of how far dirty data has gone from
-/// the target toward `dirty_max_pct`, to 100 % there: clients keep the disk while there is
-/// room, writeback takes it as the room runs out.
+/// the target toward `dirty_max_pct`, to `WRITEBACK_BUSY_MAX_PCT` there.
 pub const WRITEBACK_TARGET_PCT: u32 = 2;
+/// The most of a busy backing device's time writeback takes, even at the dirty limit. Clients
+/// keep most of the disk because nothing they do gets slower than the bare disk when the
+/// cache is full of dirty data (writes then go around the cache, reads that find no room are
+/// not promoted), while random dirty data drains at only the disk's random-write rate, so
+/// taking the disk from clients would cost them much and gain little.
+pub const WRITEBACK_BUSY_MAX_PCT: u32 = 25;
 
 /// The writeback decision (bcache: `writeback_percent` target, `writeback_delay` before
 /// starting on new dirty data, full speed when idle). Unlike bcache, being over the target
 /// does not mean draining flat out while clients wait on the same disk: the share of the
 /// disk writeback takes grows with how close dirty data is to the limit where writes would
-/// start bypassing the cache.
+/// start bypassing the cache, up to `WRITEBACK_BUSY_MAX_PCT`.
 pub fn writeback_rate(i: &WritebackInputs) -> WritebackRate {
     if i.dirty_blocks == 0 {
         return WritebackRate::Idle;
@@ -122,18 +126,11 @@ pub fn writeback_rate(i: &WritebackInputs) -> WritebackRate {
             return WritebackRate::Full;
         }
         let limit = i.total_blocks * i.dirty_max_pct.max(i.writeback_percent + 1);
-        if dirty >= limit {
-            return WritebackRate::Full;
-        }
-        let over = u128::from(dirty - target);
+        let over = u128::from(dirty.min(limit) - target);
         let span = u128::from(limit - target);
-        let extra = over * over * u128::from(100 - WRITEBACK_TARGET_PCT) / (span * span);
-        let pct = WRITEBACK_TARGET_PCT + extra as u32;
-        return if pct >= 100 {
-            WritebackRate::Full
-        } else {
-            WritebackRate::Share(pct)
-        };
+        let extra =
+            over * over * u128::from(WRITEBACK_BUSY_MAX_PCT - WRITEBACK_TARGET_PCT) / (span * span);
+        return WritebackRate::Share(WRITEBACK_TARGET_PCT + extra as u32);
     }
     if i.dirty_age_ns < i.delay_ns {
         return WritebackRate::Idle;
@@ -204,10 +201,13 @@ mod tests {
             rate(&|i| i.dirty_blocks = 11),
             WritebackRate::Share(WRITEBACK_TARGET_PCT)
         );
-        assert_eq!(rate(&|i| i.dirty_blocks = 50), WritebackRate::Share(26));
-        assert_eq!(rate(&|i| i.dirty_blocks = 74), WritebackRate::Share(64));
-        assert_eq!(rate(&|i| i.dirty_blocks = 89), WritebackRate::Share(97));
-        assert_eq!(rate(&|i| i.dirty_blocks = 90), WritebackRate::Full);
+        assert_eq!(rate(&|i| i.dirty_blocks = 50), WritebackRate::Share(7));
+        assert_eq!(rate(&|i| i.dirty_blocks = 74), WritebackRate::Share(16));
+        assert_eq!(rate(&|i| i.dirty_blocks = 89), WritebackRate::Share(24));
+        assert_eq!(
+            rate(&|i| i.dirty_blocks = 100),
+            WritebackRate::Share(WRITEBACK_BUSY_MAX_PCT)
+        );
         assert_eq!(
             rate(&|i| {
                 i.dirty_blocks = 11;
@@ -224,13 +224,13 @@ mod tests {
             );
             last = r;
         }
-        // A limit at or under the target still gives a sane, full rate above the target.
+        // A limit at or under the target still gives a sane rate above the target.
         assert_eq!(
             rate(&|i| {
                 i.dirty_blocks = 20;
                 i.dirty_max_pct = 5;
             }),
-            WritebackRate::Full
+            WritebackRate::Share(WRITEBACK_BUSY_MAX_PCT)
         );
         assert_eq!(
             rate(&|i| {
