@@ -1,6 +1,8 @@
 //! A counting budget for requests and bytes in flight on one connection.
 //!
-//! Owns: the back-pressure between the request reader and the reply writer.
+//! Owns: the back-pressure between reading requests and writing their replies: the worker
+//! that reads a request takes a permit before reading its payload and drops it once the reply
+//! is written.
 //!
 //! Invariants: at most `count_max` permits exist at once and their bytes sum to at most
 //! `bytes_max`, except that one permit may exceed `bytes_max` alone when nothing else is in

@@ -10,7 +10,8 @@
 //! an entry is counted until its lease is dropped.
 //!
 //! Fault model: exports report failures as `io::Error`, which the server turns into NBD error
-//! replies; a panicking export is a programmer error and only takes its worker down.
+//! replies; a panicking export is a programmer error: it is logged and the request gets an EIO
+//! reply (the connection goes on).
 
 use crate::net::Stream;
 use nbd_proto::{BlockSize, ExportCaps, ExportCatalog, ExportInfo, ExportListing};

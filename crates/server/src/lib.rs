@@ -6,7 +6,8 @@
 //!
 //! Invariants: every request is validated by `nbd_proto::TransmissionContext::validate` before
 //! an export sees it, so exports only get in-range, aligned, advertised operations; each
-//! connection has bounded requests and bytes in flight and exactly one thread writing replies.
+//! connection has bounded requests and bytes in flight, at most one thread reading its socket
+//! and at most one writing it at a time (each reply written whole).
 //!
 //! Fault model: clients are untrusted. Bad input becomes an NBD error reply or a dropped
 //! connection; it never panics the server or disturbs other connections. Export I/O errors

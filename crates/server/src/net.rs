@@ -138,6 +138,15 @@ impl Write for Stream {
         }
     }
 
+    /// Forwarded so replies go out with one `writev` (the default writes only the first
+    /// buffer).
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write_vectored(bufs),
+            Stream::Tcp(s) => s.write_vectored(bufs),
+        }
+    }
+
     fn flush(&mut self) -> io::Result<()> {
         match self {
             Stream::Unix(s) => s.flush(),

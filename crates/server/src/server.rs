@@ -24,7 +24,9 @@ use std::time::Duration;
 /// Limits and timeouts of a server.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Threads executing requests for one connection.
+    /// Most threads serving one connection (each reads, executes and answers one request at a
+    /// time; started as needed, the connection's own thread being the first), so also the most
+    /// requests one connection has in flight.
     pub workers_per_connection: usize,
     /// Requests read but not yet answered, per connection.
     pub requests_in_flight_max: usize,
@@ -41,7 +43,7 @@ pub struct ServerConfig {
 impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
-            workers_per_connection: 4,
+            workers_per_connection: 16,
             requests_in_flight_max: 64,
             bytes_in_flight_max: 128 * 1024 * 1024,
             connections_max: 256,
