@@ -1,75 +1,166 @@
 //! Smoke test of `tiercache bench --scale tiny`: the harness runs end to end and its outputs
-//! are well formed (results.json parses and covers every configuration × workload that ran,
-//! results.md has the tables, every plot is a non-empty SVG). It asserts no timing.
+//! are well formed (results.json parses and has a row for every configuration × workload that
+//! ran, including W2's sequential steps, W3 on ext4 when root, both W4 jobs and the
+//! `+memlimit` variants when root; results.md has the tables; every plot is a non-empty SVG;
+//! no mount or loop device is left behind), and bad options fail with a clear message. It
+//! asserts no timing.
 //!
-//! Needs fio (and uses nbdkit when present). Under `CI=true` a missing fio fails the test;
-//! otherwise the test prints SKIP and returns.
+//! Needs fio; W3 needs root, nbdfuse, losetup, mkfs.ext4, mount and fusermount3; the
+//! `+memlimit` run uses nbdkit. Under `CI=true` (which runs as root) anything missing fails the
+//! test; otherwise the test prints SKIP for what it cannot run.
 
+use serde_json::Value;
+use std::path::Path;
 use std::process::Command;
 
 fn have(tool: &str) -> bool {
-    Command::new(tool).arg("--version").output().is_ok()
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// Runs `tiercache bench --scale tiny ARGS --out OUT`; returns results.json and results.md.
+fn bench(out: &Path, args: &[&str]) -> (Value, String) {
+    let status = Command::new(env!("CARGO_BIN_EXE_tiercache"))
+        .args(["bench", "--scale", "tiny"])
+        .args(args)
+        .arg("--out")
+        .arg(out)
+        .status()
+        .expect("running tiercache bench");
+    assert!(status.success(), "tiercache bench {args:?} failed");
+    let json = serde_json::from_str(
+        &std::fs::read_to_string(out.join("results.json")).expect("results.json"),
+    )
+    .expect("results.json parses");
+    let md = std::fs::read_to_string(out.join("results.md")).expect("results.md");
+    (json, md)
+}
+
+fn has_row(json: &Value, w: &str, c: &str, step: Option<&str>) -> bool {
+    json["rows"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .any(|r| r["workload"] == w && r["config"] == c && step.is_none_or(|s| r["step"] == s))
+}
+
+fn notices(json: &Value) -> String {
+    json["notices"].to_string()
+}
+
+/// Nothing mounted and no loop device over anything under `dir`.
+fn assert_nothing_left(dir: &Path) {
+    let dir = std::fs::canonicalize(dir).expect("out dir");
+    let dir = dir.to_string_lossy();
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+    assert!(!mounts.contains(dir.as_ref()), "mount left under {dir}");
+    if let Ok(o) = Command::new("losetup").arg("-a").output() {
+        let loops = String::from_utf8_lossy(&o.stdout);
+        assert!(!loops.contains(dir.as_ref()), "loop device left: {loops}");
+    }
+}
+
+#[test]
+fn bench_rejects_bad_options() {
+    for (args, msg) in [
+        (
+            &["--configs", "tiercache-fastest"][..],
+            "unknown configuration",
+        ),
+        (&["--workloads", "W9"][..], "unknown workload"),
+        (&["--mem-limit", "8"][..], "--mem-limit 8"),
+        (
+            &["--mem-limit", "0", "--configs", "nbdkit-cache+memlimit"][..],
+            "--mem-limit 0",
+        ),
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_tiercache"))
+            .args([
+                "bench",
+                "--scale",
+                "tiny",
+                "--out",
+                "/nonexistent/never-made",
+            ])
+            .args(args)
+            .output()
+            .expect("running tiercache bench");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(msg), "{args:?}: {err}");
+    }
 }
 
 #[test]
 fn bench_tiny_writes_well_formed_results() {
     let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-    for tool in ["fio", "nbdkit"] {
+    let root = is_root();
+    assert!(root || !ci, "CI runs as root; W3 and +memlimit must run");
+    let fs_tools = ["nbdfuse", "losetup", "mkfs.ext4", "mount", "fusermount3"];
+    for tool in ["fio", "nbdkit"].iter().chain(&fs_tools) {
         if !have(tool) {
             assert!(!ci, "{tool} is required under CI=true");
-            if tool == "fio" {
-                println!("SKIP: {tool} is not installed");
-                return;
-            }
+            println!("SKIP (part): {tool} is not installed");
         }
     }
+    if !have("fio") {
+        println!("SKIP: fio is not installed");
+        return;
+    }
+    let w3_runs = root && fs_tools.iter().all(|t| have(t));
     let out = tempfile::tempdir().expect("tempdir");
-    // A subset keeps the debug-build run short: one cold/warm workload, one plotted
-    // workload and the drain, on the two references and one tiercache mode.
-    let status = Command::new(env!("CARGO_BIN_EXE_tiercache"))
-        .args(["bench", "--scale", "tiny", "--workloads", "W1,W6,W7"])
-        .args(["--configs", "hdd,ssd,tiercache-writeback"])
-        .arg("--out")
-        .arg(out.path())
-        .status()
-        .expect("running tiercache bench");
-    assert!(status.success(), "tiercache bench failed");
 
-    let json: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(out.path().join("results.json")).expect("results.json"),
-    )
-    .expect("results.json parses");
-    let rows = json["rows"].as_array().expect("rows");
-    for w in ["W1", "W6"] {
-        for c in ["hdd", "ssd", "tiercache-writeback"] {
+    // The new and changed workloads on the disk alone and one tiercache mode; W1, W5 and W6
+    // are unchanged paths and stay out to keep this short.
+    let (json, md) = bench(
+        out.path(),
+        &[
+            "--workloads",
+            "W2,W3,W4,W7",
+            "--configs",
+            "hdd,tiercache-writeback",
+        ],
+    );
+    assert_nothing_left(out.path());
+    for c in ["hdd", "tiercache-writeback"] {
+        for step in ["write 8k", "read 8k", "randread 8k", "randwrite 8k"] {
+            assert!(has_row(&json, "W2", c, Some(step)), "no W2 {step} on {c}");
+        }
+        for step in ["sync randwrite 4k to 70 % of cache", "64k write 1 % random"] {
+            assert!(has_row(&json, "W4", c, Some(step)), "no W4 {step} on {c}");
+            assert!(md.contains(step), "results.md lacks {step}");
+        }
+        assert!(has_row(&json, "W7", c, None), "no W7 row for {c}");
+        if w3_runs {
             assert!(
-                rows.iter().any(|r| r["workload"] == w && r["config"] == c),
-                "no row for {w} on {c}"
+                has_row(&json, "W3", c, Some("randwrite 4k on ext4")),
+                "no W3 row for {c}"
             );
         }
     }
-    for c in ["hdd", "tiercache-writeback"] {
-        assert!(
-            rows.iter()
-                .any(|r| r["workload"] == "W7" && r["config"] == c),
-            "no W7 row for {c}"
-        );
+    if w3_runs {
+        assert!(md.contains("## W3"), "results.md lacks W3");
+    } else {
+        assert!(notices(&json).contains("W3 skipped"), "no W3 notice");
     }
-    for r in rows {
+    for r in json["rows"].as_array().expect("rows") {
         assert!(r["iops"].as_f64().is_some_and(|v| v >= 0.0), "bad row {r}");
+        if r["config"] == "tiercache-writeback" && r["workload"] != "W7" {
+            assert!(r["cache_written_mib"].is_number(), "no cache column: {r}");
+        }
     }
-    assert!(
-        rows.iter().any(
-            |r| r["workload"] == "W1" && r["step"].as_str().is_some_and(|s| s.contains("warm"))
-        ),
-        "W1 has no warm run"
-    );
-
-    let md = std::fs::read_to_string(out.path().join("results.md")).expect("results.md");
-    for heading in ["## W1", "## W6", "## W7", "|---|"] {
+    for heading in ["## W2", "## W4", "## W7", "|---|"] {
         assert!(md.contains(heading), "results.md lacks {heading}");
     }
-
     let plots = json["plots"].as_array().expect("plots");
     assert!(!plots.is_empty(), "no plots");
     for p in plots {
@@ -79,5 +170,28 @@ fn bench_tiny_writes_well_formed_results() {
             svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"),
             "{p} is not an SVG"
         );
+    }
+
+    // The memory-limited variants (one short step each).
+    if have("nbdkit") {
+        let out = tempfile::tempdir().expect("tempdir");
+        let configs = ["tiercache-writeback+memlimit", "nbdkit-cache+memlimit"];
+        let (json, md) = bench(
+            out.path(),
+            &["--workloads", "W5", "--configs", &configs.join(",")],
+        );
+        for c in configs {
+            if root {
+                assert!(has_row(&json, "W5", c, None), "no W5 row for {c}");
+            }
+        }
+        if root {
+            assert!(md.contains("+memlimit"), "results.md lacks +memlimit");
+        } else {
+            assert!(
+                notices(&json).contains("+memlimit configurations skipped"),
+                "no +memlimit notice"
+            );
+        }
     }
 }

@@ -1,13 +1,33 @@
-//! Running fio with its `nbd` engine and reading its JSON output (parsed, not scraped), plus
-//! its per-second IOPS logs.
+//! Running fio (its `nbd` engine against an export, or `psync` on files in a mounted
+//! filesystem) and reading its JSON output (parsed, not scraped), plus its per-second IOPS logs.
 //!
 //! Invariant: a fio failure is an error with fio's own message; the numbers come only from
 //! fio's JSON (`jobs[*].read/write`), summed over jobs (group reporting).
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+/// What fio drives.
+pub enum Target {
+    /// An NBD export, through fio's `nbd` engine (asynchronous; `--iodepth` is the queue depth).
+    Nbd(String),
+    /// Files in a directory (a mounted filesystem), through the `psync` engine.
+    Files(PathBuf),
+}
+
+impl Target {
+    fn args(&self) -> Vec<String> {
+        match self {
+            Target::Nbd(uri) => vec!["--ioengine=nbd".into(), format!("--uri={uri}")],
+            Target::Files(dir) => vec![
+                "--ioengine=psync".into(),
+                format!("--directory={}", dir.display()),
+            ],
+        }
+    }
+}
 
 /// What one fio run measured (reads and writes together).
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -19,13 +39,12 @@ pub struct Measured {
     pub runtime_s: f64,
 }
 
-/// Runs fio against `uri` with the job options `args` (`--rw=...` etc.); `iops_log` gets the
-/// per-second IOPS log prefix when wanted.
-pub fn run(uri: &str, args: &[String], iops_log: Option<&Path>) -> Result<Measured> {
+/// Runs fio against `target` with the job options `args` (`--rw=...` etc.); `iops_log` gets
+/// the per-second IOPS log prefix when wanted.
+pub fn run(target: &Target, args: &[String], iops_log: Option<&Path>) -> Result<Measured> {
     let mut c = Command::new("fio");
     c.arg("--name=bench")
-        .arg("--ioengine=nbd")
-        .arg(format!("--uri={uri}"))
+        .args(target.args())
         .arg("--group_reporting")
         .arg("--output-format=json")
         .args(args);

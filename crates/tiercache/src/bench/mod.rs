@@ -1,17 +1,23 @@
 //! `tiercache bench`: runs the field's workloads (W1–W7 of BENCHMARKS.md) against every
 //! configuration (the emulated disk alone, the fast file alone, tiercache in three modes,
-//! nbdkit's cache filter) through fio's `nbd` engine, and reports tables, JSON and plots.
+//! nbdkit's cache filter, and memory-limited variants) through fio, and reports tables, JSON
+//! and plots.
 //!
-//! Invariants: every (configuration, workload) pair starts from fresh devices; every
-//! configuration reaches the same emulated disk over NBD with the same cache size; numbers
-//! come from fio's JSON and tiercache's own statistics; nothing here asserts a time.
+//! Invariants: every (workload, configuration) pair starts from fresh devices and fresh
+//! processes, and (as root) from an empty page cache; every configuration reaches the same
+//! emulated disk over NBD with the same cache size; numbers come from fio's JSON and
+//! tiercache's own statistics; nothing here asserts a time. A pair that fails is reported as a
+//! notice and the run goes on, but the command then exits with an error.
 
+mod cgroup;
 mod fio;
+mod fs;
 mod procs;
 mod report;
 
-use anyhow::{bail, Result};
-use procs::{Running, Sizes, CONFIGS};
+use anyhow::{bail, Context, Result};
+use cgroup::Limiter;
+use procs::{Running, Sizes, CONFIGS, MEMLIMIT, MEMLIMIT_CONFIGS};
 use report::{Row, Series};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,7 +29,7 @@ use std::time::{Duration, Instant};
 pub enum Scale {
     /// Seconds per configuration (CI smoke).
     Tiny,
-    /// About 7 minutes on 2 cores.
+    /// Under 10 minutes on 2 cores.
     Quick,
     /// Long runs on a bigger disk.
     Full,
@@ -38,10 +44,16 @@ pub struct BenchArgs {
     /// Workloads to run, comma separated (W1..W7; default all).
     #[arg(long, value_delimiter = ',')]
     workloads: Vec<String>,
-    /// Configurations, comma separated (default all: hdd, ssd, tiercache-writethrough,
-    /// tiercache-writeback, tiercache-writearound, nbdkit-cache).
+    /// Configurations, comma separated, each run on every selected workload (default: hdd,
+    /// ssd, tiercache-writethrough, tiercache-writeback, tiercache-writearound, nbdkit-cache,
+    /// plus tiercache-writeback+memlimit and nbdkit-cache+memlimit on W1, W5 and W6). NAME+memlimit
+    /// runs NAME with every server process in a memory cgroup.
     #[arg(long, value_delimiter = ',')]
     configs: Vec<String>,
+    /// Memory limit in MiB, page cache included, of each server process of a +memlimit
+    /// configuration (default: half the cache size, at least 64 MiB; 0 leaves them out).
+    #[arg(long = "mem-limit", value_name = "MiB")]
+    mem_limit: Option<u64>,
     /// Directory for results.md, results.json, plots and scratch devices.
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
@@ -52,10 +64,18 @@ pub struct BenchArgs {
 struct Params {
     disk_bytes: u64,
     cache_bytes: u64,
+    /// Length of a time-based step.
     runtime_s: u64,
+    /// fio jobs of W3 and of W4's sync writes.
     jobs: u32,
+    /// fio jobs of W4's 64k mostly-sequential writes.
+    seek_jobs: u32,
+    /// Cap on W4's size-based sync-write step.
+    w4_cap_s: u64,
     /// Dirty data W7 drains.
     drain_bytes: u64,
+    /// Memory limit of each server process of a `+memlimit` configuration (None: off).
+    mem_limit_bytes: Option<u64>,
 }
 
 fn params(scale: Scale) -> Params {
@@ -65,21 +85,30 @@ fn params(scale: Scale) -> Params {
             cache_bytes: 8 << 20,
             runtime_s: 1,
             jobs: 2,
+            seek_jobs: 2,
+            w4_cap_s: 2,
             drain_bytes: 1 << 20,
+            mem_limit_bytes: None,
         },
         Scale::Quick => Params {
             disk_bytes: 1 << 30,
             cache_bytes: 128 << 20,
-            runtime_s: 3,
+            runtime_s: 2,
             jobs: 4,
+            seek_jobs: 4,
+            w4_cap_s: 10,
             drain_bytes: 8 << 20,
+            mem_limit_bytes: None,
         },
         Scale::Full => Params {
             disk_bytes: 8 << 30,
             cache_bytes: 1 << 30,
             runtime_s: 60,
             jobs: 16,
+            seek_jobs: 15,
+            w4_cap_s: 900,
             drain_bytes: 512 << 20,
+            mem_limit_bytes: None,
         },
     }
 }
@@ -88,13 +117,8 @@ fn params(scale: Scale) -> Params {
 struct Step {
     name: String,
     args: Vec<String>,
-}
-
-fn step(name: &str, args: Vec<String>) -> Step {
-    Step {
-        name: name.to_string(),
-        args,
-    }
+    /// Record the IOPS / dirty / occupancy time series of this step.
+    plot: bool,
 }
 
 pub const WORKLOADS: [(&str, &str); 7] = [
@@ -104,15 +128,15 @@ pub const WORKLOADS: [(&str, &str); 7] = [
     ),
     (
         "W2",
-        "IOzone-style record sizes: random read/write IOPS by record size",
+        "IOzone-style record sizes, QD1: sequential write/read, random read/write by record size",
     ),
     (
         "W3",
-        "ext4 over nbdfuse + loop: randwrite 4k direct=1 numjobs=16",
+        "ext4 over nbdfuse + loop: fio psync randwrite 4k direct=1, many jobs, on files in it",
     ),
     (
         "W4",
-        "4 KiB random writes with a flush after each (sync writes), many jobs, over time",
+        "4 KiB sync random writes (a flush after each) until 70 % of the cache is written, over time; 64 KiB writes with 1 % random seeks",
     ),
     (
         "W5",
@@ -128,19 +152,28 @@ pub const WORKLOADS: [(&str, &str); 7] = [
     ),
 ];
 
+/// Workloads whose reads can be served from RAM, where the `+memlimit` variants run by default.
+const MEMLIMIT_WORKLOADS: [&str; 3] = ["W1", "W5", "W6"];
+
+/// The configurations W7 compares: the drain against raw random writes.
+const W7_CONFIGS: [&str; 2] = ["hdd", "tiercache-writeback"];
+
 fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
-    let rt = format!("--runtime={}", p.runtime_s);
-    let jobs = format!("--numjobs={}", p.jobs);
-    let span = format!("--size={}", p.disk_bytes);
-    let w1_size = format!("--size={}", (p.disk_bytes / 16).min(100 << 20));
-    let base = |extra: &[&str]| -> Vec<String> {
-        let mut v = vec!["--time_based".to_string(), rt.clone()];
-        v.extend(extra.iter().map(|s| s.to_string()));
-        v
-    };
     let tiny = scale == Scale::Tiny;
+    let span = format!("--size={}", p.disk_bytes);
+    let timed_for = |name: String, runtime_s: u64, extra: &[&str]| Step {
+        name,
+        args: ["--time_based", &format!("--runtime={runtime_s}")]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect(),
+        plot: false,
+    };
+    let timed = |name: String, extra: &[&str]| timed_for(name, p.runtime_s, extra);
     match w {
         "W1" => {
+            let size = format!("--size={}", (p.disk_bytes / 16).min(100 << 20));
             let all = [
                 ("read-seq", "read"),
                 ("read-random", "randread"),
@@ -151,169 +184,393 @@ fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
             let mut out = Vec::new();
             for pass in ["cold", "warm"] {
                 for (n, rw) in all.iter().take(take) {
-                    let rw = format!("--rw={rw}");
-                    out.push(step(
-                        &format!("{n} ({pass})"),
-                        base(&["--bs=4k", "--iodepth=1", &rw, &w1_size]),
+                    out.push(timed(
+                        format!("{n} ({pass})"),
+                        &["--bs=4k", "--iodepth=1", &format!("--rw={rw}"), &size],
                     ));
                 }
             }
             out
         }
         "W2" => {
-            let sizes: &[&str] = if tiny {
-                &["8k"]
-            } else if scale == Scale::Quick {
-                &["8k", "128k"]
-            } else {
-                &["8k", "32k", "64k", "128k", "512k"]
+            let sizes: &[&str] = match scale {
+                Scale::Tiny => &["8k"],
+                Scale::Quick => &["8k", "128k"],
+                Scale::Full => &["8k", "32k", "64k", "128k", "512k"],
             };
-            let mut out = Vec::new();
-            for bs in sizes {
-                for (n, rw) in [("randread", "randread"), ("randwrite", "randwrite")] {
-                    let bsa = format!("--bs={bs}");
-                    let rwa = format!("--rw={rw}");
-                    out.push(step(
-                        &format!("{n} {bs}"),
-                        base(&[&bsa, &rwa, "--iodepth=1", &span]),
-                    ));
-                }
-            }
-            out
-        }
-        "W4" => vec![step(
-            "sync randwrite 4k",
-            base(&[
-                "--bs=4k",
-                "--rw=randwrite",
-                "--fsync=1",
-                "--iodepth=1",
-                &jobs,
-                &span,
-            ]),
-        )],
-        "W5" => {
-            let all = ["randread", "randwrite", "read", "write"];
-            let take = if tiny { 1 } else { 4 };
-            all.iter()
-                .take(take)
-                .map(|rw| {
-                    let rwa = format!("--rw={rw}");
-                    step(rw, base(&["--bs=4k", "--iodepth=8", &rwa, &span]))
+            // IOzone's order: write, read, then random read and random write.
+            sizes
+                .iter()
+                .flat_map(|bs| {
+                    ["write", "read", "randread", "randwrite"].map(|rw| {
+                        timed(
+                            format!("{rw} {bs}"),
+                            &[
+                                &format!("--bs={bs}"),
+                                &format!("--rw={rw}"),
+                                "--iodepth=1",
+                                &span,
+                            ],
+                        )
+                    })
                 })
                 .collect()
         }
-        "W6" => vec![step(
-            "zipf:1.2 randrw 70/30",
-            base(&[
-                "--bs=4k",
-                "--rw=randrw",
-                "--rwmixread=70",
-                "--random_distribution=zipf:1.2",
-                "--iodepth=4",
-                &span,
-            ]),
-        )],
+        "W3" => {
+            // Files fill about half of the filesystem; the field's run is 20 s.
+            let per_job = (p.disk_bytes / 2 / u64::from(p.jobs)) & !((1 << 20) - 1);
+            vec![timed_for(
+                "randwrite 4k on ext4".into(),
+                p.runtime_s.min(20),
+                &[
+                    "--bs=4k",
+                    "--rw=randwrite",
+                    "--direct=1",
+                    &format!("--numjobs={}", p.jobs),
+                    &format!("--size={per_job}"),
+                ],
+            )]
+        }
+        "W4" => {
+            // Sync writes until 70 % of the cache has been written (over all jobs), capped in
+            // time for the configurations that cannot get there.
+            let per_job = p.cache_bytes * 7 / 10 / u64::from(p.jobs);
+            let sync = Step {
+                name: "sync randwrite 4k to 70 % of cache".into(),
+                args: vec![
+                    "--bs=4k".into(),
+                    "--rw=randwrite".into(),
+                    "--fsync=1".into(),
+                    "--iodepth=1".into(),
+                    format!("--numjobs={}", p.jobs),
+                    span.clone(),
+                    format!("--io_size={per_job}"),
+                    format!("--runtime={}", p.w4_cap_s),
+                ],
+                plot: true,
+            };
+            // Each job streams through its own region (1 MiB kept clear of the export's end,
+            // which is smaller than the disk by tiercache's header).
+            let region = ((p.disk_bytes - (1 << 20)) / u64::from(p.seek_jobs)) & !0xffff;
+            let seeks = timed(
+                "64k write 1 % random".into(),
+                &[
+                    "--bs=64k",
+                    "--rw=randwrite",
+                    "--percentage_random=1",
+                    "--iodepth=1",
+                    &format!("--numjobs={}", p.seek_jobs),
+                    &format!("--size={region}"),
+                    &format!("--offset_increment={region}"),
+                ],
+            );
+            vec![sync, seeks]
+        }
+        "W5" => {
+            let take = if tiny { 1 } else { 4 };
+            ["randread", "randwrite", "read", "write"]
+                .iter()
+                .take(take)
+                .map(|rw| {
+                    timed(
+                        rw.to_string(),
+                        &["--bs=4k", "--iodepth=8", &format!("--rw={rw}"), &span],
+                    )
+                })
+                .collect()
+        }
+        "W6" => {
+            let mut s = timed(
+                "zipf:1.2 randrw 70/30".into(),
+                &[
+                    "--bs=4k",
+                    "--rw=randrw",
+                    "--rwmixread=70",
+                    "--random_distribution=zipf:1.2",
+                    "--iodepth=4",
+                    &span,
+                ],
+            );
+            s.plot = true;
+            vec![s]
+        }
         _ => Vec::new(),
     }
 }
 
-/// Runs the selected workloads on the selected configurations.
-pub fn run(args: &BenchArgs) -> Result<()> {
-    let p = params(args.scale);
-    let configs: Vec<String> = if args.configs.is_empty() {
-        CONFIGS.iter().map(|s| s.to_string()).collect()
-    } else {
-        args.configs.clone()
-    };
-    for c in &configs {
-        if !CONFIGS.contains(&c.as_str()) {
-            bail!(
-                "unknown configuration '{c}' (known: {})",
-                CONFIGS.join(", ")
-            );
+/// The configurations a workload runs on when `--configs` is not given.
+fn default_configs(w: &str, memlimit: bool) -> Vec<String> {
+    let mut v = Vec::new();
+    for c in CONFIGS {
+        if w == "W7" && !W7_CONFIGS.contains(&c) {
+            continue;
+        }
+        v.push(c.to_string());
+        if memlimit && MEMLIMIT_WORKLOADS.contains(&w) && MEMLIMIT_CONFIGS.contains(&c) {
+            v.push(format!("{c}{MEMLIMIT}"));
         }
     }
+    v
+}
+
+/// Adds `n` to the notices unless it is there already.
+fn notice(notices: &mut Vec<String>, n: String) {
+    if !notices.contains(&n) {
+        notices.push(n);
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid(2) has no preconditions and touches no memory.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// One line per (workload, configuration) pair, and one per step as it starts.
+struct Progress {
+    started: Instant,
+    total: usize,
+    done: usize,
+}
+
+impl Progress {
+    fn pair(&mut self, w: &str, c: &str) {
+        self.done += 1;
+        eprintln!(
+            "[{}/{}] {w} on {c} ({:.0} s elapsed)",
+            self.done,
+            self.total,
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+
+    fn step(&self, name: &str) {
+        eprintln!(
+            "    {name} ({:.0} s elapsed)",
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// What every pair of a run shares.
+struct Ctx {
+    p: Params,
+    scale: Scale,
+    scratch: PathBuf,
+    limiter: Option<Limiter>,
+}
+
+/// Runs the selected workloads on the selected configurations.
+pub fn run(args: &BenchArgs) -> Result<()> {
+    let mut p = params(args.scale);
+    p.mem_limit_bytes = cgroup::limit_bytes(args.mem_limit, p.cache_bytes)?;
     let workloads: Vec<String> = if args.workloads.is_empty() {
         WORKLOADS.iter().map(|w| w.0.to_string()).collect()
     } else {
         args.workloads.iter().map(|w| w.to_uppercase()).collect()
     };
-    for w in &workloads {
+    for (i, w) in workloads.iter().enumerate() {
         if !WORKLOADS.iter().any(|k| k.0 == w) {
             bail!("unknown workload '{w}' (known: W1..W7)");
         }
+        if workloads[..i].contains(w) {
+            bail!("workload '{w}' given twice");
+        }
     }
-    if std::process::Command::new("fio")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
+    for (i, c) in args.configs.iter().enumerate() {
+        if args.configs[..i].contains(c) {
+            bail!("configuration '{c}' given twice");
+        }
+        if procs::parse_config(c)?.1 && p.mem_limit_bytes.is_none() {
+            bail!("configuration '{c}' needs a memory limit, but --mem-limit 0 turns it off");
+        }
+    }
+    if !procs::on_path("fio") {
         bail!("fio is not installed (Debian: apt-get install fio)");
     }
-    let have_nbdkit = std::process::Command::new("nbdkit")
-        .arg("--version")
-        .output()
-        .is_ok();
-    std::fs::create_dir_all(&args.out)?;
-    let scratch = args.out.join("scratch");
-    let sizes = Sizes {
-        disk_bytes: p.disk_bytes,
-        cache_bytes: p.cache_bytes,
+    let plan: Vec<(String, String)> = workloads
+        .iter()
+        .flat_map(|w| {
+            let configs = if args.configs.is_empty() {
+                default_configs(w, p.mem_limit_bytes.is_some())
+            } else {
+                args.configs.clone()
+            };
+            configs
+                .into_iter()
+                .filter(|c| w != "W7" || W7_CONFIGS.contains(&c.as_str()))
+                .map(|c| (w.clone(), c))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+
+    let mut notices = Vec::new();
+    let limited = |c: &str| procs::parse_config(c).is_ok_and(|(_, l)| l);
+    let limiter = match p.mem_limit_bytes {
+        Some(bytes) if plan.iter().any(|(_, c)| limited(c)) => match Limiter::probe(bytes) {
+            Ok(l) => Some(l),
+            Err(why) => {
+                notices.push(format!("{MEMLIMIT} configurations skipped: {why}"));
+                None
+            }
+        },
+        _ => None,
     };
-    let started = Instant::now();
+    let w3_unavailable = plan
+        .iter()
+        .any(|(w, _)| w == "W3")
+        .then(fs::unavailable)
+        .flatten();
+    if let Some(n) = &w3_unavailable {
+        notices.push(n.clone());
+    }
+    if !is_root() {
+        notices.push("the page cache is not dropped before cold runs: not running as root".into());
+    }
+    let have_nbdkit = procs::on_path("nbdkit");
+
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let out = std::fs::canonicalize(&args.out)?;
+    let ctx = Ctx {
+        p,
+        scale: args.scale,
+        scratch: out.join("scratch"),
+        limiter,
+    };
+    let mut progress = Progress {
+        started: Instant::now(),
+        total: plan.len(),
+        done: 0,
+    };
     let mut rows = Vec::new();
     let mut series = Vec::new();
-    let mut notices = Vec::new();
-    let total = workloads.len() * configs.len();
-    let mut done = 0;
-    for w in &workloads {
-        for c in &configs {
-            done += 1;
-            eprintln!(
-                "[{done}/{total}] {w} on {c} ({:.0} s elapsed)",
-                started.elapsed().as_secs_f64()
+    let mut failures = 0;
+    for (w, c) in &plan {
+        progress.pair(w, c);
+        if c.starts_with("nbdkit-cache") && !have_nbdkit {
+            notice(
+                &mut notices,
+                format!("{c} skipped: nbdkit is not installed"),
             );
-            if c == "nbdkit-cache" && !have_nbdkit {
-                notices.push("nbdkit-cache skipped: nbdkit is not installed".to_string());
-                continue;
-            }
-            if w == "W3" {
-                let n = "W3 skipped: the ext4-over-nbdfuse workload is not built yet".to_string();
-                if !notices.contains(&n) {
-                    notices.push(n);
+            continue;
+        }
+        if (limited(c) && ctx.limiter.is_none()) || (w == "W3" && w3_unavailable.is_some()) {
+            continue;
+        }
+        match run_pair(&ctx, w, c, &progress) {
+            Ok(done) => {
+                rows.extend(done.rows);
+                series.extend(done.series);
+                for n in done.notices {
+                    notice(&mut notices, n);
                 }
-                continue;
             }
-            if w == "W7" && !(c == "hdd" || c == "tiercache-writeback") {
-                continue;
-            }
-            let running = procs::start(c, &scratch, sizes)?;
-            if w == "W5" || w == "W6" || w == "W7" {
-                running.set("sequential_cutoff", "0")?;
-            }
-            if w == "W7" {
-                rows.push(w7(&running, c, &p)?);
-                continue;
-            }
-            for s in steps(w, &p, args.scale) {
-                let plot = w == "W4" || w == "W6";
-                let (row, ser) = run_step(&running, w, c, &s, plot, &scratch)?;
-                rows.push(row);
-                if let Some(ser) = ser {
-                    series.push(ser);
-                }
+            Err(e) => {
+                failures += 1;
+                eprintln!("    FAILED: {e:#}");
+                notices.push(format!("FAILED: {w} on {c}: {e:#}"));
             }
         }
     }
     report::ratios(&mut rows);
-    report::write(&args.out, args.scale, &p, &rows, &series, &notices)?;
+    report::write(&out, ctx.scale, &ctx.p, &rows, &series, &notices)?;
     for n in &notices {
         eprintln!("notice: {n}");
     }
-    println!("{}", std::fs::read_to_string(args.out.join("results.md"))?);
-    let _ = std::fs::remove_dir_all(&scratch);
+    println!("{}", std::fs::read_to_string(out.join("results.md"))?);
+    if fs::mounts_under(&ctx.scratch).is_empty() {
+        let _ = std::fs::remove_dir_all(&ctx.scratch);
+    }
+    if failures > 0 {
+        bail!("{failures} (workload, configuration) pair(s) failed; see the notices in results.md");
+    }
     Ok(())
+}
+
+/// Empties the page cache (as root), so that a cold run starts cold.
+fn drop_page_cache() -> Result<()> {
+    if is_root() {
+        // SAFETY: sync(2) has no preconditions.
+        unsafe { libc::sync() };
+        std::fs::write("/proc/sys/vm/drop_caches", "3").context("dropping the page cache")?;
+    }
+    Ok(())
+}
+
+/// What one (workload, configuration) pair produced.
+#[derive(Default)]
+struct PairOut {
+    rows: Vec<Row>,
+    series: Vec<Series>,
+    notices: Vec<String>,
+}
+
+/// One (workload, configuration) pair from fresh devices.
+fn run_pair(ctx: &Ctx, w: &str, c: &str, progress: &Progress) -> Result<PairOut> {
+    let (base, limited) = procs::parse_config(c)?;
+    let stale = fs::mounts_under(&ctx.scratch);
+    if !stale.is_empty() {
+        bail!(
+            "refusing to wipe {}: still mounted there: {}",
+            ctx.scratch.display(),
+            stale.join(", ")
+        );
+    }
+    let limit = if limited { ctx.limiter.as_ref() } else { None };
+    let sizes = Sizes {
+        disk_bytes: ctx.p.disk_bytes,
+        cache_bytes: ctx.p.cache_bytes,
+    };
+    let mut running = procs::start(base, &ctx.scratch, sizes, limit)?;
+    if w == "W5" || w == "W6" || w == "W7" {
+        running.set("sequential_cutoff", "0")?;
+    }
+    // Declared after `running`, so it is torn down before the servers stop.
+    let ext4 = if w == "W3" {
+        progress.step("nbdfuse + losetup + mkfs.ext4 + mount");
+        Some(fs::Ext4::create(&running.uri, &ctx.scratch)?)
+    } else {
+        None
+    };
+    drop_page_cache()?;
+    let mut out = PairOut::default();
+    if w == "W7" {
+        progress.step("fill, then drain");
+        out.rows.push(w7(&running, c, &ctx.p)?);
+        running.discard();
+        return Ok(out);
+    }
+    if ext4.as_ref().is_some_and(|e| !e.direct_io) {
+        out.notices.push(
+            "W3: losetup refused --direct-io=on, so the loop device goes through the page cache"
+                .into(),
+        );
+    }
+    let target = match &ext4 {
+        Some(fs) => fio::Target::Files(fs.dir().to_path_buf()),
+        None => fio::Target::Nbd(running.uri.clone()),
+    };
+    for s in steps(w, &ctx.p, ctx.scale) {
+        progress.step(&s.name);
+        match run_step(&running, &target, w, c, &s, &ctx.scratch) {
+            Ok((row, ser)) => {
+                out.rows.push(row);
+                out.series.extend(ser);
+            }
+            Err(e) => {
+                let exited = running.exited();
+                return Err(if exited.is_empty() {
+                    e
+                } else {
+                    e.context(exited.join("; "))
+                });
+            }
+        }
+    }
+    // The filesystem goes first (unmounting flushes it through the servers).
+    drop(ext4);
+    running.discard();
+    Ok(out)
 }
 
 fn stat(v: &Option<serde_json::Value>, key: &str) -> u64 {
@@ -322,19 +579,20 @@ fn stat(v: &Option<serde_json::Value>, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// One fio run, with tiercache's stats before and after, and optionally a time series.
+/// One fio run, with tiercache's stats before and after, and the time series if the step
+/// asks for it.
 fn run_step(
     running: &Running,
+    target: &fio::Target,
     w: &str,
     c: &str,
     s: &Step,
-    plot: bool,
     scratch: &Path,
 ) -> Result<(Row, Option<Series>)> {
     let before = running.stats();
     let samples = Arc::new(Mutex::new(Vec::new()));
     let stop = Arc::new(AtomicBool::new(false));
-    let sampler = (plot && running.admin.is_some()).then(|| {
+    let sampler = (s.plot && running.admin.is_some()).then(|| {
         let admin = running.admin.clone().expect("checked");
         let (samples, stop) = (samples.clone(), stop.clone());
         std::thread::spawn(move || {
@@ -357,7 +615,7 @@ fn run_step(
         })
     });
     let log_prefix = scratch.join(format!("iops-{w}-{c}"));
-    let m = fio::run(&running.uri, &s.args, plot.then_some(log_prefix.as_path()));
+    let m = fio::run(target, &s.args, s.plot.then_some(log_prefix.as_path()));
     stop.store(true, Ordering::SeqCst);
     if let Some(t) = sampler {
         let _ = t.join();
@@ -389,7 +647,7 @@ fn run_step(
     };
     // One lock for both columns: two `lock()` temporaries in one expression would deadlock.
     let samples = std::mem::take(&mut *samples.lock().expect("sampler lock"));
-    let series = plot.then(|| Series {
+    let series = s.plot.then(|| Series {
         workload: w.to_string(),
         config: c.to_string(),
         iops: fio::iops_series(&log_prefix),
@@ -403,6 +661,7 @@ fn run_step(
 /// `hdd`, time random writes of the same bytes straight to the disk.
 fn w7(running: &Running, c: &str, p: &Params) -> Result<Row> {
     let bytes = p.drain_bytes;
+    let target = fio::Target::Nbd(running.uri.clone());
     let write = |extra: &[&str]| -> Result<fio::Measured> {
         let mut a: Vec<String> = vec![
             "--bs=4k".into(),
@@ -412,7 +671,7 @@ fn w7(running: &Running, c: &str, p: &Params) -> Result<Row> {
             format!("--io_size={bytes}"),
         ];
         a.extend(extra.iter().map(|s| s.to_string()));
-        fio::run(&running.uri, &a, None)
+        fio::run(&target, &a, None)
     };
     let mut row = Row {
         workload: "W7".into(),
@@ -448,4 +707,72 @@ fn w7(running: &Running, c: &str, p: &Params) -> Result<Row> {
     row.bw_mib_s = (bytes >> 20) as f64 / row.seconds.max(1e-9);
     row.iops = (bytes / 4096) as f64 / row.seconds.max(1e-9);
     Ok(row)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arg<'a>(s: &'a Step, key: &str) -> Option<&'a str> {
+        s.args.iter().find_map(|a| a.strip_prefix(key))
+    }
+
+    #[test]
+    fn memlimit_variants_only_where_reads_can_hit_ram() {
+        let w1 = default_configs("W1", true);
+        assert!(w1.contains(&"tiercache-writeback+memlimit".to_string()));
+        assert!(w1.contains(&"nbdkit-cache+memlimit".to_string()));
+        assert_eq!(w1.len(), CONFIGS.len() + 2);
+        assert_eq!(default_configs("W1", false).len(), CONFIGS.len());
+        assert_eq!(default_configs("W2", true).len(), CONFIGS.len());
+        assert_eq!(default_configs("W7", true), W7_CONFIGS.map(String::from));
+        for c in default_configs("W6", true) {
+            procs::parse_config(&c).expect("default configurations parse");
+        }
+        assert!(procs::parse_config("ssd+memlimit").expect("any base").1);
+        assert!(procs::parse_config("zfs").is_err());
+    }
+
+    #[test]
+    fn w4_sync_step_writes_70_percent_of_the_cache_and_w2_has_sequential_steps() {
+        for scale in [Scale::Tiny, Scale::Quick, Scale::Full] {
+            let p = params(scale);
+            let w4 = steps("W4", &p, scale);
+            let sync = &w4[0];
+            assert!(sync.plot && !sync.args.iter().any(|a| a == "--time_based"));
+            let per_job: u64 = arg(sync, "--io_size=").unwrap().parse().unwrap();
+            let total = per_job * u64::from(p.jobs);
+            assert!(total <= p.cache_bytes * 7 / 10 && total + 4096 * 16 > p.cache_bytes * 7 / 10);
+            let seeks = &w4[1];
+            assert_eq!(arg(seeks, "--percentage_random="), Some("1"));
+            let region: u64 = arg(seeks, "--size=").unwrap().parse().unwrap();
+            assert!(region * u64::from(p.seek_jobs) < p.disk_bytes && region.is_multiple_of(65536));
+            let w2: Vec<String> = steps("W2", &p, scale).into_iter().map(|s| s.name).collect();
+            assert!(["write 8k", "read 8k", "randread 8k", "randwrite 8k"]
+                .iter()
+                .all(|n| w2.iter().any(|s| s == n)));
+        }
+        assert_eq!(steps("W2", &params(Scale::Quick), Scale::Quick).len(), 8);
+        assert_eq!(steps("W2", &params(Scale::Full), Scale::Full).len(), 20);
+        let w3 = steps("W3", &params(Scale::Full), Scale::Full);
+        assert_eq!(arg(&w3[0], "--numjobs="), Some("16"));
+        assert_eq!(arg(&w3[0], "--runtime="), Some("20"));
+    }
+
+    #[test]
+    fn mem_limit_default_and_bounds() {
+        assert_eq!(
+            cgroup::limit_bytes(None, 128 << 20).unwrap(),
+            Some(64 << 20)
+        );
+        assert_eq!(cgroup::limit_bytes(None, 1 << 30).unwrap(), Some(512 << 20));
+        assert_eq!(cgroup::limit_bytes(None, 8 << 20).unwrap(), Some(64 << 20));
+        assert_eq!(cgroup::limit_bytes(Some(0), 1 << 30).unwrap(), None);
+        assert_eq!(
+            cgroup::limit_bytes(Some(100), 1 << 30).unwrap(),
+            Some(100 << 20)
+        );
+        assert!(cgroup::limit_bytes(Some(8), 1 << 30).is_err());
+        assert!(cgroup::limit_bytes(Some(u64::MAX), 1 << 30).is_err());
+    }
 }

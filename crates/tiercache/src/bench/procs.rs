@@ -1,10 +1,14 @@
 //! The configurations under test, as running processes: the emulated disk, tiercache on top
-//! of it, nbdkit's cache filter on top of it, or the fast file alone.
+//! of it, nbdkit's cache filter on top of it, or the fast file alone; each optionally with
+//! every server process in a memory cgroup (the `+memlimit` variants).
 //!
 //! Invariants: every process started here is owned by a [`Proc`] that sends SIGTERM and waits
-//! when dropped, so no run leaves a server behind, even on error; every configuration reaches
-//! the same emulated disk model over NBD, and every cache gets the same size.
+//! when dropped (or is SIGKILLed and reaped by [`Running::discard`] once a pair's devices are
+//! thrown away), so no run leaves a server behind, even on error, and only then removes the
+//! process's memory cgroup; every configuration reaches the same emulated disk model over NBD,
+//! and every cache gets the same size.
 
+use super::cgroup::{Limiter, MemCgroup};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -14,10 +18,17 @@ use std::time::{Duration, Instant};
 pub struct Proc {
     child: Child,
     what: String,
+    /// Dropped after `child` has been waited for (Drop::drop runs before the fields drop).
+    _cgroup: Option<MemCgroup>,
 }
 
 impl Proc {
-    fn spawn(cmd: &mut Command, what: &str) -> Result<Proc> {
+    /// Starts `cmd` with its output discarded, in a fresh memory cgroup when `limit` is given.
+    fn spawn(cmd: &mut Command, what: &str, limit: Option<&Limiter>) -> Result<Proc> {
+        let cgroup = limit.map(Limiter::create).transpose()?;
+        if let Some(cg) = &cgroup {
+            cg.enter_on_spawn(cmd)?;
+        }
         let child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -26,13 +37,36 @@ impl Proc {
         Ok(Proc {
             child,
             what: what.to_string(),
+            _cgroup: cgroup,
         })
+    }
+
+    /// SIGKILL and wait: for a process whose devices are thrown away next, so a graceful stop
+    /// has nothing to save.
+    fn kill(&mut self) {
+        if self.exited().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    /// How the process ended, if it has (an error to ask counts as ended: it cannot be
+    /// signalled any more).
+    fn exited(&mut self) -> Option<String> {
+        match self.child.try_wait() {
+            Ok(None) => None,
+            Ok(Some(status)) => Some(status.to_string()),
+            Err(e) => Some(e.to_string()),
+        }
     }
 }
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid; no memory is touched.
+        if self.exited().is_some() {
+            return;
+        }
+        // SAFETY: kill(2) on our own child's pid, not yet reaped; no memory is touched.
         unsafe {
             libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
         }
@@ -47,6 +81,33 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Runs a one-shot tool to completion; a failure is an error carrying the tool's stderr.
+/// Returns its stdout.
+pub fn run_tool(cmd: &mut Command, what: &str) -> Result<String> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {what}"))?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Whether `tool` is an executable file in a `PATH` directory.
+pub fn on_path(tool: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::env::var_os("PATH").is_some_and(|paths| {
+        std::env::split_paths(&paths).any(|d| {
+            std::fs::metadata(d.join(tool)).is_ok_and(|m| m.is_file() && m.mode() & 0o111 != 0)
+        })
+    })
 }
 
 fn wait_for(path: &Path, what: &str) -> Result<()> {
@@ -76,6 +137,29 @@ pub const CONFIGS: [&str; 6] = [
     "nbdkit-cache",
 ];
 
+/// Appended to a configuration's name: the same configuration with every server process in a
+/// memory cgroup.
+pub const MEMLIMIT: &str = "+memlimit";
+
+/// The `+memlimit` variants run by default (where reads can be served from RAM).
+pub const MEMLIMIT_CONFIGS: [&str; 2] = ["tiercache-writeback", "nbdkit-cache"];
+
+/// Splits `name` into its base configuration and whether it is a `+memlimit` variant; an
+/// unknown base is an error listing the known names.
+pub fn parse_config(name: &str) -> Result<(&str, bool)> {
+    let (base, limited) = match name.strip_suffix(MEMLIMIT) {
+        Some(b) => (b, true),
+        None => (name, false),
+    };
+    if !CONFIGS.contains(&base) {
+        bail!(
+            "unknown configuration '{name}' (known: {}, each optionally with {MEMLIMIT})",
+            CONFIGS.join(", ")
+        );
+    }
+    Ok((base, limited))
+}
+
 /// Sizes shared by every configuration of a run.
 #[derive(Clone, Copy, Debug)]
 pub struct Sizes {
@@ -87,11 +171,12 @@ pub struct Sizes {
 pub struct Running {
     pub uri: String,
     pub admin: Option<PathBuf>,
-    _procs: Vec<Proc>,
+    procs: Vec<Proc>,
 }
 
-/// Starts `config` with fresh devices in `dir`.
-pub fn start(config: &str, dir: &Path, sizes: Sizes) -> Result<Running> {
+/// Starts `config` (a base name from [`CONFIGS`]) with fresh devices in `dir`; with `limit`,
+/// every server process runs in its own memory cgroup.
+pub fn start(config: &str, dir: &Path, sizes: Sizes, limit: Option<&Limiter>) -> Result<Running> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir)?;
     let disk = dir.join("disk.img");
@@ -110,7 +195,7 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes) -> Result<Running> {
         .arg("--socket")
         .arg(sock)
         .args(extra);
-        let p = Proc::spawn(&mut c, &format!("tiercache emulate {kind}"))?;
+        let p = Proc::spawn(&mut c, &format!("tiercache emulate {kind}"), limit)?;
         wait_for(sock, "the emulated disk")?;
         Ok(p)
     };
@@ -118,7 +203,7 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes) -> Result<Running> {
         "hdd" => Ok(Running {
             uri: hdd_uri,
             admin: None,
-            _procs: vec![emulate("hdd", &disk, &hdd_sock, &[])?],
+            procs: vec![emulate("hdd", &disk, &hdd_sock, &[])?],
         }),
         "ssd" => {
             // The fast file alone, O_DIRECT, with no added latency.
@@ -132,7 +217,7 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes) -> Result<Running> {
             Ok(Running {
                 uri: format!("nbd+unix:///disk?socket={}", sock.display()),
                 admin: None,
-                _procs: vec![p],
+                procs: vec![p],
             })
         }
         "nbdkit-cache" => {
@@ -149,12 +234,12 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes) -> Result<Running> {
                 .arg("cache=writeback")
                 .arg("cache-on-read=true")
                 .arg(format!("cache-max-size={}", sizes.cache_bytes));
-            let kit = Proc::spawn(&mut c, "nbdkit")?;
+            let kit = Proc::spawn(&mut c, "nbdkit", limit)?;
             wait_for(&sock, "nbdkit")?;
             Ok(Running {
                 uri: format!("nbd+unix:///?socket={}", sock.display()),
                 admin: None,
-                _procs: vec![kit, hdd],
+                procs: vec![kit, hdd],
             })
         }
         mode if mode.starts_with("tiercache-") => {
@@ -162,24 +247,20 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes) -> Result<Running> {
             let hdd = emulate("hdd", &disk, &hdd_sock, &[])?;
             let cache = dir.join("cache.img");
             std::fs::File::create(&cache)?.set_len(sizes.cache_bytes)?;
-            let out = tiercache()?
-                .args([
-                    "make",
-                    "--force",
-                    "--label",
-                    "data",
-                    "--backing",
-                    &hdd_uri,
-                    "--cache",
-                ])
-                .arg(&cache)
-                .output()?;
-            if !out.status.success() {
-                bail!(
-                    "tiercache make failed: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                );
-            }
+            run_tool(
+                tiercache()?
+                    .args([
+                        "make",
+                        "--force",
+                        "--label",
+                        "data",
+                        "--backing",
+                        &hdd_uri,
+                        "--cache",
+                    ])
+                    .arg(&cache),
+                "tiercache make",
+            )?;
             let sock = dir.join("tc.sock");
             let mut c = tiercache()?;
             c.arg("serve")
@@ -187,13 +268,13 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes) -> Result<Running> {
                 .arg(&cache)
                 .args(["--backing", &hdd_uri, "--socket"])
                 .arg(&sock);
-            let tc = Proc::spawn(&mut c, "tiercache serve")?;
+            let tc = Proc::spawn(&mut c, "tiercache serve", limit)?;
             let admin = crate::serve::admin_for(&sock);
             wait_for(&admin, "tiercache serve")?;
             let running = Running {
                 uri: format!("nbd+unix:///data?socket={}", sock.display()),
                 admin: Some(admin),
-                _procs: vec![tc, hdd],
+                procs: vec![tc, hdd],
             };
             running.set("cache_mode", mode)?;
             Ok(running)
@@ -216,6 +297,25 @@ impl Running {
             )?;
         }
         Ok(())
+    }
+
+    /// Stops every server process at once with SIGKILL, once the pair's measurements are done
+    /// and its devices are about to be wiped. (A graceful stop of `tiercache serve` first
+    /// finishes the writeback batch in flight, which can take many seconds on the emulated
+    /// disk and measures nothing.) Errors still stop them gracefully, through `Drop`.
+    pub fn discard(mut self) {
+        for p in &mut self.procs {
+            p.kill();
+        }
+    }
+
+    /// The server processes that have exited, with how (a memory cgroup's OOM killer shows
+    /// here as "signal: 9"); empty while all run.
+    pub fn exited(&mut self) -> Vec<String> {
+        self.procs
+            .iter_mut()
+            .filter_map(|p| p.exited().map(|how| format!("{} exited ({how})", p.what)))
+            .collect()
     }
 
     /// tiercache's statistics (None for peers).

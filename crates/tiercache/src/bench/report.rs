@@ -97,10 +97,18 @@ pub fn write(
     let mut md = String::new();
     writeln!(
         md,
-        "# tiercache bench ({scale:?} scale, {date})\n\nMachine: {machine}. Emulated disk {} MiB, cache {} MiB, {} s per timed step.\n",
+        "# tiercache bench ({scale:?} scale, {date})\n\nMachine: {machine}. Emulated disk {} MiB, cache {} MiB, {} s per timed step (W4's sync writes: until 70 % of the cache is written, at most {} s). {}\n",
         p.disk_bytes >> 20,
         p.cache_bytes >> 20,
-        p.runtime_s
+        p.runtime_s,
+        p.w4_cap_s,
+        match p.mem_limit_bytes {
+            Some(b) => format!(
+                "`+memlimit`: each server process in a memory cgroup of {} MiB, page cache included.",
+                b >> 20
+            ),
+            None => "No `+memlimit` configurations (--mem-limit 0).".into(),
+        }
     )?;
     for n in notices {
         writeln!(md, "> {n}\n")?;
