@@ -131,53 +131,65 @@ impl<D: BlockDevice> LatencyDevice<D> {
         }
     }
 
-    /// Waits as long as the request takes: HDD requests queue behind the one actuator.
-    fn delay(&self, offset: u64, len: u64, flush: bool) {
+    /// Runs the real I/O, then waits until the modelled service time has passed since it
+    /// began (the real time counts toward the model's, so a fast real device adds nothing on
+    /// top): HDD requests queue behind the one actuator. A remaining wait under
+    /// `SLEEP_MIN` is skipped: the timer's slack would turn it into tens of microseconds.
+    fn timed<T>(
+        &self,
+        offset: u64,
+        len: u64,
+        flush: bool,
+        io: impl FnOnce() -> io::Result<T>,
+    ) -> io::Result<T> {
+        let began = Instant::now();
+        let r = io()?;
         let done_at = {
             let mut head = self.head.lock();
             let t = self.service(&mut head, offset, len, flush);
             match self.model {
                 Model::Hdd(_) => {
-                    let start = head.busy_until.max(Instant::now());
+                    let start = head.busy_until.max(began);
                     head.busy_until = start + t;
                     head.busy_until
                 }
-                Model::Ssd(_) => Instant::now() + t,
+                Model::Ssd(_) => began + t,
             }
         };
         let now = Instant::now();
-        if done_at > now {
+        if done_at > now + SLEEP_MIN {
             std::thread::sleep(done_at - now);
         }
+        Ok(r)
     }
 }
+
+/// Shortest wait worth a sleep (see `LatencyDevice::timed`).
+const SLEEP_MIN: Duration = Duration::from_micros(20);
 
 impl<D: BlockDevice> BlockDevice for LatencyDevice<D> {
     fn size_bytes(&self) -> u64 {
         self.inner.size_bytes()
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.inner.read_at(buf, offset)?;
-        self.delay(offset, buf.len() as u64, false);
-        Ok(())
+        let len = buf.len() as u64;
+        self.timed(offset, len, false, || self.inner.read_at(buf, offset))
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.inner.write_at(buf, offset)?;
-        self.delay(offset, buf.len() as u64, false);
-        Ok(())
+        self.timed(offset, buf.len() as u64, false, || {
+            self.inner.write_at(buf, offset)
+        })
     }
     fn flush(&self) -> io::Result<()> {
-        self.inner.flush()?;
-        self.delay(0, 0, true);
-        Ok(())
+        self.timed(0, 0, true, || self.inner.flush())
     }
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         self.inner.discard(offset, len)
     }
     fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.inner.write_zeroes(offset, len)?;
-        self.delay(offset, len.min(1 << 20), false);
-        Ok(())
+        self.timed(offset, len.min(1 << 20), false, || {
+            self.inner.write_zeroes(offset, len)
+        })
     }
     fn is_rotational(&self) -> bool {
         matches!(self.model, Model::Hdd(_))

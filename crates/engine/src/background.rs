@@ -364,7 +364,21 @@ fn writeback_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<(u6
     }
     let mut written = Vec::new();
     let mut touched = BTreeSet::new();
-    for run in runs {
+    let pass_start = inner.now_ns();
+    for (i, run) in runs.into_iter().enumerate() {
+        // A full-speed pass ends early once a client needs the disk (the next pass runs at
+        // the client-aware rate) or the set is stopping, so neither waits behind megabytes of
+        // seeks; it always writes at least one run, so it makes progress.
+        if i > 0
+            && !force
+            && (inner.stop.load(Ordering::SeqCst)
+                || (best == WritebackRate::Full
+                    && backings
+                        .iter()
+                        .any(|b| b.client_backing_ns.load(Ordering::Relaxed) > pass_start)))
+        {
+            break;
+        }
         let dev = run[0].0;
         let Some(backing) = backings.iter().find(|b| b.id == dev) else {
             continue;

@@ -122,9 +122,28 @@ fn sequential_streams_bypass_past_the_cutoff_even_interleaved() {
 
 /// A backing device whose reads can be held at a barrier, to put a write inside a miss.
 #[derive(Debug)]
+/// A device that stops its next read (or write, with `write_gate`) at a barrier twice: once
+/// to let the test in, once until the test is done.
 struct GatedDevice {
     inner: MemDevice,
     gate: std::sync::Mutex<Option<Arc<Barrier>>>,
+    write_gate: std::sync::Mutex<Option<Arc<Barrier>>>,
+}
+
+fn gated(bytes: usize) -> Arc<GatedDevice> {
+    Arc::new(GatedDevice {
+        inner: MemDevice::new(bytes as u64),
+        gate: std::sync::Mutex::new(None),
+        write_gate: std::sync::Mutex::new(None),
+    })
+}
+
+fn pass_gate(gate: &std::sync::Mutex<Option<Arc<Barrier>>>) {
+    let gate = gate.lock().unwrap().take();
+    if let Some(g) = gate {
+        g.wait();
+        g.wait();
+    }
 }
 
 impl BlockDevice for GatedDevice {
@@ -133,15 +152,13 @@ impl BlockDevice for GatedDevice {
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
         let r = self.inner.read_at(buf, offset);
-        let gate = self.gate.lock().unwrap().take();
-        if let Some(g) = gate {
-            g.wait(); // let the writer in
-            g.wait(); // until it is done
-        }
+        pass_gate(&self.gate);
         r
     }
     fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        self.inner.write_at(buf, offset)
+        let r = self.inner.write_at(buf, offset);
+        pass_gate(&self.write_gate);
+        r
     }
     fn flush(&self) -> std::io::Result<()> {
         self.inner.flush()
@@ -157,10 +174,7 @@ impl BlockDevice for GatedDevice {
 #[test]
 fn promotion_never_overwrites_a_write_made_while_in_flight() {
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
-    let backing = Arc::new(GatedDevice {
-        inner: MemDevice::new(1 << 20),
-        gate: std::sync::Mutex::new(None),
-    });
+    let backing = gated(1 << 20);
     let no_threads = Config {
         background: false,
         ..Config::default()
@@ -197,10 +211,7 @@ fn promotion_never_overwrites_a_write_made_while_in_flight() {
 #[test]
 fn a_miss_inside_a_promotion_in_flight_waits_for_it_instead_of_reading_again() {
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
-    let backing = Arc::new(GatedDevice {
-        inner: MemDevice::new(1 << 20),
-        gate: std::sync::Mutex::new(None),
-    });
+    let backing = gated(1 << 20);
     let no_threads = Config {
         background: false,
         ..Config::default()
@@ -554,4 +565,37 @@ fn sequential_reads_past_the_cutoff_are_read_ahead() {
         assert_eq!(buf, want, "block {i} of the second stream");
     }
     rig.close_and_reopen().unwrap();
+}
+
+#[test]
+fn a_full_speed_writeback_pass_stops_when_a_client_needs_the_disk() {
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
+    let backing = gated(1 << 20);
+    let clock = Arc::new(engine::clock::ManualClock::default());
+    let config = Config {
+        background: false,
+        clock: clock.clone(),
+        ..Config::default()
+    };
+    let (set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, config);
+    vol.set_writeback_delay_secs(0);
+    // 50 dirty blocks, none adjacent: 50 runs, over the 10 % target of a 4 MiB cache.
+    for i in 0..50u64 {
+        vol.write(i * 8192, &data(i, i * 16, 4096), false).unwrap();
+    }
+    vol.flush().unwrap();
+    clock.advance_ns(2_000_000_000); // nobody used the disk: full speed
+    let barrier = Arc::new(Barrier::new(2));
+    *backing.write_gate.lock().unwrap() = Some(barrier.clone());
+    let written = std::thread::scope(|s| {
+        let pass = s.spawn(|| set.writeback_step(false).unwrap());
+        barrier.wait(); // the pass is writing its first run
+        clock.advance_ns(1);
+        let mut buf = vec![0u8; 4096];
+        vol.read(4096, &mut buf).unwrap(); // a miss: a client on the disk
+        barrier.wait();
+        pass.join().unwrap()
+    });
+    assert_eq!(written, 1, "the pass stops after the run it was writing");
+    assert_eq!(vol.status().dirty_bytes, 49 * 4096);
 }

@@ -390,6 +390,17 @@ fn main() -> ExitCode {
         .format_timestamp_millis()
         .init();
     let cli = Cli::parse();
+    if matches!(
+        cli.cmd,
+        Cmd::Show { .. } | Cmd::Status { .. } | Cmd::Stats { .. }
+    ) {
+        // Commands that only print end quietly when their reader goes away (`... | head`),
+        // as Unix tools do; servers keep Rust's default (EPIPE as an error on the socket).
+        // SAFETY: restoring a signal's default disposition before any thread is started.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let res = match cli.cmd {
         Cmd::Make {
             backing,

@@ -219,6 +219,18 @@ fn real_clients_and_admin_and_warm_restart() {
     // Admin: status, stats, set, bad knobs.
     let s = stdout(&f.tc_admin(&["status"]));
     assert!(s.contains("data") && s.contains("writethrough"), "{s}");
+    // A reader that has gone away (`tiercache stats | head -1`) ends the command quietly.
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "(sleep 0.2; {} stats --admin {}) | true",
+            env!("CARGO_BIN_EXE_tiercache"),
+            f.admin()
+        ))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked"), "stats into a closed pipe: {err}");
     f.tc_admin(&["set", "data", "cache_mode", "writeback"]);
     f.tc_admin(&["set", "data", "sequential_cutoff", "1M"]);
     let j: serde_json::Value =
