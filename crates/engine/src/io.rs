@@ -735,7 +735,7 @@ impl Volume {
             return Ok(());
         }
         let stream = self.note_io(offset, data.len() as u64);
-        let route = self.route(self.seq_bypass(stream));
+        let route = self.route(self.seq_bypass(stream), offset, data.len() as u64);
         if route == Route::Bypass {
             Counters::add(&self.backing.counters.bypassed, data.len() as u64);
         }
@@ -746,19 +746,32 @@ impl Volume {
         Ok(())
     }
 
-    /// Where a write goes, from the mode, the bypass decision and the dirty limit.
-    fn route(&self, seq_bypass: bool) -> Route {
+    /// Where a write over `[offset, offset + len)` goes, from the mode, the bypass decision
+    /// and the dirty limit. In writeback mode a sequential write that overlaps dirty blocks
+    /// goes to the cache like any other (as bcache does): bypassing would have to flush the
+    /// backing device before the dirty blocks could be dropped, once per write.
+    fn route(&self, seq_bypass: bool, offset: u64, len: u64) -> Route {
         if self.backing.detaching.load(Ordering::Relaxed) {
             return Route::Bypass;
         }
         match self.mode() {
             CacheMode::Writearound | CacheMode::None => Route::Bypass,
-            _ if seq_bypass => Route::Bypass,
+            CacheMode::Writethrough if seq_bypass => Route::Bypass,
             CacheMode::Writethrough => Route::Through,
             CacheMode::Writeback => {
                 let st = self.inner.state.lock();
                 let total = u64::from(self.inner.layout.total_blocks());
-                if st.index.dirty_blocks * 100 >= total * u64::from(self.inner.config.dirty_max_pct)
+                let full = st.index.dirty_blocks * 100
+                    >= total * u64::from(self.inner.config.dirty_max_pct);
+                let bs = self.inner.block_size();
+                if full
+                    || (seq_bypass
+                        && !st.index.any_overlapping(
+                            self.backing.id,
+                            offset / bs,
+                            (offset + len).div_ceil(bs),
+                            |e| e.dirty,
+                        ))
                 {
                     Route::Bypass
                 } else {

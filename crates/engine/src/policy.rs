@@ -28,7 +28,14 @@ impl SeqDetector {
     /// this request.
     pub fn observe(&mut self, offset: u64, len: u64, now_ns: u64) -> u64 {
         let live = |s: &Stream| now_ns.saturating_sub(s.last_ns) <= SEQ_WINDOW_NS;
-        if let Some(s) = self.streams.iter_mut().find(|s| s.end == offset && live(s)) {
+        // Two streams can end at the same place (one caught up with the other): the longer
+        // one continues.
+        if let Some(s) = self
+            .streams
+            .iter_mut()
+            .filter(|s| s.end == offset && live(s))
+            .max_by_key(|s| s.bytes)
+        {
             s.end = offset + len;
             s.bytes = s.bytes.saturating_add(len);
             s.last_ns = now_ns;
@@ -253,6 +260,16 @@ mod tests {
             }),
             WritebackRate::Idle
         );
+    }
+
+    #[test]
+    fn a_stream_that_catches_up_with_a_short_one_keeps_its_length() {
+        let mut d = SeqDetector::default();
+        d.observe(8192, 4096, 0); // a lone request ending at 12288
+        d.observe(0, 4096, 1);
+        d.observe(4096, 4096, 2);
+        assert_eq!(d.observe(8192, 4096, 3), 12288);
+        assert_eq!(d.observe(12288, 4096, 4), 16384);
     }
 
     #[test]

@@ -599,3 +599,31 @@ fn a_full_speed_writeback_pass_stops_when_a_client_needs_the_disk() {
     assert_eq!(written, 1, "the pass stops after the run it was writing");
     assert_eq!(vol.status().dirty_bytes, 49 * 4096);
 }
+
+#[test]
+fn a_sequential_write_over_dirty_blocks_goes_to_the_cache_in_writeback_mode() {
+    let rig = Rig::new(47, Geometry::default(), CacheMode::Writeback);
+    let vol = rig.vol();
+    vol.set_sequential_cutoff(16 << 10);
+    // A dirty block far into where the stream will be past the cutoff.
+    vol.write(64 << 10, &data(1, 128, 4096), true).unwrap();
+    let before = vol.status().stats.total.bypassed;
+    for i in 0..32u64 {
+        vol.write(i * 4096, &data(2 + i, i * 8, 4096), false)
+            .unwrap();
+    }
+    // Past the cutoff the stream bypasses, except over the dirty block: that write replaces
+    // it in the cache instead of forcing a backing flush to drop it.
+    assert_eq!(
+        vol.cached_ranges(64 << 10, 4096).unwrap(),
+        vec![(64 << 10, 4096, true)]
+    );
+    assert!(vol.cached_ranges(80 << 10, 4096).unwrap().is_empty());
+    assert_eq!(
+        vol.status().stats.total.bypassed - before,
+        (32 - 4 - 1) * 4096
+    );
+    let mut buf = vec![0u8; 4096];
+    vol.read(64 << 10, &mut buf).unwrap();
+    assert_eq!(buf, data(2 + 16, 16 * 8, 4096));
+}
