@@ -300,9 +300,8 @@ impl Running {
     }
 
     /// Stops every server process at once with SIGKILL, once the pair's measurements are done
-    /// and its devices are about to be wiped. (A graceful stop of `tiercache serve` first
-    /// finishes the writeback batch in flight, which can take many seconds on the emulated
-    /// disk and measures nothing.) Errors still stop them gracefully, through `Drop`.
+    /// and its devices are about to be wiped: a graceful stop would save nothing and measure
+    /// nothing. Errors still stop them gracefully, through `Drop`.
     pub fn discard(mut self) {
         for p in &mut self.procs {
             p.kill();
