@@ -734,8 +734,14 @@ impl Volume {
         if data.is_empty() {
             return Ok(());
         }
-        let stream = self.note_io(offset, data.len() as u64);
-        let route = self.route(self.seq_bypass(stream), offset, data.len() as u64);
+        let len = data.len() as u64;
+        let stream = self.note_io(offset, len);
+        let seq_bypass = self.seq_bypass(stream);
+        let sticky = seq_bypass && self.backing.seq.lock().is_cached(offset + len);
+        let route = self.route(seq_bypass, sticky, offset, len);
+        if seq_bypass && route == Route::Back {
+            self.backing.seq.lock().set_cached(offset + len);
+        }
         if route == Route::Bypass {
             Counters::add(&self.backing.counters.bypassed, data.len() as u64);
         }
@@ -749,8 +755,10 @@ impl Volume {
     /// Where a write over `[offset, offset + len)` goes, from the mode, the bypass decision
     /// and the dirty limit. In writeback mode a sequential write that overlaps dirty blocks
     /// goes to the cache like any other (as bcache does): bypassing would have to flush the
-    /// backing device before the dirty blocks could be dropped, once per write.
-    fn route(&self, seq_bypass: bool, offset: u64, len: u64) -> Route {
+    /// backing device before the dirty blocks could be dropped, once per write. Once one
+    /// has, the rest of its stream (`sticky`) follows, so the disk never gets a sequential
+    /// stream full of holes (each a seek and half a turn).
+    fn route(&self, seq_bypass: bool, sticky: bool, offset: u64, len: u64) -> Route {
         if self.backing.detaching.load(Ordering::Relaxed) {
             return Route::Bypass;
         }
@@ -766,6 +774,7 @@ impl Volume {
                 let bs = self.inner.block_size();
                 if full
                     || (seq_bypass
+                        && !sticky
                         && !st.index.any_overlapping(
                             self.backing.id,
                             offset / bs,

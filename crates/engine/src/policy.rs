@@ -16,6 +16,9 @@ struct Stream {
     end: u64,
     bytes: u64,
     last_ns: u64,
+    /// A write of this stream went to the cache past the cutoff (it met dirty data): the rest
+    /// of the stream follows it, so the slow disk never sees a sequential stream with holes.
+    cached: bool,
 }
 
 #[derive(Default, Debug)]
@@ -45,6 +48,7 @@ impl SeqDetector {
             end: offset + len,
             bytes: len,
             last_ns: now_ns,
+            cached: false,
         };
         if self.streams.len() < SEQ_SLOTS {
             self.streams.push(fresh);
@@ -55,6 +59,18 @@ impl SeqDetector {
             self.streams[oldest] = fresh;
         }
         len
+    }
+
+    /// Whether the stream that now ends at `end` has been sent to the cache.
+    pub fn is_cached(&self, end: u64) -> bool {
+        self.streams.iter().any(|s| s.end == end && s.cached)
+    }
+
+    /// Marks the stream that now ends at `end` as sent to the cache from here on.
+    pub fn set_cached(&mut self, end: u64) {
+        for s in self.streams.iter_mut().filter(|s| s.end == end) {
+            s.cached = true;
+        }
     }
 }
 
@@ -270,6 +286,18 @@ mod tests {
         d.observe(4096, 4096, 2);
         assert_eq!(d.observe(8192, 4096, 3), 12288);
         assert_eq!(d.observe(12288, 4096, 4), 16384);
+    }
+
+    #[test]
+    fn a_stream_sent_to_the_cache_stays_marked_as_it_goes_on() {
+        let mut d = SeqDetector::default();
+        d.observe(0, 4096, 0);
+        assert!(!d.is_cached(4096));
+        d.set_cached(4096);
+        d.observe(4096, 4096, 1);
+        assert!(d.is_cached(8192));
+        d.observe(1 << 20, 4096, 2); // another stream is not affected
+        assert!(!d.is_cached((1 << 20) + 4096));
     }
 
     #[test]
