@@ -567,18 +567,26 @@ impl Volume {
     }
 
     /// Reads uncached data of a sequential stream from a readahead window, or reads a new
-    /// window from the backing device starting at `from` (see `readahead`'s invariants).
+    /// window from the backing device (see `readahead`'s invariants). Windows are aligned to
+    /// `WINDOW_BYTES`, so a stream whose holes are scattered between cached blocks still reads
+    /// the disk in back-to-back windows (no seek between them) rather than one window per
+    /// hole, each a seek away from the last.
     fn read_ahead(&self, from: u64, out: &mut [u8]) -> Result<()> {
         let ra = &self.backing.readahead;
         if ra.lock().get(from, out) {
             return Ok(());
         }
         let generation = ra.lock().generation();
-        let to = (from + (out.len() as u64).max(readahead::WINDOW_BYTES)).min(self.size_bytes());
-        let mut d = vec![0u8; (to - from) as usize];
-        self.backing_read(&mut d, from)?;
-        out.copy_from_slice(&d[..out.len()]);
-        ra.lock().insert(generation, from, d);
+        let start = from / readahead::WINDOW_BYTES * readahead::WINDOW_BYTES;
+        let end = from + out.len() as u64;
+        let to = (start + readahead::WINDOW_BYTES)
+            .max(end)
+            .min(self.size_bytes());
+        let mut d = vec![0u8; (to - start) as usize];
+        self.backing_read(&mut d, start)?;
+        let at = (from - start) as usize;
+        out.copy_from_slice(&d[at..at + out.len()]);
+        ra.lock().insert(generation, start, d);
         Ok(())
     }
 

@@ -628,3 +628,75 @@ fn a_sequential_write_over_dirty_blocks_goes_to_the_cache_in_writeback_mode() {
     vol.read(64 << 10, &mut buf).unwrap();
     assert_eq!(buf, data(2 + 16, 16 * 8, 4096));
 }
+
+/// A device that records the offset and length of every read.
+#[derive(Debug)]
+struct RecordingDevice {
+    inner: MemDevice,
+    reads: std::sync::Mutex<Vec<(u64, usize)>>,
+}
+
+impl BlockDevice for RecordingDevice {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.reads.lock().unwrap().push((offset, buf.len()));
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        self.inner.write_at(buf, offset)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        self.inner.discard(offset, len)
+    }
+    fn describe(&self) -> String {
+        "recording".into()
+    }
+}
+
+#[test]
+fn readahead_reads_back_to_back_windows_through_scattered_cached_blocks() {
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(8 << 20));
+    let backing = Arc::new(RecordingDevice {
+        inner: MemDevice::new((2 << 20) + 8192),
+        reads: std::sync::Mutex::new(Vec::new()),
+    });
+    let no_threads = Config {
+        background: false,
+        ..Config::default()
+    };
+    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads);
+    // Every third block dirty in the cache, written backwards (no sequential stream).
+    for b in (0..512u64).rev().filter(|b| b % 3 == 0) {
+        vol.write(b * 4096, &data(b, b * 8, 4096), false).unwrap();
+    }
+    vol.set_sequential_cutoff(16 << 10);
+    backing.reads.lock().unwrap().clear();
+    let mut buf = vec![0u8; 4096];
+    for b in 0..512u64 {
+        vol.read(b * 4096, &mut buf).unwrap();
+        if b % 3 == 0 {
+            assert_eq!(buf, data(b, b * 8, 4096), "block {b}");
+        }
+    }
+    let windows: Vec<_> = backing
+        .reads
+        .lock()
+        .unwrap()
+        .iter()
+        .copied()
+        .filter(|r| r.1 == 128 << 10)
+        .collect();
+    assert!(windows.len() >= 14, "{windows:?}");
+    for w in windows.windows(2) {
+        assert_eq!(
+            w[0].0 + w[0].1 as u64,
+            w[1].0,
+            "windows not back to back: {windows:?}"
+        );
+    }
+}
