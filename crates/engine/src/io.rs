@@ -75,11 +75,13 @@ enum Read {
 
 /// How `read_segments` reads the uncached parts of a request.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Holes {
+enum Holes<'a> {
     /// Exactly the requested bytes.
     Exact,
     /// Whole blocks, returned for promotion.
     Fill,
+    /// Like `Fill`, cut out of one backing read of `data` at byte `start` that spans them all.
+    Span { start: u64, data: &'a [u8] },
     /// Through the readahead windows.
     Ahead,
 }
@@ -409,24 +411,48 @@ impl Volume {
                     vec![(p0, d)]
                 });
             }
+            // A miss with several holes between cached blocks, on a rotational device: one
+            // backing read from the first uncached block to the last (one seek, as the bare
+            // disk would do), the cached blocks' stale copies in it ignored.
+            let mut hole_segs = segs.iter().filter(|s| s.ext.is_none());
+            let span = match (hole_segs.next(), hole_segs.next_back()) {
+                (Some(first), Some(last))
+                    if promo.is_some() && self.backing.dev.is_rotational() =>
+                {
+                    let from = if p1 > p0 { p0 } else { first.block } * bs;
+                    let to = (if s1 > s0 { s1 } else { last.block + last.len } * bs)
+                        .min(self.size_bytes());
+                    let mut d = vec![0u8; (to - from) as usize];
+                    self.backing_read(&mut d, from)?;
+                    Some((from, d))
+                }
+                _ => None,
+            };
+            let range = |b0: u64, b1: u64| -> Result<Vec<u8>> {
+                let (from, to) = (b0 * bs, b1 * bs);
+                if let Some((start, d)) = &span {
+                    return Ok(d[(from - start) as usize..(to - start) as usize].to_vec());
+                }
+                let mut d = vec![0u8; (to - from) as usize];
+                self.backing_read(&mut d, from)?;
+                Ok(d)
+            };
             let mut fills = Vec::new();
             if p1 > p0 {
-                let mut d = vec![0u8; ((p1 - p0) * bs) as usize];
-                self.backing_read(&mut d, p0 * bs)?;
-                fills.push((p0, d));
+                fills.push((p0, range(p0, p1)?));
             }
-            let holes = if promo.is_some() {
-                Holes::Fill
-            } else if read == Read::Ahead {
-                Holes::Ahead
-            } else {
-                Holes::Exact
+            let holes = match &span {
+                Some((start, data)) => Holes::Span {
+                    start: *start,
+                    data,
+                },
+                None if promo.is_some() => Holes::Fill,
+                None if read == Read::Ahead => Holes::Ahead,
+                None => Holes::Exact,
             };
             fills.extend(self.read_segments(&segs, offset, buf, holes)?);
             if s1 > s0 {
-                let mut d = vec![0u8; ((s1 - s0) * bs) as usize];
-                self.backing_read(&mut d, s0 * bs)?;
-                fills.push((s0, d));
+                fills.push((s0, range(s0, s1)?));
             }
             Ok(fills)
         })();
@@ -506,7 +532,7 @@ impl Volume {
         buf: &mut [u8],
         holes: Holes,
     ) -> Result<Vec<(u64, Vec<u8>)>> {
-        let want_fills = holes == Holes::Fill;
+        let want_fills = matches!(holes, Holes::Fill | Holes::Span { .. });
         let bs = self.inner.block_size();
         let end = offset + buf.len() as u64;
         let mut fills = Vec::new();
@@ -531,15 +557,23 @@ impl Volume {
                     } else {
                         (seg_start.max(offset), seg_end.min(end))
                     };
-                    if holes == Holes::Ahead {
-                        self.read_ahead(
-                            from,
-                            &mut buf[(from - offset) as usize..(to - offset) as usize],
-                        )?;
-                        continue;
-                    }
-                    let mut d = vec![0u8; (to - from) as usize];
-                    self.backing_read(&mut d, from)?;
+                    let mut d = match holes {
+                        Holes::Ahead => {
+                            self.read_ahead(
+                                from,
+                                &mut buf[(from - offset) as usize..(to - offset) as usize],
+                            )?;
+                            continue;
+                        }
+                        Holes::Span { start, data } => {
+                            data[(from - start) as usize..(to - start) as usize].to_vec()
+                        }
+                        _ => {
+                            let mut d = vec![0u8; (to - from) as usize];
+                            self.backing_read(&mut d, from)?;
+                            d
+                        }
+                    };
                     let copy_from = seg_start.max(offset);
                     let copy_to = seg_end.min(end);
                     buf[(copy_from - offset) as usize..(copy_to - offset) as usize]

@@ -634,6 +634,7 @@ fn a_sequential_write_over_dirty_blocks_goes_to_the_cache_in_writeback_mode() {
 struct RecordingDevice {
     inner: MemDevice,
     reads: std::sync::Mutex<Vec<(u64, usize)>>,
+    rotational: bool,
 }
 
 impl BlockDevice for RecordingDevice {
@@ -653,6 +654,9 @@ impl BlockDevice for RecordingDevice {
     fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
         self.inner.discard(offset, len)
     }
+    fn is_rotational(&self) -> bool {
+        self.rotational
+    }
     fn describe(&self) -> String {
         "recording".into()
     }
@@ -664,6 +668,7 @@ fn readahead_reads_back_to_back_windows_through_scattered_cached_blocks() {
     let backing = Arc::new(RecordingDevice {
         inner: MemDevice::new((2 << 20) + 8192),
         reads: std::sync::Mutex::new(Vec::new()),
+        rotational: false,
     });
     let no_threads = Config {
         background: false,
@@ -699,4 +704,44 @@ fn readahead_reads_back_to_back_windows_through_scattered_cached_blocks() {
             "windows not back to back: {windows:?}"
         );
     }
+}
+
+#[test]
+fn a_miss_with_holes_between_cached_blocks_is_one_backing_read_on_a_disk() {
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(8 << 20));
+    let backing = Arc::new(RecordingDevice {
+        inner: MemDevice::new((2 << 20) + 8192),
+        reads: std::sync::Mutex::new(Vec::new()),
+        rotational: true,
+    });
+    let old = data(1, 0, 128 << 10);
+    backing.inner.write_at(&old, 8192).unwrap();
+    let no_threads = Config {
+        background: false,
+        ..Config::default()
+    };
+    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads);
+    vol.set_sequential_cutoff(0);
+    // Every third block of the first 128 KiB dirty in the cache, written backwards.
+    for b in (0..32u64).rev().filter(|b| b % 3 == 0) {
+        vol.write(b * 4096, &data(2 + b, b * 8, 4096), false)
+            .unwrap();
+    }
+    backing.reads.lock().unwrap().clear();
+    let mut buf = vec![0u8; 128 << 10];
+    vol.read(0, &mut buf).unwrap();
+    for b in 0..32usize {
+        let want = if b % 3 == 0 {
+            data(2 + b as u64, b as u64 * 8, 4096)
+        } else {
+            old[b * 4096..(b + 1) * 4096].to_vec()
+        };
+        assert_eq!(buf[b * 4096..(b + 1) * 4096], want[..], "block {b}");
+    }
+    let reads = backing.reads.lock().unwrap().clone();
+    assert_eq!(reads.len(), 1, "backing reads (offset, len): {reads:?}");
+    // The holes were promoted: the same read now hits.
+    vol.read(0, &mut buf).unwrap();
+    assert_eq!(backing.reads.lock().unwrap().len(), 1);
+    assert_eq!(vol.status().stats.total.cache_hits, 1);
 }
