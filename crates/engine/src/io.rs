@@ -13,8 +13,10 @@
 //!   (`cache_miss_collisions` counts the ones dropped); a miss inside a promotion in flight
 //!   waits for it once (bounded) instead of reading the backing device again;
 //! - dirty data leaves the index (overwritten by a bypass or writethrough write, zeroed,
-//!   discarded) only after what supersedes it is durable on the backing device: the backing
-//!   device is flushed first, so a crash can never expose data older than the dirty copy;
+//!   discarded) only after what supersedes it was written to the backing device, and the
+//!   record of the drop reaches the journal only after that device was flushed (the commit
+//!   flushes it, once for all such writes), so a crash can never expose data older than the
+//!   dirty copy: before the record is durable, recovery still holds the dirty copy;
 //! - sequential reads that bypass the cache are served through `readahead` windows only for
 //!   blocks the index shows uncached, and every write to the backing device invalidates the
 //!   windows it overlaps after it completes;
@@ -796,10 +798,10 @@ impl Volume {
 
     /// Where a write over `[offset, offset + len)` goes, from the mode, the bypass decision
     /// and the dirty limit. In writeback mode a sequential write that overlaps dirty blocks
-    /// goes to the cache like any other (as bcache does): bypassing would have to flush the
-    /// backing device before the dirty blocks could be dropped, once per write. Once one
-    /// has, the rest of its stream (`sticky`) follows, so the disk never gets a sequential
-    /// stream full of holes (each a seek and half a turn).
+    /// goes to the cache like any other (as bcache does): the dirty copy is replaced in place
+    /// of being dropped behind a backing write. Once one has, the rest of its stream
+    /// (`sticky`) follows, so the disk never gets a sequential stream full of holes (each a
+    /// seek and half a turn).
     fn route(&self, seq_bypass: bool, sticky: bool, offset: u64, len: u64) -> Route {
         if self.backing.detaching.load(Ordering::Relaxed) {
             return Route::Bypass;
@@ -949,7 +951,6 @@ impl Volume {
             (None, Route::Bypass) | (None, _) => {
                 // Zeroes always go down as a zeroing command, never through the cache.
                 self.backing_zero(from, len)?;
-                self.flush_if_dirty(block, block + n)?;
                 let now = inner.now_ns();
                 inner.state.lock().invalidate(dev, block, block + n, now);
                 return Ok(());
@@ -958,7 +959,6 @@ impl Volume {
         };
         if route != Route::Back {
             self.backing_write(data, from)?;
-            self.flush_if_dirty(block, block + n)?;
         }
         let stored = match route {
             Route::Bypass => 0,
@@ -981,29 +981,12 @@ impl Volume {
             let rest = &data[(stored * bs) as usize..];
             if route == Route::Back {
                 self.backing_write(rest, from + stored * bs)?;
-                self.flush_if_dirty(block + stored, block + n)?;
             }
             let now = inner.now_ns();
             inner
                 .state
                 .lock()
                 .invalidate(dev, block + stored, block + n, now);
-        }
-        Ok(())
-    }
-
-    /// Flushes the backing device if the cache holds dirty data in `[b0, b1)`: called after
-    /// writing the data that supersedes it to the backing device and before the index drops
-    /// it, so the journal can never record the drop ahead of the data.
-    fn flush_if_dirty(&self, b0: u64, b1: u64) -> Result<()> {
-        let dirty = self
-            .inner
-            .state
-            .lock()
-            .index
-            .any_overlapping(self.backing.id, b0, b1, |e| e.dirty);
-        if dirty {
-            self.backing.flush_if_written()?;
         }
         Ok(())
     }
@@ -1040,9 +1023,6 @@ impl Volume {
         // Only blocks wholly inside the range are dropped: a partly discarded dirty block
         // still holds live sectors.
         let (f0, f1) = (offset.div_ceil(bs), (offset + len) / bs);
-        if f1 > f0 {
-            self.flush_if_dirty(f0, f1)?;
-        }
         let now = inner.now_ns();
         let mut st = inner.state.lock();
         st.collide(self.backing.id, b0, b1);

@@ -10,6 +10,10 @@
 //!   (data), writes one record, flushes again, then advances `durable_epoch`;
 //! - a backing device's header says `Dirty` before any dirty entry for it can be durable, and
 //!   says `Clean` only when the set holds no dirty data for it;
+//! - an entry that drops dirty data (superseded by a write that went to the backing device)
+//!   is written to the journal or a checkpoint only after that backing device was flushed
+//!   (`JournalState::flush_backing_first`): the drop may happen in memory at once, its record
+//!   waits for the data that replaced it, and one flush per commit covers many writes;
 //! - after a metadata write fails the set is *failed*: every request gets an error (never
 //!   stale data) until it is reopened, which runs recovery.
 
@@ -105,6 +109,9 @@ pub(crate) struct JournalState {
     pub ring: Ring,
     pub ckpt_slot: u32,
     pub ckpt_seq: u64,
+    /// Backing devices to flush before the next record or checkpoint is written, each with
+    /// the epoch of its latest entry that dropped dirty data.
+    pub flush_backing_first: BTreeMap<DevId, u64>,
 }
 
 /// A read miss being promoted; a write that overlaps it while in flight marks it collided.
@@ -152,6 +159,12 @@ impl State {
         crcs: Vec<u32>,
         now_ns: u64,
     ) {
+        // A clean copy over dirty blocks (a writethrough write) drops dirty data the same way
+        // an invalidation does: the backing device holds the new data, not yet flushed.
+        let drops_dirty = !ext.dirty
+            && self
+                .index
+                .any_overlapping(dev, block, block + u64::from(ext.len), |e| e.dirty);
         self.index.insert(dev, block, ext, &crcs);
         self.log(
             &Entry::Insert {
@@ -165,12 +178,24 @@ impl State {
             },
             now_ns,
         );
+        if drops_dirty {
+            self.owe_backing_flush(dev);
+        }
     }
 
-    /// Drops a range from the index (journaled) if anything is cached there.
+    /// Notes that the entry just appended dropped dirty data of `dev`.
+    fn owe_backing_flush(&mut self, dev: DevId) {
+        let epoch = self.journal.appended_epoch;
+        self.journal.flush_backing_first.insert(dev, epoch);
+    }
+
+    /// Drops a range from the index (journaled) if anything is cached there. Dropping dirty
+    /// data is for a range the backing device was just written over: its entry waits for a
+    /// flush of that device (see `flush_backing_first`).
     pub fn invalidate(&mut self, dev: DevId, b0: u64, b1: u64, now_ns: u64) {
         self.collide(dev, b0, b1);
         if self.index.any_overlapping(dev, b0, b1, |_| true) {
+            let drops_dirty = self.index.any_overlapping(dev, b0, b1, |e| e.dirty);
             self.index.remove_range(dev, b0, b1);
             self.log(
                 &Entry::Invalidate {
@@ -180,6 +205,9 @@ impl State {
                 },
                 now_ns,
             );
+            if drops_dirty {
+                self.owe_backing_flush(dev);
+            }
         }
     }
 }
@@ -246,6 +274,16 @@ impl Backing {
     /// Writes the backing device header with the given state if it differs.
     pub(crate) fn set_state(&self, state: BackingState) -> Result<()> {
         self.update_header(|h| h.state = state)
+    }
+
+    /// Flushes the backing device whatever it was sent (before a journal record that drops
+    /// dirty data superseded by writes to it); on failure it stays marked as written.
+    pub(crate) fn flush_now(&self) -> Result<()> {
+        self.backing_written.store(false, Ordering::SeqCst);
+        self.dev.flush().map_err(|e| {
+            self.backing_written.store(true, Ordering::SeqCst);
+            Error::io("flushing backing device", e)
+        })
     }
 
     /// Flushes the backing device if anything was written to it since its last flush (the
@@ -359,34 +397,60 @@ impl Inner {
         self.commit_locked()
     }
 
-    /// Commits all pending entries. Caller holds `commit_lock`.
+    /// Commits all pending entries (at least those appended before the call). Caller holds
+    /// `commit_lock`. A backing device that fails the flush owed before the record fails
+    /// this commit only (nothing is written; the next commit tries again), not the set.
     pub fn commit_locked(&self) -> Result<()> {
         self.check_failed()?;
-        let res = self.commit_inner();
+        let (len, epoch, owed) = {
+            let st = self.state.lock();
+            let j = &st.journal;
+            let owed: Vec<DevId> = j.flush_backing_first.keys().copied().collect();
+            (j.buf.buf.len(), j.appended_epoch, owed)
+        };
+        self.flush_backings(&owed)?;
+        let res = self.commit_inner(len, epoch);
         if let Err(e) = &res {
             self.fail(e);
         }
         res
     }
 
-    fn commit_inner(&self) -> Result<()> {
-        let (payload, epoch, pos, cost, seq) = {
+    /// Flushes the given backing devices (those still attached).
+    fn flush_backings(&self, devs: &[DevId]) -> Result<()> {
+        if devs.is_empty() {
+            return Ok(());
+        }
+        let backings: Vec<Arc<Backing>> = {
+            let all = self.backings.read();
+            devs.iter().filter_map(|d| all.get(d).cloned()).collect()
+        };
+        backings.iter().try_for_each(|b| b.flush_now())
+    }
+
+    /// Writes the first `len` bytes of pending entries (up to `epoch`) as one record; every
+    /// backing device they owe a flush to was flushed after they were appended.
+    fn commit_inner(&self, len: usize, epoch: u64) -> Result<()> {
+        let (payload, pos, cost, seq) = {
             let mut st = self.state.lock();
             let j = &mut st.journal;
-            if j.buf.buf.is_empty() {
-                j.durable_epoch = j.appended_epoch;
+            if len == 0 {
+                j.durable_epoch = j.durable_epoch.max(epoch);
                 return Ok(());
             }
-            let rec_len = encode_record_len(j.buf.buf.len());
+            let rec_len = encode_record_len(len);
             match j.ring.reserve(rec_len) {
                 None => {
                     drop(st);
                     return self.checkpoint_inner();
                 }
                 Some((pos, cost)) => {
-                    let payload = std::mem::take(&mut j.buf.buf);
-                    j.oldest_pending_ns = None;
-                    (payload, j.appended_epoch, pos, cost, j.ring.next_seq)
+                    let payload: Vec<u8> = j.buf.buf.drain(..len).collect();
+                    if j.buf.buf.is_empty() {
+                        j.oldest_pending_ns = None;
+                    }
+                    j.flush_backing_first.retain(|_, e| *e > epoch);
+                    (payload, pos, cost, j.ring.next_seq)
                 }
             }
         };
@@ -427,9 +491,22 @@ impl Inner {
     }
 
     fn checkpoint_inner(&self) -> Result<()> {
+        let owed = self.state.lock().journal.flush_backing_first.clone();
+        self.flush_backings(&owed.keys().copied().collect::<Vec<_>>())?;
         let (image, epoch, slot, seq) = {
             let mut st = self.state.lock();
             let st = &mut *st;
+            // Drops appended since the flush above: their devices are flushed under the lock
+            // (rare: a checkpoint racing a write over dirty data).
+            let late: Vec<DevId> = st
+                .journal
+                .flush_backing_first
+                .iter()
+                .filter(|(d, e)| owed.get(d) != Some(e))
+                .map(|(d, _)| *d)
+                .collect();
+            self.flush_backings(&late)?;
+            st.journal.flush_backing_first.clear();
             let j = &mut st.journal;
             let seq = j.ckpt_seq + 1;
             let image = checkpoint::encode(seq, &j.ring, &st.devs, &st.buckets.gen, &st.index);
@@ -601,6 +678,7 @@ impl CacheSet {
                 ring,
                 ckpt_slot: sb.ckpt_slot,
                 ckpt_seq: sb.ckpt_seq,
+                flush_backing_first: BTreeMap::new(),
             },
             devs,
             promotions: HashMap::new(),

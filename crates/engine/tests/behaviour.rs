@@ -461,6 +461,50 @@ fn deferred_flush_reaches_the_backing_device_only_when_it_was_written() {
 }
 
 #[test]
+fn writes_around_dirty_data_flush_the_slow_device_once_per_commit_not_per_write() {
+    let backing = Arc::new(FlushCounter {
+        inner: MemDevice::new(1 << 20),
+        flushes: Default::default(),
+    });
+    let no_threads = Config {
+        background: false,
+        ..Config::default()
+    };
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
+    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads);
+    let flushes = || backing.flushes.load(std::sync::atomic::Ordering::SeqCst);
+    for i in 0..10u64 {
+        vol.write(i * 4096, &data(i + 1, i * 8, 4096), false)
+            .unwrap();
+    }
+    vol.flush().unwrap();
+    assert_eq!(vol.status().dirty_bytes, 10 * 4096);
+    vol.set_mode(CacheMode::Writearound).unwrap();
+    let before = flushes();
+    for i in 0..10u64 {
+        vol.write(i * 4096, &data(i + 50, i * 8, 4096), false)
+            .unwrap();
+    }
+    assert_eq!(
+        flushes(),
+        before,
+        "no backing flush per write over dirty data"
+    );
+    assert_eq!(
+        vol.status().dirty_bytes,
+        0,
+        "the dirty copies are dropped at once"
+    );
+    let mut buf = vec![0u8; 4096];
+    for i in 0..10u64 {
+        vol.read(i * 4096, &mut buf).unwrap();
+        assert_eq!(buf, data(i + 50, i * 8, 4096), "block {i}");
+    }
+    vol.flush().unwrap();
+    assert_eq!(flushes(), before + 1, "one flush covers them all");
+}
+
+#[test]
 fn misses_on_a_rotational_device_fill_the_surrounding_window() {
     let g = Geometry {
         cache_bytes: 4 << 20,
