@@ -293,6 +293,10 @@ fn device_rates(
                         .saturating_mul(1_000_000_000),
                     backing_quiet_ns: now
                         .saturating_sub(b.client_backing_ns.load(Ordering::Relaxed)),
+                    stream_quiet_ns: match b.client_stream_ns.load(Ordering::Relaxed) {
+                        0 => u64::MAX,
+                        t => now.saturating_sub(t),
+                    },
                 })
             };
             (b.id, rate)
@@ -310,6 +314,14 @@ fn strongest(rates: &[(DevId, WritebackRate)]) -> WritebackRate {
 }
 
 /// The strongest writeback rate that applies now, without writing anything back.
+/// The writeback rate that applies to one device now (for its status).
+pub(crate) fn device_rate(inner: &Inner, b: &Arc<crate::set::Backing>) -> WritebackRate {
+    let st = inner.state.lock();
+    device_rates(inner, &st, std::slice::from_ref(b), false, None)
+        .first()
+        .map_or(WritebackRate::Idle, |(_, r)| *r)
+}
+
 fn current_rate(inner: &Inner) -> WritebackRate {
     let backings: Vec<_> = inner.backings.read().values().cloned().collect();
     let st = inner.state.lock();

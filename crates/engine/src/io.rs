@@ -27,7 +27,7 @@
 use crate::alloc::WritePoint;
 use crate::format::BackingState;
 use crate::index::Seg;
-use crate::policy::is_sequential_bypass;
+use crate::policy::{is_sequential_bypass, StreamRoute};
 use crate::readahead;
 use crate::set::{Backing, DevKnobs, DevStatus, Inner, Promotion};
 use crate::stats::Counters;
@@ -199,6 +199,7 @@ impl Volume {
         let now = self.inner.now_ns();
         let snap = b.counters.snapshot();
         b.history.tick(now, &snap);
+        let writeback = crate::background::device_rate(&self.inner, b);
         DevStatus {
             id: b.id,
             uuid: b.uuid(),
@@ -213,6 +214,7 @@ impl Volume {
             } else {
                 "clean"
             },
+            writeback,
             stats: b.history.windows(now, &snap),
         }
     }
@@ -241,9 +243,16 @@ impl Volume {
         Ok(())
     }
 
+    /// Feeds the sequential detector; returns the length of the stream the request continues.
     fn note_io(&self, offset: u64, len: u64) -> u64 {
         let now = self.inner.now_ns();
-        self.backing.seq.lock().observe(offset, len, now)
+        let stream = self.backing.seq.lock().observe(offset, len, now);
+        if stream >= crate::policy::WRITEBACK_STREAM_BYTES {
+            self.backing
+                .client_stream_ns
+                .store(now.max(1), Ordering::Relaxed);
+        }
+        stream
     }
 
     fn seq_bypass(&self, stream_bytes: u64) -> bool {
@@ -781,10 +790,20 @@ impl Volume {
         let len = data.len() as u64;
         let stream = self.note_io(offset, len);
         let seq_bypass = self.seq_bypass(stream);
-        let sticky = seq_bypass && self.backing.seq.lock().is_cached(offset + len);
-        let route = self.route(seq_bypass, sticky, offset, len);
-        if seq_bypass && route == Route::Back {
-            self.backing.seq.lock().set_cached(offset + len);
+        let end = offset + len;
+        let stream = if seq_bypass {
+            self.backing.seq.lock().route(end)
+        } else {
+            StreamRoute::Open
+        };
+        let route = self.route(seq_bypass, stream, offset, len);
+        let next = match route {
+            Route::Back => StreamRoute::Cache,
+            Route::Bypass if stream == StreamRoute::Cache => StreamRoute::Disk,
+            _ => stream,
+        };
+        if seq_bypass && next != stream {
+            self.backing.seq.lock().set_route(end, next);
         }
         if route == Route::Bypass {
             Counters::add(&self.backing.counters.bypassed, data.len() as u64);
@@ -799,10 +818,11 @@ impl Volume {
     /// Where a write over `[offset, offset + len)` goes, from the mode, the bypass decision
     /// and the dirty limit. In writeback mode a sequential write that overlaps dirty blocks
     /// goes to the cache like any other (as bcache does): the dirty copy is replaced in place
-    /// of being dropped behind a backing write. Once one has, the rest of its stream
-    /// (`sticky`) follows, so the disk never gets a sequential stream full of holes (each a
-    /// seek and half a turn).
-    fn route(&self, seq_bypass: bool, sticky: bool, offset: u64, len: u64) -> Route {
+    /// of being dropped behind a backing write. Once one has, the rest of its stream follows
+    /// (`StreamRoute::Cache`), and once such a stream is sent around the cache at the dirty
+    /// limit it stays on the disk (`StreamRoute::Disk`), so the disk never gets a sequential
+    /// stream full of holes (each a seek and half a turn).
+    fn route(&self, seq_bypass: bool, stream: StreamRoute, offset: u64, len: u64) -> Route {
         if self.backing.detaching.load(Ordering::Relaxed) {
             return Route::Bypass;
         }
@@ -817,8 +837,9 @@ impl Volume {
                     >= total * u64::from(self.inner.config.dirty_max_pct);
                 let bs = self.inner.block_size();
                 if full
+                    || (seq_bypass && stream == StreamRoute::Disk)
                     || (seq_bypass
-                        && !sticky
+                        && stream == StreamRoute::Open
                         && !st.index.any_overlapping(
                             self.backing.id,
                             offset / bs,

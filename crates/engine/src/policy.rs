@@ -11,14 +11,26 @@ pub const SEQ_SLOTS: usize = 128;
 /// A stream idle for longer than this starts over (bcache: 5 s).
 pub const SEQ_WINDOW_NS: u64 = 5_000_000_000;
 
+/// Where the writes of a stream past the sequential cutoff go, in writeback mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StreamRoute {
+    /// Not decided: around the cache, unless a write meets dirty data.
+    #[default]
+    Open,
+    /// A write met dirty data and replaced it in the cache: the rest of the stream follows,
+    /// so the slow disk never sees a sequential stream with holes.
+    Cache,
+    /// The stream was sent to the cache, then around it at the dirty limit: it stays on the
+    /// disk (the dirty level hovers at the limit, and alternating would leave holes too).
+    Disk,
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Stream {
     end: u64,
     bytes: u64,
     last_ns: u64,
-    /// A write of this stream went to the cache past the cutoff (it met dirty data): the rest
-    /// of the stream follows it, so the slow disk never sees a sequential stream with holes.
-    cached: bool,
+    route: StreamRoute,
 }
 
 #[derive(Default, Debug)]
@@ -48,7 +60,7 @@ impl SeqDetector {
             end: offset + len,
             bytes: len,
             last_ns: now_ns,
-            cached: false,
+            route: StreamRoute::Open,
         };
         if self.streams.len() < SEQ_SLOTS {
             self.streams.push(fresh);
@@ -61,15 +73,25 @@ impl SeqDetector {
         len
     }
 
-    /// Whether the stream that now ends at `end` has been sent to the cache.
-    pub fn is_cached(&self, end: u64) -> bool {
-        self.streams.iter().any(|s| s.end == end && s.cached)
+    /// The route of the stream that now ends at `end` (of two ending there, the longer: the
+    /// one `observe` continued; the other is a lone request that happened to end there).
+    pub fn route(&self, end: u64) -> StreamRoute {
+        self.streams
+            .iter()
+            .filter(|s| s.end == end)
+            .max_by_key(|s| s.bytes)
+            .map_or(StreamRoute::Open, |s| s.route)
     }
 
-    /// Marks the stream that now ends at `end` as sent to the cache from here on.
-    pub fn set_cached(&mut self, end: u64) {
-        for s in self.streams.iter_mut().filter(|s| s.end == end) {
-            s.cached = true;
+    /// Sets the route of the stream that now ends at `end` from here on.
+    pub fn set_route(&mut self, end: u64, route: StreamRoute) {
+        if let Some(s) = self
+            .streams
+            .iter_mut()
+            .filter(|s| s.end == end)
+            .max_by_key(|s| s.bytes)
+        {
+            s.route = route;
         }
     }
 }
@@ -94,6 +116,17 @@ pub enum WritebackRate {
     Full,
 }
 
+impl WritebackRate {
+    /// For status output: `idle`, `N%` (of the busy disk's time) or `full`.
+    pub fn describe(&self) -> String {
+        match self {
+            WritebackRate::Idle => "idle".into(),
+            WritebackRate::Share(p) => format!("{p}%"),
+            WritebackRate::Full => "full".into(),
+        }
+    }
+}
+
 /// Inputs of the writeback decision for one device.
 pub struct WritebackInputs {
     pub running: bool,
@@ -108,6 +141,9 @@ pub struct WritebackInputs {
     /// Time since a client request last reached the backing device (a miss, a bypass or a
     /// writethrough write); cache hits leave the disk free and do not count.
     pub backing_quiet_ns: u64,
+    /// Time since a request that continues a sequential stream of at least
+    /// `WRITEBACK_STREAM_BYTES` started.
+    pub stream_quiet_ns: u64,
 }
 
 /// Below the target, writeback runs at full speed only after the backing device has been
@@ -126,12 +162,18 @@ pub const WRITEBACK_TARGET_PCT: u32 = 2;
 /// not promoted), while random dirty data drains at only the disk's random-write rate, so
 /// taking the disk from clients would cost them much and gain little.
 pub const WRITEBACK_BUSY_MAX_PCT: u32 = 25;
+/// A client stream this long, on a busy backing device, keeps writeback at the trickle share
+/// whatever the dirty level: every writeback batch would move the head out of the stream and
+/// cost it a seek back, and draining does not help a stream (past the cutoff it bypasses the
+/// cache anyway), so the disk stays with the work it does best.
+pub const WRITEBACK_STREAM_BYTES: u64 = 1 << 20;
 
 /// The writeback decision (bcache: `writeback_percent` target, `writeback_delay` before
 /// starting on new dirty data, full speed when idle). Unlike bcache, being over the target
 /// does not mean draining flat out while clients wait on the same disk: the share of the
 /// disk writeback takes grows with how close dirty data is to the limit where writes would
-/// start bypassing the cache, up to `WRITEBACK_BUSY_MAX_PCT`.
+/// start bypassing the cache, up to `WRITEBACK_BUSY_MAX_PCT`, except while a client streams
+/// (`WRITEBACK_STREAM_BYTES`).
 pub fn writeback_rate(i: &WritebackInputs) -> WritebackRate {
     if i.dirty_blocks == 0 {
         return WritebackRate::Idle;
@@ -147,6 +189,9 @@ pub fn writeback_rate(i: &WritebackInputs) -> WritebackRate {
     if dirty > target {
         if i.backing_quiet_ns >= WRITEBACK_BUSY_NS {
             return WritebackRate::Full;
+        }
+        if i.stream_quiet_ns < WRITEBACK_BUSY_NS {
+            return WritebackRate::Share(WRITEBACK_TRICKLE_PCT);
         }
         let limit = i.total_blocks * i.dirty_max_pct.max(i.writeback_percent + 1);
         let over = u128::from(dirty.min(limit) - target);
@@ -198,6 +243,7 @@ mod tests {
             dirty_age_ns: 0,
             delay_ns: 30,
             backing_quiet_ns: 0,
+            stream_quiet_ns: u64::MAX,
         };
         let rate = |f: &dyn Fn(&mut WritebackInputs)| {
             let mut i = WritebackInputs { ..base };
@@ -234,6 +280,30 @@ mod tests {
         assert_eq!(
             rate(&|i| {
                 i.dirty_blocks = 11;
+                i.backing_quiet_ns = WRITEBACK_BUSY_NS;
+            }),
+            WritebackRate::Full
+        );
+        // A client streaming on the busy disk keeps writeback at the trickle, even at the
+        // limit; a stream that stopped, or a quiet disk, does not.
+        assert_eq!(
+            rate(&|i| {
+                i.dirty_blocks = 100;
+                i.stream_quiet_ns = WRITEBACK_BUSY_NS - 1;
+            }),
+            WritebackRate::Share(WRITEBACK_TRICKLE_PCT)
+        );
+        assert_eq!(
+            rate(&|i| {
+                i.dirty_blocks = 100;
+                i.stream_quiet_ns = WRITEBACK_BUSY_NS;
+            }),
+            WritebackRate::Share(WRITEBACK_BUSY_MAX_PCT)
+        );
+        assert_eq!(
+            rate(&|i| {
+                i.dirty_blocks = 100;
+                i.stream_quiet_ns = 0;
                 i.backing_quiet_ns = WRITEBACK_BUSY_NS;
             }),
             WritebackRate::Full
@@ -289,15 +359,22 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_sent_to_the_cache_stays_marked_as_it_goes_on() {
+    fn a_stream_keeps_its_route_as_it_goes_on() {
         let mut d = SeqDetector::default();
         d.observe(0, 4096, 0);
-        assert!(!d.is_cached(4096));
-        d.set_cached(4096);
+        assert_eq!(d.route(4096), StreamRoute::Open);
+        d.set_route(4096, StreamRoute::Cache);
         d.observe(4096, 4096, 1);
-        assert!(d.is_cached(8192));
+        assert_eq!(d.route(8192), StreamRoute::Cache);
         d.observe(1 << 20, 4096, 2); // another stream is not affected
-        assert!(!d.is_cached((1 << 20) + 4096));
+        assert_eq!(d.route((1 << 20) + 4096), StreamRoute::Open);
+        d.set_route(8192, StreamRoute::Disk);
+        d.observe(8192, 4096, 3);
+        assert_eq!(d.route(12288), StreamRoute::Disk);
+        // A lone request that ends where the stream now ends does not hide its route.
+        d.observe(12288, 4096, 4);
+        d.observe(16384 - 1024, 1024, 5);
+        assert_eq!(d.route(16384), StreamRoute::Disk);
     }
 
     #[test]

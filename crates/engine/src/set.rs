@@ -234,6 +234,9 @@ pub struct Backing {
     /// When a client request last started or finished an I/O on the backing device
     /// (writeback's own I/O excluded): writeback yields while this is recent.
     pub(crate) client_backing_ns: AtomicU64,
+    /// When a request continuing a long sequential stream last started (writeback keeps out
+    /// of a busy disk's way while one runs); 0: never.
+    pub(crate) client_stream_ns: AtomicU64,
     /// Readahead windows for sequential reads that bypass the cache.
     pub(crate) readahead: Mutex<crate::readahead::ReadAhead>,
 }
@@ -357,6 +360,8 @@ pub struct DevStatus {
     pub dirty_bytes: u64,
     pub cached_bytes: u64,
     pub state: &'static str,
+    /// How hard writeback works on the device right now (bcache's writeback_rate).
+    pub writeback: crate::policy::WritebackRate,
     pub stats: Windows,
 }
 
@@ -819,6 +824,7 @@ impl CacheSet {
             backing_written: AtomicBool::new(false),
             dirty_since_ns: AtomicU64::new(inner.now_ns()),
             client_backing_ns: AtomicU64::new(0),
+            client_stream_ns: AtomicU64::new(0),
             readahead: Mutex::default(),
         });
         if dirty > 0 {

@@ -572,6 +572,40 @@ fn writeback_yields_to_clients_of_the_backing_device_until_it_is_quiet() {
 }
 
 #[test]
+fn writeback_keeps_to_a_trickle_while_a_client_streams_on_the_disk() {
+    use engine::policy::{WritebackRate, WRITEBACK_TRICKLE_PCT};
+    let rig = Rig::new(43, Geometry::default(), CacheMode::Writeback);
+    let vol = rig.vol();
+    for i in 0..200u64 {
+        vol.write(i * 8192, &data(i, i * 16, 4096), false).unwrap();
+    }
+    // A random miss: the disk is busy, and dirty data is over the target.
+    let mut buf = vec![0u8; 4096];
+    vol.read(4096, &mut buf).unwrap();
+    let busy = vol.status().writeback;
+    assert!(
+        matches!(busy, WritebackRate::Share(p) if p > WRITEBACK_TRICKLE_PCT),
+        "{busy:?}"
+    );
+    // A 1 MiB sequential stream through the dirty region reads its holes from the disk.
+    let mut chunk = vec![0u8; 64 << 10];
+    for i in 0..16u64 {
+        vol.read(i * (64 << 10), &mut chunk).unwrap();
+    }
+    assert_eq!(
+        vol.status().writeback,
+        WritebackRate::Share(WRITEBACK_TRICKLE_PCT)
+    );
+    // The stream ends; random misses alone give writeback its share back.
+    rig.clock.advance_ns(101_000_000);
+    vol.read((1 << 20) + 12288, &mut buf).unwrap();
+    assert_eq!(vol.status().writeback, busy);
+    // No client on the disk for 100 ms: full speed.
+    rig.clock.advance_ns(100_000_000);
+    assert_eq!(vol.status().writeback, WritebackRate::Full);
+}
+
+#[test]
 fn sequential_reads_past_the_cutoff_are_read_ahead() {
     // An odd seed: no miss fill, so only readahead batches backing reads.
     let mut rig = Rig::new(45, Geometry::default(), CacheMode::Writethrough);
@@ -671,6 +705,50 @@ fn a_sequential_write_over_dirty_blocks_goes_to_the_cache_in_writeback_mode() {
     let mut buf = vec![0u8; 4096];
     vol.read(64 << 10, &mut buf).unwrap();
     assert_eq!(buf, data(2 + 16, 16 * 8, 4096));
+}
+
+#[test]
+fn a_stream_sent_around_the_cache_at_the_dirty_limit_stays_on_the_disk() {
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
+    let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((8 << 20) + 8192));
+    let config = Config {
+        background: false,
+        dirty_max_pct: 10,
+        ..Config::default()
+    };
+    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, config);
+    vol.set_sequential_cutoff(16 << 10);
+    // Every other block dirty until the dirty limit sends a write around the cache.
+    let mut n = 0u64;
+    loop {
+        let before = vol.status().dirty_bytes;
+        vol.write(n * 8192, &data(n, n * 16, 4096), false).unwrap();
+        if vol.status().dirty_bytes == before {
+            break;
+        }
+        n += 1;
+    }
+    assert!(n > 32, "only {n} dirty blocks");
+    // A stream over them: at the limit, dropping a dirty block makes room for one more, so
+    // the route of each write would flip between the cache and the disk. Once the stream has
+    // been sent around the cache it stays on the disk.
+    for b in 0..2 * n {
+        vol.write(b * 4096, &data(1000 + b, b * 8, 4096), false)
+            .unwrap();
+    }
+    let tail = vol
+        .cached_ranges(64 << 10, 2 * n * 4096 - (64 << 10))
+        .unwrap();
+    let tail_bytes: u64 = tail.iter().map(|r| r.1).sum();
+    assert!(
+        tail_bytes <= 4096,
+        "stream blocks left in the cache: {tail:?}"
+    );
+    let mut buf = vec![0u8; 4096];
+    for b in 0..2 * n {
+        vol.read(b * 4096, &mut buf).unwrap();
+        assert_eq!(buf, data(1000 + b, b * 8, 4096), "block {b}");
+    }
 }
 
 /// A device that records the offset and length of every read.

@@ -106,6 +106,7 @@ pub fn status_json(s: &DevStatus, name: &str) -> Value {
         "writeback_percent": s.knobs.writeback_percent,
         "writeback_delay": s.knobs.writeback_delay_secs,
         "writeback_running": s.knobs.writeback_running,
+        "writeback_rate": s.writeback.describe(),
         "label": s.knobs.label,
         "stats_total": stats(&s.stats.total),
         "stats_five_minute": stats(&s.stats.five_minute),

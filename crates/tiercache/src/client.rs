@@ -31,19 +31,20 @@ pub fn status(admin: &Path) -> Result<()> {
         human(num(c, "metadata_bytes"))
     );
     println!(
-        "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6}",
-        "DEVICE", "SIZE", "MODE", "STATE", "DIRTY", "CACHED", "HIT%"
+        "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6} {:>9}",
+        "DEVICE", "SIZE", "MODE", "STATE", "DIRTY", "CACHED", "HIT%", "WRITEBACK"
     );
     for d in r["devices"].as_array().into_iter().flatten() {
         println!(
-            "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6}",
+            "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6} {:>9}",
             text(d, "name"),
             human(num(d, "size_bytes")),
             text(d, "cache_mode"),
             text(d, "state"),
             human(num(d, "dirty_bytes")),
             human(num(d, "cached_bytes")),
-            num(&d["stats_total"], "cache_hit_ratio")
+            num(&d["stats_total"], "cache_hit_ratio"),
+            text(d, "writeback_rate")
         );
     }
     Ok(())

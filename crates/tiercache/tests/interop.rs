@@ -219,6 +219,14 @@ fn real_clients_and_admin_and_warm_restart() {
     // Admin: status, stats, set, bad knobs.
     let s = stdout(&f.tc_admin(&["status"]));
     assert!(s.contains("data") && s.contains("writethrough"), "{s}");
+    let row = s
+        .lines()
+        .find(|l| l.starts_with("data"))
+        .expect("a row for the export");
+    assert!(
+        s.contains("WRITEBACK") && row.ends_with(" idle"),
+        "a clean device's writeback is idle: {s}"
+    );
     // A reader that has gone away (`tiercache stats | head -1`) ends the command quietly.
     let o = Command::new("sh")
         .arg("-c")
