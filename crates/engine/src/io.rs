@@ -27,7 +27,7 @@
 use crate::alloc::WritePoint;
 use crate::format::BackingState;
 use crate::index::Seg;
-use crate::policy::{is_sequential_bypass, StreamRoute};
+use crate::policy::is_sequential_bypass;
 use crate::readahead;
 use crate::set::{Backing, DevKnobs, DevStatus, Inner, Promotion};
 use crate::stats::Counters;
@@ -789,22 +789,7 @@ impl Volume {
         }
         let len = data.len() as u64;
         let stream = self.note_io(offset, len);
-        let seq_bypass = self.seq_bypass(stream);
-        let end = offset + len;
-        let stream = if seq_bypass {
-            self.backing.seq.lock().route(end)
-        } else {
-            StreamRoute::Open
-        };
-        let route = self.route(seq_bypass, stream, offset, len);
-        let next = match route {
-            Route::Back => StreamRoute::Cache,
-            Route::Bypass if stream == StreamRoute::Cache => StreamRoute::Disk,
-            _ => stream,
-        };
-        if seq_bypass && next != stream {
-            self.backing.seq.lock().set_route(end, next);
-        }
+        let route = self.route(self.seq_bypass(stream));
         if route == Route::Bypass {
             Counters::add(&self.backing.counters.bypassed, data.len() as u64);
         }
@@ -815,38 +800,23 @@ impl Volume {
         Ok(())
     }
 
-    /// Where a write over `[offset, offset + len)` goes, from the mode, the bypass decision
-    /// and the dirty limit. In writeback mode a sequential write that overlaps dirty blocks
-    /// goes to the cache like any other (as bcache does): the dirty copy is replaced in place
-    /// of being dropped behind a backing write. Once one has, the rest of its stream follows
-    /// (`StreamRoute::Cache`), and once such a stream is sent around the cache at the dirty
-    /// limit it stays on the disk (`StreamRoute::Disk`), so the disk never gets a sequential
-    /// stream full of holes (each a seek and half a turn).
-    fn route(&self, seq_bypass: bool, stream: StreamRoute, offset: u64, len: u64) -> Route {
+    /// Where a write goes, from the mode, the bypass decision and the dirty limit. A
+    /// sequential stream past the cutoff goes around the cache in every mode, over dirty
+    /// blocks too (as bcache does unless partial RAID stripes are expensive): the dirty copies
+    /// are dropped, their record waiting for one backing flush per commit, and the disk gets
+    /// the whole stream, without holes.
+    fn route(&self, seq_bypass: bool) -> Route {
         if self.backing.detaching.load(Ordering::Relaxed) {
             return Route::Bypass;
         }
         match self.mode() {
             CacheMode::Writearound | CacheMode::None => Route::Bypass,
-            CacheMode::Writethrough if seq_bypass => Route::Bypass,
+            _ if seq_bypass => Route::Bypass,
             CacheMode::Writethrough => Route::Through,
             CacheMode::Writeback => {
-                let st = self.inner.state.lock();
+                let dirty = self.inner.state.lock().index.dirty_blocks;
                 let total = u64::from(self.inner.layout.total_blocks());
-                let full = st.index.dirty_blocks * 100
-                    >= total * u64::from(self.inner.config.dirty_max_pct);
-                let bs = self.inner.block_size();
-                if full
-                    || (seq_bypass && stream == StreamRoute::Disk)
-                    || (seq_bypass
-                        && stream == StreamRoute::Open
-                        && !st.index.any_overlapping(
-                            self.backing.id,
-                            offset / bs,
-                            (offset + len).div_ceil(bs),
-                            |e| e.dirty,
-                        ))
-                {
+                if dirty * 100 >= total * u64::from(self.inner.config.dirty_max_pct) {
                     Route::Bypass
                 } else {
                     Route::Back

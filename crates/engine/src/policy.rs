@@ -11,26 +11,11 @@ pub const SEQ_SLOTS: usize = 128;
 /// A stream idle for longer than this starts over (bcache: 5 s).
 pub const SEQ_WINDOW_NS: u64 = 5_000_000_000;
 
-/// Where the writes of a stream past the sequential cutoff go, in writeback mode.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum StreamRoute {
-    /// Not decided: around the cache, unless a write meets dirty data.
-    #[default]
-    Open,
-    /// A write met dirty data and replaced it in the cache: the rest of the stream follows,
-    /// so the slow disk never sees a sequential stream with holes.
-    Cache,
-    /// The stream was sent to the cache, then around it at the dirty limit: it stays on the
-    /// disk (the dirty level hovers at the limit, and alternating would leave holes too).
-    Disk,
-}
-
 #[derive(Clone, Copy, Debug)]
 struct Stream {
     end: u64,
     bytes: u64,
     last_ns: u64,
-    route: StreamRoute,
 }
 
 #[derive(Default, Debug)]
@@ -60,7 +45,6 @@ impl SeqDetector {
             end: offset + len,
             bytes: len,
             last_ns: now_ns,
-            route: StreamRoute::Open,
         };
         if self.streams.len() < SEQ_SLOTS {
             self.streams.push(fresh);
@@ -71,28 +55,6 @@ impl SeqDetector {
             self.streams[oldest] = fresh;
         }
         len
-    }
-
-    /// The route of the stream that now ends at `end` (of two ending there, the longer: the
-    /// one `observe` continued; the other is a lone request that happened to end there).
-    pub fn route(&self, end: u64) -> StreamRoute {
-        self.streams
-            .iter()
-            .filter(|s| s.end == end)
-            .max_by_key(|s| s.bytes)
-            .map_or(StreamRoute::Open, |s| s.route)
-    }
-
-    /// Sets the route of the stream that now ends at `end` from here on.
-    pub fn set_route(&mut self, end: u64, route: StreamRoute) {
-        if let Some(s) = self
-            .streams
-            .iter_mut()
-            .filter(|s| s.end == end)
-            .max_by_key(|s| s.bytes)
-        {
-            s.route = route;
-        }
     }
 }
 
@@ -356,25 +318,6 @@ mod tests {
         d.observe(4096, 4096, 2);
         assert_eq!(d.observe(8192, 4096, 3), 12288);
         assert_eq!(d.observe(12288, 4096, 4), 16384);
-    }
-
-    #[test]
-    fn a_stream_keeps_its_route_as_it_goes_on() {
-        let mut d = SeqDetector::default();
-        d.observe(0, 4096, 0);
-        assert_eq!(d.route(4096), StreamRoute::Open);
-        d.set_route(4096, StreamRoute::Cache);
-        d.observe(4096, 4096, 1);
-        assert_eq!(d.route(8192), StreamRoute::Cache);
-        d.observe(1 << 20, 4096, 2); // another stream is not affected
-        assert_eq!(d.route((1 << 20) + 4096), StreamRoute::Open);
-        d.set_route(8192, StreamRoute::Disk);
-        d.observe(8192, 4096, 3);
-        assert_eq!(d.route(12288), StreamRoute::Disk);
-        // A lone request that ends where the stream now ends does not hide its route.
-        d.observe(12288, 4096, 4);
-        d.observe(16384 - 1024, 1024, 5);
-        assert_eq!(d.route(16384), StreamRoute::Disk);
     }
 
     #[test]

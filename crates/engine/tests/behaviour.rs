@@ -679,36 +679,34 @@ fn a_full_speed_writeback_pass_stops_when_a_client_needs_the_disk() {
 }
 
 #[test]
-fn a_sequential_write_over_dirty_blocks_goes_to_the_cache_in_writeback_mode() {
+fn a_sequential_write_past_the_cutoff_goes_around_the_cache_over_dirty_blocks_too() {
     let rig = Rig::new(47, Geometry::default(), CacheMode::Writeback);
     let vol = rig.vol();
     vol.set_sequential_cutoff(16 << 10);
-    // A dirty block far into where the stream will be past the cutoff.
-    vol.write(64 << 10, &data(1, 128, 4096), true).unwrap();
+    // Dirty blocks where the stream will be past the cutoff.
+    for b in [16u64, 17, 30] {
+        vol.write(b * 4096, &data(1, b * 8, 4096), true).unwrap();
+    }
     let before = vol.status().stats.total.bypassed;
     for i in 0..32u64 {
         vol.write(i * 4096, &data(2 + i, i * 8, 4096), false)
             .unwrap();
     }
-    // Past the cutoff the stream bypasses until it meets the dirty block: that write replaces
-    // it in the cache instead of forcing a backing flush to drop it, and the rest of the
-    // stream follows it into the cache.
-    assert!(vol.cached_ranges(60 << 10, 4096).unwrap().is_empty());
-    let cached = vol.cached_ranges(64 << 10, 64 << 10).unwrap();
-    assert!(cached.iter().all(|r| r.2), "{cached:?}");
-    assert_eq!(
-        cached.iter().map(|r| r.1).sum::<u64>(),
-        64 << 10,
-        "{cached:?}"
-    );
-    assert_eq!(vol.status().stats.total.bypassed - before, (16 - 4) * 4096);
+    // Past the cutoff the whole stream goes to the disk, without holes, and the dirty copies
+    // it overwrote are gone from the cache.
+    assert_eq!(vol.status().stats.total.bypassed - before, (32 - 4) * 4096);
+    let cached = vol.cached_ranges(16 << 10, 112 << 10).unwrap();
+    assert!(cached.is_empty(), "{cached:?}");
+    assert_eq!(vol.status().dirty_bytes, 16 << 10, "only the stream's first 16 KiB");
     let mut buf = vec![0u8; 4096];
-    vol.read(64 << 10, &mut buf).unwrap();
-    assert_eq!(buf, data(2 + 16, 16 * 8, 4096));
+    for b in [16u64, 17, 30] {
+        vol.read(b * 4096, &mut buf).unwrap();
+        assert_eq!(buf, data(2 + b, b * 8, 4096), "block {b}");
+    }
 }
 
 #[test]
-fn a_stream_sent_around_the_cache_at_the_dirty_limit_stays_on_the_disk() {
+fn a_stream_over_dirty_data_at_the_dirty_limit_stays_on_the_disk() {
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
     let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((8 << 20) + 8192));
     let config = Config {
@@ -729,9 +727,9 @@ fn a_stream_sent_around_the_cache_at_the_dirty_limit_stays_on_the_disk() {
         n += 1;
     }
     assert!(n > 32, "only {n} dirty blocks");
-    // A stream over them: at the limit, dropping a dirty block makes room for one more, so
-    // the route of each write would flip between the cache and the disk. Once the stream has
-    // been sent around the cache it stays on the disk.
+    // A stream over them: at the limit, each write that goes around drops a dirty block and
+    // makes room for one more, which must not pull the next write of the stream back into
+    // the cache (a hole on the disk each time).
     for b in 0..2 * n {
         vol.write(b * 4096, &data(1000 + b, b * 8, 4096), false)
             .unwrap();
