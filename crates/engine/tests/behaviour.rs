@@ -697,7 +697,11 @@ fn a_sequential_write_past_the_cutoff_goes_around_the_cache_over_dirty_blocks_to
     assert_eq!(vol.status().stats.total.bypassed - before, (32 - 4) * 4096);
     let cached = vol.cached_ranges(16 << 10, 112 << 10).unwrap();
     assert!(cached.is_empty(), "{cached:?}");
-    assert_eq!(vol.status().dirty_bytes, 16 << 10, "only the stream's first 16 KiB");
+    assert_eq!(
+        vol.status().dirty_bytes,
+        16 << 10,
+        "only the stream's first 16 KiB"
+    );
     let mut buf = vec![0u8; 4096];
     for b in [16u64, 17, 30] {
         vol.read(b * 4096, &mut buf).unwrap();
