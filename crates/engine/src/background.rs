@@ -313,7 +313,6 @@ fn strongest(rates: &[(DevId, WritebackRate)]) -> WritebackRate {
         .unwrap_or(WritebackRate::Idle)
 }
 
-/// The strongest writeback rate that applies now, without writing anything back.
 /// The writeback rate that applies to one device now (for its status).
 pub(crate) fn device_rate(inner: &Inner, b: &Arc<crate::set::Backing>) -> WritebackRate {
     let st = inner.state.lock();
@@ -322,6 +321,7 @@ pub(crate) fn device_rate(inner: &Inner, b: &Arc<crate::set::Backing>) -> Writeb
         .map_or(WritebackRate::Idle, |(_, r)| *r)
 }
 
+/// The strongest writeback rate that applies now, without writing anything back.
 fn current_rate(inner: &Inner) -> WritebackRate {
     let backings: Vec<_> = inner.backings.read().values().cloned().collect();
     let st = inner.state.lock();

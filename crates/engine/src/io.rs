@@ -282,20 +282,30 @@ impl Volume {
             .ctx(|| format!("reading backing device at {offset}"))
     }
 
-    fn backing_write(&self, data: &[u8], offset: u64) -> Result<()> {
-        Counters::add(
-            &self.backing.counters.backing_written_bytes,
-            data.len() as u64,
-        );
-        let r = self
-            .on_backing(|d| d.write_at(data, self.backing.data_offset() + offset))
-            .ctx(|| format!("writing backing device at {offset}"));
+    /// Runs a client I/O that changes `[offset, offset + len)` of the backing device (write,
+    /// zeroes, discard; `io` gets the device and the absolute offset). Afterwards, whatever
+    /// the outcome, readahead windows over the range are dropped and the device is marked
+    /// written for the deferred flush.
+    fn change_backing(
+        &self,
+        offset: u64,
+        len: u64,
+        io: impl FnOnce(&dyn BlockDevice, u64) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let r = self.on_backing(|d| io(d, self.backing.data_offset() + offset));
         self.backing
             .readahead
             .lock()
-            .invalidate(offset, offset + data.len() as u64);
+            .invalidate(offset, offset + len);
         self.backing.backing_written.store(true, Ordering::SeqCst);
         r
+    }
+
+    fn backing_write(&self, data: &[u8], offset: u64) -> Result<()> {
+        let len = data.len() as u64;
+        Counters::add(&self.backing.counters.backing_written_bytes, len);
+        self.change_backing(offset, len, |d, at| d.write_at(data, at))
+            .ctx(|| format!("writing backing device at {offset}"))
     }
 
     // ----- reads -----
@@ -618,10 +628,13 @@ impl Volume {
     /// hole, each a seek away from the last.
     fn read_ahead(&self, from: u64, out: &mut [u8]) -> Result<()> {
         let ra = &self.backing.readahead;
-        if ra.lock().get(from, out) {
-            return Ok(());
-        }
-        let generation = ra.lock().generation();
+        let generation = {
+            let mut r = ra.lock();
+            if r.get(from, out) {
+                return Ok(());
+            }
+            r.generation()
+        };
         let start = from / readahead::WINDOW_BYTES * readahead::WINDOW_BYTES;
         let end = from + out.len() as u64;
         let to = (start + readahead::WINDOW_BYTES)
@@ -791,9 +804,9 @@ impl Volume {
         let stream = self.note_io(offset, len);
         let route = self.route(self.seq_bypass(stream));
         if route == Route::Bypass {
-            Counters::add(&self.backing.counters.bypassed, data.len() as u64);
+            Counters::add(&self.backing.counters.bypassed, len);
         }
-        self.write_range(offset, data.len() as u64, Some(data), route)?;
+        self.write_range(offset, len, Some(data), route)?;
         if fua {
             self.flush()?;
         }
@@ -921,15 +934,8 @@ impl Volume {
 
     fn backing_zero(&self, offset: u64, len: u64) -> Result<()> {
         Counters::add(&self.backing.counters.backing_written_bytes, len);
-        let r = self
-            .on_backing(|d| d.write_zeroes(self.backing.data_offset() + offset, len))
-            .ctx(|| format!("zeroing backing device at {offset}"));
-        self.backing
-            .readahead
-            .lock()
-            .invalidate(offset, offset + len);
-        self.backing.backing_written.store(true, Ordering::SeqCst);
-        r
+        self.change_backing(offset, len, |d, at| d.write_zeroes(at, len))
+            .ctx(|| format!("zeroing backing device at {offset}"))
     }
 
     /// Writes whole blocks `[block, block + n)` (data, or zeroes when `None`) along `route`.
@@ -1002,15 +1008,8 @@ impl Volume {
         let bs = inner.block_size();
         let (b0, b1) = (offset / bs, (offset + len).div_ceil(bs));
         let _guard = inner.ranges.lock(self.backing.id, b0, b1);
-        let r = self
-            .on_backing(|d| d.discard(self.backing.data_offset() + offset, len))
-            .ctx(|| format!("discarding backing device at {offset}"));
-        self.backing
-            .readahead
-            .lock()
-            .invalidate(offset, offset + len);
-        self.backing.backing_written.store(true, Ordering::SeqCst);
-        r?;
+        self.change_backing(offset, len, |d, at| d.discard(at, len))
+            .ctx(|| format!("discarding backing device at {offset}"))?;
         // Only blocks wholly inside the range are dropped: a partly discarded dirty block
         // still holds live sectors.
         let (f0, f1) = (offset.div_ceil(bs), (offset + len) / bs);

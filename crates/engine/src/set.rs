@@ -292,11 +292,8 @@ impl Backing {
     /// Flushes the backing device if anything was written to it since its last flush (the
     /// deferred flush); on failure the device stays marked as written.
     pub(crate) fn flush_if_written(&self) -> Result<()> {
-        if self.backing_written.swap(false, Ordering::SeqCst) {
-            if let Err(e) = self.dev.flush() {
-                self.backing_written.store(true, Ordering::SeqCst);
-                return Err(Error::io("flushing backing device", e));
-            }
+        if self.backing_written.load(Ordering::SeqCst) {
+            self.flush_now()?;
         }
         Ok(())
     }

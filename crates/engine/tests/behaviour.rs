@@ -173,13 +173,8 @@ impl BlockDevice for GatedDevice {
 
 #[test]
 fn promotion_never_overwrites_a_write_made_while_in_flight() {
-    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
     let backing = gated(1 << 20);
-    let no_threads = Config {
-        background: false,
-        ..Config::default()
-    };
-    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writethrough, no_threads);
+    let (_set, vol) = open_on_mem_cache(backing.clone(), CacheMode::Writethrough);
     let barrier = Arc::new(Barrier::new(2));
     *backing.gate.lock().unwrap() = Some(barrier.clone());
     let reader = {
@@ -210,13 +205,8 @@ fn promotion_never_overwrites_a_write_made_while_in_flight() {
 
 #[test]
 fn a_miss_inside_a_promotion_in_flight_waits_for_it_instead_of_reading_again() {
-    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
     let backing = gated(1 << 20);
-    let no_threads = Config {
-        background: false,
-        ..Config::default()
-    };
-    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writethrough, no_threads);
+    let (_set, vol) = open_on_mem_cache(backing.clone(), CacheMode::Writethrough);
     let d = data(6, 0, 16384);
     backing.inner.write_at(&d, 8192).unwrap();
     let barrier = Arc::new(Barrier::new(2));
@@ -362,10 +352,6 @@ fn works_on_file_devices_with_direct_io() {
     let cache: Arc<dyn BlockDevice> = Arc::new(FileDevice::create(&cache_path, 8 << 20).unwrap());
     let backing: Arc<dyn BlockDevice> =
         Arc::new(FileDevice::create(&backing_path, 4 << 20).unwrap());
-    let no_threads = || Config {
-        background: false,
-        ..Config::default()
-    };
     let (set, vol) = format_and_open(cache, backing, CacheMode::Writeback, no_threads());
     // Unaligned lengths and offsets (512-byte granularity) through the cache.
     let d = data(11, 3, 512 * 37);
@@ -399,6 +385,19 @@ struct FlushCounter {
     flushes: std::sync::atomic::AtomicU64,
 }
 
+impl FlushCounter {
+    fn new(bytes: u64) -> Arc<FlushCounter> {
+        Arc::new(FlushCounter {
+            inner: MemDevice::new(bytes),
+            flushes: Default::default(),
+        })
+    }
+
+    fn count(&self) -> u64 {
+        self.flushes.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 impl BlockDevice for FlushCounter {
     fn size_bytes(&self) -> u64 {
         self.inner.size_bytes()
@@ -424,17 +423,9 @@ impl BlockDevice for FlushCounter {
 
 #[test]
 fn deferred_flush_reaches_the_backing_device_only_when_it_was_written() {
-    let backing = Arc::new(FlushCounter {
-        inner: MemDevice::new(1 << 20),
-        flushes: Default::default(),
-    });
-    let no_threads = Config {
-        background: false,
-        ..Config::default()
-    };
-    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
-    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads);
-    let flushes = || backing.flushes.load(std::sync::atomic::Ordering::SeqCst);
+    let backing = FlushCounter::new(1 << 20);
+    let (_set, vol) = open_on_mem_cache(backing.clone(), CacheMode::Writeback);
+    let flushes = || backing.count();
     vol.write(0, &data(1, 0, 4096), false).unwrap(); // marks the header dirty (flushed once)
     let before = flushes();
     for i in 0..10u64 {
@@ -462,17 +453,9 @@ fn deferred_flush_reaches_the_backing_device_only_when_it_was_written() {
 
 #[test]
 fn writes_around_dirty_data_flush_the_slow_device_once_per_commit_not_per_write() {
-    let backing = Arc::new(FlushCounter {
-        inner: MemDevice::new(1 << 20),
-        flushes: Default::default(),
-    });
-    let no_threads = Config {
-        background: false,
-        ..Config::default()
-    };
-    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
-    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads);
-    let flushes = || backing.flushes.load(std::sync::atomic::Ordering::SeqCst);
+    let backing = FlushCounter::new(1 << 20);
+    let (_set, vol) = open_on_mem_cache(backing.clone(), CacheMode::Writeback);
+    let flushes = || backing.count();
     for i in 0..10u64 {
         vol.write(i * 4096, &data(i + 1, i * 8, 4096), false)
             .unwrap();
@@ -650,11 +633,7 @@ fn a_full_speed_writeback_pass_stops_when_a_client_needs_the_disk() {
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
     let backing = gated(1 << 20);
     let clock = Arc::new(engine::clock::ManualClock::default());
-    let config = Config {
-        background: false,
-        clock: clock.clone(),
-        ..Config::default()
-    };
+    let config = test_config(clock.clone());
     let (set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, config);
     vol.set_writeback_delay_secs(0);
     // 50 dirty blocks, none adjacent: 50 runs, over the 10 % target of a 4 MiB cache.
@@ -714,9 +693,8 @@ fn a_stream_over_dirty_data_at_the_dirty_limit_stays_on_the_disk() {
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
     let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((8 << 20) + 8192));
     let config = Config {
-        background: false,
         dirty_max_pct: 10,
-        ..Config::default()
+        ..no_threads()
     };
     let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, config);
     vol.set_sequential_cutoff(16 << 10);
@@ -761,6 +739,16 @@ struct RecordingDevice {
     rotational: bool,
 }
 
+impl RecordingDevice {
+    fn new(bytes: u64, rotational: bool) -> Arc<RecordingDevice> {
+        Arc::new(RecordingDevice {
+            inner: MemDevice::new(bytes),
+            reads: std::sync::Mutex::new(Vec::new()),
+            rotational,
+        })
+    }
+}
+
 impl BlockDevice for RecordingDevice {
     fn size_bytes(&self) -> u64 {
         self.inner.size_bytes()
@@ -789,16 +777,8 @@ impl BlockDevice for RecordingDevice {
 #[test]
 fn readahead_reads_back_to_back_windows_through_scattered_cached_blocks() {
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(8 << 20));
-    let backing = Arc::new(RecordingDevice {
-        inner: MemDevice::new((2 << 20) + 8192),
-        reads: std::sync::Mutex::new(Vec::new()),
-        rotational: false,
-    });
-    let no_threads = Config {
-        background: false,
-        ..Config::default()
-    };
-    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads);
+    let backing = RecordingDevice::new((2 << 20) + 8192, false);
+    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads());
     // Every third block dirty in the cache, written backwards (no sequential stream).
     for b in (0..512u64).rev().filter(|b| b % 3 == 0) {
         vol.write(b * 4096, &data(b, b * 8, 4096), false).unwrap();
@@ -833,18 +813,10 @@ fn readahead_reads_back_to_back_windows_through_scattered_cached_blocks() {
 #[test]
 fn a_miss_with_holes_between_cached_blocks_is_one_backing_read_on_a_disk() {
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(8 << 20));
-    let backing = Arc::new(RecordingDevice {
-        inner: MemDevice::new((2 << 20) + 8192),
-        reads: std::sync::Mutex::new(Vec::new()),
-        rotational: true,
-    });
+    let backing = RecordingDevice::new((2 << 20) + 8192, true);
     let old = data(1, 0, 128 << 10);
     backing.inner.write_at(&old, 8192).unwrap();
-    let no_threads = Config {
-        background: false,
-        ..Config::default()
-    };
-    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads);
+    let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads());
     vol.set_sequential_cutoff(0);
     // Every third block of the first 128 KiB dirty in the cache, written backwards.
     for b in (0..32u64).rev().filter(|b| b % 3 == 0) {

@@ -132,11 +132,18 @@ impl Default for Geometry {
     }
 }
 
-pub fn test_config(clock: Arc<ManualClock>) -> Config {
+/// A configuration without background threads (tests drive writeback and commits).
+pub fn no_threads() -> Config {
     Config {
         background: false,
-        clock,
         ..Config::default()
+    }
+}
+
+pub fn test_config(clock: Arc<ManualClock>) -> Config {
+    Config {
+        clock,
+        ..no_threads()
     }
 }
 
@@ -464,6 +471,16 @@ pub fn seed_from_env(test: &str) -> u64 {
 }
 
 /// Formats `cache` (64 KiB buckets) and `backing`, opens the set and attaches the volume.
+/// `format_and_open` on a 4 MiB in-memory cache, without background threads.
+pub fn open_on_mem_cache(backing: Arc<dyn BlockDevice>, mode: CacheMode) -> (CacheSet, Volume) {
+    format_and_open(
+        Arc::new(blockdev::MemDevice::new(4 << 20)),
+        backing,
+        mode,
+        no_threads(),
+    )
+}
+
 pub fn format_and_open(
     cache: Arc<dyn BlockDevice>,
     backing: Arc<dyn BlockDevice>,
