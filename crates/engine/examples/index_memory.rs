@@ -53,7 +53,7 @@ fn main() {
     )
     .unwrap();
     let vol = set.attach(backing).unwrap();
-    vol.set_sequential_cutoff(0);
+    vol.set_sequential_cutoff(0).unwrap();
     let data_bytes = u64::from(set.layout().nbuckets) * u64::from(set.layout().bucket_size);
     // Every other 4 KiB block of a region twice the cache, shuffled: no two writes adjacent.
     let mut slots: Vec<u64> = (0..vol.size_bytes() / 8192).collect();

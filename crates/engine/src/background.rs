@@ -14,6 +14,7 @@
 //! - every loop here is bounded (batch sizes, bucket counts) so one step takes bounded time.
 
 use crate::alloc::WritePoint;
+use crate::guard::{contain, Throttled};
 use crate::journal::Entry;
 use crate::policy::{writeback_rate, WritebackInputs, WritebackRate};
 use crate::set::Inner;
@@ -442,7 +443,11 @@ fn writeback_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<(u6
                 }
                 Ok(None) => {}
                 Err(err) => {
-                    log::error!("writeback skipped unreadable dirty data: {err}");
+                    static LOG: Throttled = Throttled::new();
+                    LOG.log(
+                        log::Level::Error,
+                        format_args!("writeback skipped unreadable dirty data: {err}"),
+                    );
                     Counters::add(&backing.counters.io_errors, 1);
                 }
             }
@@ -552,14 +557,15 @@ pub fn writeback_thread(inner: &Arc<Inner>) {
             owed = Duration::ZERO;
         }
         let t = Instant::now();
-        match writeback_pass(inner, false, None) {
+        match contain(inner, "writeback", || writeback_pass(inner, false, None)) {
             Ok((n, WritebackRate::Full)) if n > 0 => {}
             Ok((n, WritebackRate::Share(pct))) if n > 0 => {
                 owed = t.elapsed() * (100 - pct) / pct;
             }
             Ok(_) => sleep(inner, Duration::from_millis(100)),
             Err(e) => {
-                log::error!("writeback: {e}");
+                static LOG: Throttled = Throttled::new();
+                LOG.log(log::Level::Error, format_args!("writeback: {e}"));
                 sleep(inner, Duration::from_secs(1));
             }
         }
@@ -577,15 +583,16 @@ pub fn maintenance_thread(inner: &Arc<Inner>) {
             .journal
             .oldest_pending_ns
             .is_some_and(|t| now.saturating_sub(t) >= inner.config.journal_delay_ms * 1_000_000);
-        let res = (|| -> Result<()> {
+        let res = contain(inner, "maintenance", || {
             if due {
                 inner.commit_to(u64::MAX)?;
             }
             make_space(inner, inner.reserve_buckets)?;
             Ok(())
-        })();
+        });
         if let Err(e) = res {
-            log::error!("maintenance: {e}");
+            static LOG: Throttled = Throttled::new();
+            LOG.log(log::Level::Error, format_args!("maintenance: {e}"));
         }
         for b in inner.backings.read().values() {
             b.history.tick(now, &b.counters.snapshot());

@@ -6,7 +6,7 @@
 
 use crate::checkpoint::load;
 use crate::format::{BackingHeader, Superblock};
-use crate::types::Result;
+use crate::types::{Error, Result};
 use blockdev::BlockDevice;
 
 /// What `check` found.
@@ -26,8 +26,17 @@ pub struct CheckReport {
 /// or a backing device (header copies).
 pub fn check_device(dev: &dyn BlockDevice, verify_data: bool) -> Result<CheckReport> {
     let cache_sb = Superblock::read(dev);
-    if cache_sb.is_err() {
-        if let Ok((h, notes)) = BackingHeader::read(dev) {
+    if let Err(sb_err) = &cache_sb {
+        let backing = BackingHeader::read(dev);
+        if matches!(sb_err, Error::Unformatted(_)) && matches!(backing, Err(Error::Unformatted(_)))
+        {
+            return Err(Error::Unformatted(
+                "not formatted by tiercache (neither a cache superblock nor a backing header \
+                 found); `tiercache make` formats it"
+                    .into(),
+            ));
+        }
+        if let Ok((h, notes)) = backing {
             return Ok(CheckReport {
                 kind: "backing",
                 facts: vec![

@@ -11,7 +11,8 @@
 //!   overlap (`Layout::compute` is the only constructor for fresh layouts and `validate` checks
 //!   layouts read from disk, since media is never trusted).
 
-use crate::codec::{frame, round_up, unframe, Reader, Writer};
+use crate::codec::{frame, frame_header, round_up, unframe, Reader, Writer};
+use crate::knobs::{Knob, Tunables};
 use crate::types::{CacheMode, Error, IoContext, Result};
 use blockdev::BlockDevice;
 use uuid::Uuid;
@@ -289,9 +290,11 @@ impl Superblock {
         }
         let mut best: Option<Superblock> = None;
         let mut notes = Vec::new();
+        let mut magic_seen = false;
         let mut buf = vec![0u8; META_BLOCK as usize];
         dev.read_at(&mut buf, SB_OFFSET)
             .ctx(|| "reading superblock copy 0".into())?;
+        magic_seen |= frame_header(SB_MAGIC, &buf).is_some();
         let first = Superblock::decode(&buf);
         // The second copy's location is recorded in the first; if the first is damaged, it is
         // in the last 4 KiB of the device.
@@ -308,6 +311,7 @@ impl Superblock {
                     } else {
                         dev.read_at(&mut buf, off)
                             .ctx(|| "reading superblock copy 1".into())?;
+                        magic_seen |= frame_header(SB_MAGIC, &buf).is_some();
                         Superblock::decode(&buf)
                     }
                 }
@@ -332,6 +336,10 @@ impl Superblock {
                 }
                 Ok((sb, notes))
             }
+            None if !magic_seen => Err(Error::Unformatted(
+                "not a tiercache cache device (no superblock found; format it with `tiercache make`)"
+                    .into(),
+            )),
             None => Err(Error::Corrupt(format!(
                 "no valid tiercache superblock ({})",
                 notes.join("; ")
@@ -370,6 +378,9 @@ pub struct BackingHeader {
     pub mode: CacheMode,
     pub state: BackingState,
     pub label: String,
+    /// The other knobs, so every knob set survives a restart. Headers written before these
+    /// fields existed end after the label and decode with the defaults.
+    pub tunables: Tunables,
 }
 
 impl BackingHeader {
@@ -385,6 +396,11 @@ impl BackingHeader {
             BackingState::Dirty => 1,
         });
         w.fixed_str(&self.label, LABEL_BYTES);
+        let t = &self.tunables;
+        w.u64(t.sequential_cutoff);
+        w.u32(t.writeback_percent);
+        w.u64(t.writeback_delay_secs);
+        w.u8(u8::from(t.writeback_running));
         let mut out = frame(BACKING_MAGIC, FORMAT_VERSION, self.seq, &w.buf);
         out.resize(META_BLOCK as usize, 0);
         out
@@ -407,6 +423,28 @@ impl BackingHeader {
             s => return Err(format!("unknown state code {s}")),
         };
         let label = r.fixed_str(LABEL_BYTES).ok_or_else(short)?;
+        let tunables = if r.remaining() == 0 {
+            Tunables::default()
+        } else {
+            let t = Tunables {
+                sequential_cutoff: r.u64().ok_or_else(short)?,
+                writeback_percent: r.u32().ok_or_else(short)?,
+                writeback_delay_secs: r.u64().ok_or_else(short)?,
+                writeback_running: match r.u8().ok_or_else(short)? {
+                    0 => false,
+                    1 => true,
+                    v => return Err(format!("bad writeback_running {v}")),
+                },
+            };
+            for k in [
+                Knob::SequentialCutoff(t.sequential_cutoff),
+                Knob::WritebackPercent(t.writeback_percent),
+                Knob::WritebackDelaySecs(t.writeback_delay_secs),
+            ] {
+                k.validate().map_err(|e| e.to_string())?;
+            }
+            t
+        };
         if data_offset != BACKING_DATA_OFFSET || data_size % 512 != 0 {
             return Err(format!("bad data offset {data_offset} or size {data_size}"));
         }
@@ -419,6 +457,7 @@ impl BackingHeader {
             mode,
             state,
             label,
+            tunables,
         })
     }
 
@@ -433,10 +472,12 @@ impl BackingHeader {
         }
         let mut best: Option<BackingHeader> = None;
         let mut notes = Vec::new();
+        let mut magic_seen = false;
         let mut buf = vec![0u8; META_BLOCK as usize];
         for (i, off) in BACKING_HEADER_OFFSETS.into_iter().enumerate() {
             dev.read_at(&mut buf, off)
                 .ctx(|| "reading backing header".into())?;
+            magic_seen |= frame_header(BACKING_MAGIC, &buf).is_some();
             match BackingHeader::decode(&buf) {
                 Ok(h) => {
                     if best.as_ref().is_none_or(|b| h.seq > b.seq) {
@@ -455,6 +496,10 @@ impl BackingHeader {
                 )))
             }
             Some(h) => Ok((h, notes)),
+            None if !magic_seen => Err(Error::Unformatted(
+                "not a tiercache backing device (no header found; format it with `tiercache make`)"
+                    .into(),
+            )),
             None => Err(Error::Corrupt(format!(
                 "no valid tiercache backing header ({})",
                 notes.join("; ")
@@ -563,6 +608,12 @@ mod tests {
             mode: CacheMode::Writeback,
             state: BackingState::Dirty,
             label: "slow".into(),
+            tunables: Tunables {
+                sequential_cutoff: 123 << 10,
+                writeback_percent: 40,
+                writeback_delay_secs: 7,
+                writeback_running: false,
+            },
         };
         h.write(&dev).unwrap();
         assert_eq!(BackingHeader::read(&dev).unwrap().0, h);

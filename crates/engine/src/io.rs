@@ -27,6 +27,7 @@
 use crate::alloc::WritePoint;
 use crate::format::BackingState;
 use crate::index::Seg;
+use crate::knobs::Knob;
 use crate::policy::is_sequential_bypass;
 use crate::readahead;
 use crate::set::{Backing, DevKnobs, DevStatus, Inner, Promotion};
@@ -114,13 +115,14 @@ impl Volume {
         self.backing.header.lock().label.clone()
     }
 
-    /// The export name: the label, or the uuid when there is none.
+    /// The export name: the label, or the uuid when there is none (or when a label written
+    /// before labels were validated is not a usable name).
     pub fn name(&self) -> String {
         let l = self.label();
-        if l.is_empty() {
-            self.uuid().to_string()
-        } else {
+        if crate::knobs::validate_label(&l).is_ok() {
             l
+        } else {
+            self.uuid().to_string()
         }
     }
 
@@ -136,53 +138,70 @@ impl Volume {
         self.backing.knobs()
     }
 
-    /// Switches the cache mode live; persisted in the backing header.
-    pub fn set_mode(&self, mode: CacheMode) -> Result<()> {
+    /// Changes one knob live. The value is validated first, then persisted in the backing
+    /// header (both copies, flushed), and only then applied: a value that is refused, or whose
+    /// header write fails, changes nothing.
+    pub fn set_knob(&self, knob: Knob) -> Result<()> {
+        crate::guard::contain(&self.inner, "set knob", || self.set_knob_unguarded(knob))
+    }
+
+    fn set_knob_unguarded(&self, knob: Knob) -> Result<()> {
+        knob.validate()?;
         let b = &self.backing;
-        b.update_header(|h| h.mode = mode)?;
-        b.mode.store(mode.code(), Ordering::SeqCst);
+        if let Knob::Label(l) = &knob {
+            let taken = self.inner.backings.read().values().find_map(|o| {
+                let h = o.header.lock();
+                (o.id != b.id && h.label == *l).then_some(h.dev_uuid)
+            });
+            if let Some(other) = taken {
+                return Err(Error::Invalid(format!(
+                    "label {l:?} is already the name of device {other}"
+                )));
+            }
+        }
+        b.update_header(|h| match &knob {
+            Knob::CacheMode(m) => h.mode = *m,
+            Knob::SequentialCutoff(v) => h.tunables.sequential_cutoff = *v,
+            Knob::WritebackPercent(v) => h.tunables.writeback_percent = *v,
+            Knob::WritebackDelaySecs(v) => h.tunables.writeback_delay_secs = *v,
+            Knob::WritebackRunning(v) => h.tunables.writeback_running = *v,
+            Knob::Label(l) => h.label = l.clone(),
+        })?;
+        match knob {
+            Knob::CacheMode(m) => b.mode.store(m.code(), Ordering::SeqCst),
+            Knob::SequentialCutoff(v) => b.sequential_cutoff.store(v, Ordering::Relaxed),
+            Knob::WritebackPercent(v) => b.writeback_percent.store(u64::from(v), Ordering::Relaxed),
+            Knob::WritebackDelaySecs(v) => b.writeback_delay_secs.store(v, Ordering::Relaxed),
+            Knob::WritebackRunning(v) => b.writeback_running.store(v, Ordering::Relaxed),
+            Knob::Label(_) => {}
+        }
         self.inner.wake_background();
         Ok(())
     }
 
-    pub fn set_sequential_cutoff(&self, bytes: u64) {
-        self.backing
-            .sequential_cutoff
-            .store(bytes, Ordering::Relaxed);
+    /// Switches the cache mode live (see [`Volume::set_knob`]).
+    pub fn set_mode(&self, mode: CacheMode) -> Result<()> {
+        self.set_knob(Knob::CacheMode(mode))
+    }
+
+    pub fn set_sequential_cutoff(&self, bytes: u64) -> Result<()> {
+        self.set_knob(Knob::SequentialCutoff(bytes))
     }
 
     pub fn set_writeback_percent(&self, pct: u32) -> Result<()> {
-        if pct > 100 {
-            return Err(Error::Invalid(format!(
-                "writeback_percent {pct} is over 100"
-            )));
-        }
-        self.backing
-            .writeback_percent
-            .store(u64::from(pct), Ordering::Relaxed);
-        self.inner.wake_background();
-        Ok(())
+        self.set_knob(Knob::WritebackPercent(pct))
     }
 
-    pub fn set_writeback_delay_secs(&self, secs: u64) {
-        self.backing
-            .writeback_delay_secs
-            .store(secs, Ordering::Relaxed);
+    pub fn set_writeback_delay_secs(&self, secs: u64) -> Result<()> {
+        self.set_knob(Knob::WritebackDelaySecs(secs))
     }
 
-    pub fn set_writeback_running(&self, on: bool) {
-        self.backing.writeback_running.store(on, Ordering::Relaxed);
-        self.inner.wake_background();
+    pub fn set_writeback_running(&self, on: bool) -> Result<()> {
+        self.set_knob(Knob::WritebackRunning(on))
     }
 
     pub fn set_label(&self, label: &str) -> Result<()> {
-        if label.len() > crate::format::LABEL_BYTES {
-            return Err(Error::Invalid(format!(
-                "label is longer than {} bytes",
-                crate::format::LABEL_BYTES
-            )));
-        }
-        self.backing.update_header(|h| h.label = label.to_string())
+        self.set_knob(Knob::Label(label.to_string()))
     }
 
     /// Status and statistics of this device.
@@ -312,6 +331,10 @@ impl Volume {
 
     /// Reads `buf.len()` bytes at `offset`.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        crate::guard::contain(&self.inner, "read", || self.read_unguarded(offset, buf))
+    }
+
+    fn read_unguarded(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.check(offset, buf.len() as u64)?;
         if buf.is_empty() {
             return Ok(());
@@ -331,6 +354,12 @@ impl Volume {
 
     /// Prefetches a range into the cache (NBD_CMD_CACHE).
     pub fn prefetch(&self, offset: u64, len: u64) -> Result<()> {
+        crate::guard::contain(&self.inner, "prefetch", || {
+            self.prefetch_unguarded(offset, len)
+        })
+    }
+
+    fn prefetch_unguarded(&self, offset: u64, len: u64) -> Result<()> {
         self.check(offset, len)?;
         if self.mode() == CacheMode::None {
             // Nothing would be kept: the hint is honoured by doing nothing.
@@ -676,12 +705,25 @@ impl Volume {
         );
         if e.dirty {
             Counters::add(&self.backing.counters.io_errors, 1);
-            log::error!("checksum mismatch on dirty data: {what}");
+            {
+                static LOG: crate::guard::Throttled = crate::guard::Throttled::new();
+                LOG.log(
+                    log::Level::Error,
+                    format_args!("checksum mismatch on dirty data: {what}"),
+                );
+            }
             return Err(Error::DataCorrupt(what));
         }
-        log::warn!(
-            "checksum mismatch on clean cached data, re-reading from the backing device: {what}"
-        );
+        {
+            static LOG: crate::guard::Throttled = crate::guard::Throttled::new();
+            LOG.log(
+                log::Level::Warn,
+                format_args!(
+                    "checksum mismatch on clean cached data, re-reading from the backing \
+                     device: {what}"
+                ),
+            );
+        }
         Counters::add(&self.backing.counters.checksum_repairs, 1);
         let mut st = inner.state.lock();
         if st
@@ -708,7 +750,10 @@ impl Volume {
                 break;
             }
             if let Err(e) = self.cache_insert(block, &data, false, Some(id)) {
-                log::warn!("promotion failed: {e}");
+                {
+                    static LOG: crate::guard::Throttled = crate::guard::Throttled::new();
+                    LOG.log(log::Level::Warn, format_args!("promotion failed: {e}"));
+                }
                 break;
             }
         }
@@ -796,6 +841,12 @@ impl Volume {
 
     /// Writes `data` at `offset`; with `fua` it is durable when this returns.
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        crate::guard::contain(&self.inner, "write", || {
+            self.write_unguarded(offset, data, fua)
+        })
+    }
+
+    fn write_unguarded(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.check(offset, data.len() as u64)?;
         if data.is_empty() {
             return Ok(());
@@ -990,6 +1041,10 @@ impl Volume {
 
     /// Makes every write acknowledged before this call durable.
     pub fn flush(&self) -> Result<()> {
+        crate::guard::contain(&self.inner, "flush", || self.flush_unguarded())
+    }
+
+    fn flush_unguarded(&self) -> Result<()> {
         self.inner.check_failed()?;
         let target = self.inner.state.lock().journal.appended_epoch;
         self.inner.commit_to(target)?;
@@ -999,6 +1054,12 @@ impl Volume {
 
     /// Discards a range: the cache forgets the blocks it covers and the discard is passed down.
     pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        crate::guard::contain(&self.inner, "discard", || {
+            self.discard_unguarded(offset, len)
+        })
+    }
+
+    fn discard_unguarded(&self, offset: u64, len: u64) -> Result<()> {
         self.check(offset, len)?;
         if len == 0 {
             return Ok(());
@@ -1024,6 +1085,12 @@ impl Volume {
 
     /// Makes a range read back as zeroes; with `fua`, durably.
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        crate::guard::contain(&self.inner, "write zeroes", || {
+            self.write_zeroes_unguarded(offset, len, fua)
+        })
+    }
+
+    fn write_zeroes_unguarded(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check(offset, len)?;
         if len == 0 {
             return Ok(());
@@ -1039,6 +1106,12 @@ impl Volume {
     /// Fraction of `[offset, offset + len)` held in the cache, as cached ranges (for
     /// block-status style reporting): `(offset, len, dirty)`.
     pub fn cached_ranges(&self, offset: u64, len: u64) -> Result<Vec<(u64, u64, bool)>> {
+        crate::guard::contain(&self.inner, "cached ranges", || {
+            self.cached_ranges_unguarded(offset, len)
+        })
+    }
+
+    fn cached_ranges_unguarded(&self, offset: u64, len: u64) -> Result<Vec<(u64, u64, bool)>> {
         self.check(offset, len)?;
         let bs = self.inner.block_size();
         let segs = self.inner.state.lock().index.lookup(

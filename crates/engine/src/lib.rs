@@ -17,9 +17,11 @@ mod checkpoint;
 pub mod clock;
 mod codec;
 pub mod format;
+pub mod guard;
 mod index;
 mod io;
 mod journal;
+pub mod knobs;
 pub mod policy;
 mod rangelock;
 mod readahead;
@@ -30,9 +32,12 @@ mod types;
 pub use check::{check_device, CheckReport};
 pub use checkpoint::{load as load_metadata, Loaded};
 pub use io::Volume;
+pub use knobs::{
+    Knob, Tunables, DEFAULT_SEQUENTIAL_CUTOFF, DEFAULT_WRITEBACK_DELAY_SECS,
+    DEFAULT_WRITEBACK_PERCENT,
+};
 pub use set::{
     format_backing, Backing, CacheSet, Config, DevKnobs, DevStatus, FormatOptions, Occupancy,
-    RecoveryReport, DEFAULT_SEQUENTIAL_CUTOFF, DEFAULT_WRITEBACK_DELAY_SECS,
-    DEFAULT_WRITEBACK_PERCENT,
+    RecoveryReport,
 };
 pub use types::{CacheMode, DevId, Error, Result};

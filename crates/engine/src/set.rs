@@ -27,6 +27,7 @@ use crate::format::{
 };
 use crate::index::Index;
 use crate::journal::{encode_record, Entry, Ring};
+use crate::knobs::Tunables;
 use crate::policy::SeqDetector;
 use crate::rangelock::RangeLocks;
 use crate::stats::{Counters, History, Snapshot, Windows};
@@ -95,10 +96,6 @@ pub struct DevKnobs {
     pub writeback_running: bool,
     pub label: String,
 }
-
-pub const DEFAULT_SEQUENTIAL_CUTOFF: u64 = 4 << 20;
-pub const DEFAULT_WRITEBACK_PERCENT: u32 = 10;
-pub const DEFAULT_WRITEBACK_DELAY_SECS: u64 = 30;
 
 /// Pending journal entries and the epochs that say how much of them is durable.
 pub(crate) struct JournalState {
@@ -378,7 +375,7 @@ impl Inner {
         }
     }
 
-    fn fail(&self, why: &Error) {
+    pub(crate) fn fail(&self, why: &Error) {
         let mut f = self.failed.lock();
         if f.is_none() {
             log::error!("cache set failed: {why}");
@@ -564,6 +561,9 @@ pub fn format_backing(
     mode: CacheMode,
     force: bool,
 ) -> Result<BackingHeader> {
+    if !label.is_empty() {
+        crate::knobs::validate_label(label)?;
+    }
     refuse_if_signed(dev, force)?;
     if dev.size_bytes() < BACKING_DATA_OFFSET + 4096 {
         return Err(Error::Invalid(format!(
@@ -581,6 +581,7 @@ pub fn format_backing(
         mode,
         state: BackingState::Clean,
         label: label.to_string(),
+        tunables: Tunables::default(),
     };
     h.write(dev)?;
     Ok(h)
@@ -736,6 +737,10 @@ impl CacheSet {
 
     /// Attaches a backing device (formatted with [`format_backing`]) and returns its volume.
     pub fn attach(&self, dev: Arc<dyn BlockDevice>) -> Result<crate::Volume> {
+        crate::guard::contain(&self.inner, "attach", || self.attach_unguarded(dev))
+    }
+
+    fn attach_unguarded(&self, dev: Arc<dyn BlockDevice>) -> Result<crate::Volume> {
         let inner = &self.inner;
         inner.check_failed()?;
         let (mut header, notes) = BackingHeader::read(&*dev)?;
@@ -804,16 +809,17 @@ impl CacheSet {
             }
         };
         let dirty = inner.state.lock().index.dev_dirty_blocks(id);
+        let t = header.tunables;
         let backing = Arc::new(Backing {
             id,
             data_size: header.data_size,
             mode: AtomicU8::new(header.mode.code()),
             dev,
             header: Mutex::new(header),
-            sequential_cutoff: AtomicU64::new(DEFAULT_SEQUENTIAL_CUTOFF),
-            writeback_percent: AtomicU64::new(u64::from(DEFAULT_WRITEBACK_PERCENT)),
-            writeback_delay_secs: AtomicU64::new(DEFAULT_WRITEBACK_DELAY_SECS),
-            writeback_running: AtomicBool::new(true),
+            sequential_cutoff: AtomicU64::new(t.sequential_cutoff),
+            writeback_percent: AtomicU64::new(u64::from(t.writeback_percent)),
+            writeback_delay_secs: AtomicU64::new(t.writeback_delay_secs),
+            writeback_running: AtomicBool::new(t.writeback_running),
             detaching: AtomicBool::new(false),
             seq: Mutex::new(SeqDetector::default()),
             counters: Counters::default(),
@@ -853,6 +859,16 @@ impl CacheSet {
     /// Writes back every dirty block of the volume (reporting `(remaining, total)` dirty bytes
     /// as it goes), then removes it from the set and marks its header detached and clean.
     pub fn detach(&self, vol: &crate::Volume, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+        crate::guard::contain(&self.inner, "detach", || {
+            self.detach_unguarded(vol, progress)
+        })
+    }
+
+    fn detach_unguarded(
+        &self,
+        vol: &crate::Volume,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<()> {
         let inner = &self.inner;
         let b = &vol.backing;
         b.detaching.store(true, Ordering::SeqCst);

@@ -88,6 +88,11 @@ pub enum Error {
     /// Metadata on a device failed validation.
     #[error("corrupt metadata: {0}")]
     Corrupt(String),
+    /// The device holds no tiercache metadata at all (no copy carries our magic): it was never
+    /// formatted, or something else overwrote every copy. Distinct from `Corrupt`, which means
+    /// our metadata is there but damaged.
+    #[error("{0}")]
+    Unformatted(String),
     /// Cached data failed its checksum and no good copy exists (dirty data).
     #[error("data checksum mismatch on dirty data: {0}")]
     DataCorrupt(String),

@@ -91,7 +91,7 @@ fn sequential_streams_bypass_past_the_cutoff_even_interleaved() {
     // An odd seed: the backing device is not rotational, so there is no miss fill.
     let rig = Rig::new(41, Geometry::default(), CacheMode::Writethrough);
     let vol = rig.vol();
-    vol.set_sequential_cutoff(64 << 10);
+    vol.set_sequential_cutoff(64 << 10).unwrap();
     let chunk = 16 << 10;
     let mut buf = vec![0u8; chunk];
     for i in 0..16u64 {
@@ -113,7 +113,7 @@ fn sequential_streams_bypass_past_the_cutoff_even_interleaved() {
         2 * (64 << 10)
     );
     // 0 disables the cutoff.
-    vol.set_sequential_cutoff(0);
+    vol.set_sequential_cutoff(0).unwrap();
     for i in 16..24u64 {
         vol.read(i * chunk as u64, &mut buf).unwrap();
     }
@@ -302,7 +302,8 @@ fn attach_refuses_foreign_and_duplicate_devices() {
     let blank: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(1 << 20));
     let e = rig.set().attach(blank).unwrap_err();
     assert!(
-        e.to_string().contains("no valid tiercache backing header"),
+        matches!(e, engine::Error::Unformatted(_))
+            && e.to_string().contains("not a tiercache backing device"),
         "{e}"
     );
 }
@@ -594,7 +595,7 @@ fn sequential_reads_past_the_cutoff_are_read_ahead() {
     let mut rig = Rig::new(45, Geometry::default(), CacheMode::Writethrough);
     let d = data(3, 0, 1 << 20);
     rig.backing.write_at(&d, 8192).unwrap();
-    rig.vol().set_sequential_cutoff(64 << 10);
+    rig.vol().set_sequential_cutoff(64 << 10).unwrap();
     let before = rig.ctrl.io_count();
     let mut buf = vec![0u8; 4096];
     for i in 0..256u64 {
@@ -609,7 +610,7 @@ fn sequential_reads_past_the_cutoff_are_read_ahead() {
     assert_eq!(s.cache_bypass_misses, 256 - 16);
     // A write into the window ahead is seen by the next read.
     rig.vol().set_mode(CacheMode::Writearound).unwrap();
-    rig.vol().set_sequential_cutoff(64 << 10);
+    rig.vol().set_sequential_cutoff(64 << 10).unwrap();
     let w = data(4, 0, 4096);
     for i in 0..64u64 {
         if i == 20 {
@@ -635,7 +636,7 @@ fn a_full_speed_writeback_pass_stops_when_a_client_needs_the_disk() {
     let clock = Arc::new(engine::clock::ManualClock::default());
     let config = test_config(clock.clone());
     let (set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, config);
-    vol.set_writeback_delay_secs(0);
+    vol.set_writeback_delay_secs(0).unwrap();
     // 50 dirty blocks, none adjacent: 50 runs, over the 10 % target of a 4 MiB cache.
     for i in 0..50u64 {
         vol.write(i * 8192, &data(i, i * 16, 4096), false).unwrap();
@@ -661,7 +662,7 @@ fn a_full_speed_writeback_pass_stops_when_a_client_needs_the_disk() {
 fn a_sequential_write_past_the_cutoff_goes_around_the_cache_over_dirty_blocks_too() {
     let rig = Rig::new(47, Geometry::default(), CacheMode::Writeback);
     let vol = rig.vol();
-    vol.set_sequential_cutoff(16 << 10);
+    vol.set_sequential_cutoff(16 << 10).unwrap();
     // Dirty blocks where the stream will be past the cutoff.
     for b in [16u64, 17, 30] {
         vol.write(b * 4096, &data(1, b * 8, 4096), true).unwrap();
@@ -697,7 +698,7 @@ fn a_stream_over_dirty_data_at_the_dirty_limit_stays_on_the_disk() {
         ..no_threads()
     };
     let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, config);
-    vol.set_sequential_cutoff(16 << 10);
+    vol.set_sequential_cutoff(16 << 10).unwrap();
     // Every other block dirty until the dirty limit sends a write around the cache.
     let mut n = 0u64;
     loop {
@@ -783,7 +784,7 @@ fn readahead_reads_back_to_back_windows_through_scattered_cached_blocks() {
     for b in (0..512u64).rev().filter(|b| b % 3 == 0) {
         vol.write(b * 4096, &data(b, b * 8, 4096), false).unwrap();
     }
-    vol.set_sequential_cutoff(16 << 10);
+    vol.set_sequential_cutoff(16 << 10).unwrap();
     backing.reads.lock().unwrap().clear();
     let mut buf = vec![0u8; 4096];
     for b in 0..512u64 {
@@ -817,7 +818,7 @@ fn a_miss_with_holes_between_cached_blocks_is_one_backing_read_on_a_disk() {
     let old = data(1, 0, 128 << 10);
     backing.inner.write_at(&old, 8192).unwrap();
     let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads());
-    vol.set_sequential_cutoff(0);
+    vol.set_sequential_cutoff(0).unwrap();
     // Every third block of the first 128 KiB dirty in the cache, written backwards.
     for b in (0..32u64).rev().filter(|b| b % 3 == 0) {
         vol.write(b * 4096, &data(2 + b, b * 8, 4096), false)

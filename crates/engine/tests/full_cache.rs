@@ -19,8 +19,8 @@ fn full_cache_steady_state_writeback() {
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
     let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((16 << 20) + 8192));
     let (set, vol) = format_and_open(cache, backing, CacheMode::Writeback, Config::default());
-    vol.set_sequential_cutoff(0);
-    vol.set_writeback_delay_secs(0);
+    vol.set_sequential_cutoff(0).unwrap();
+    vol.set_writeback_delay_secs(0).unwrap();
     let data_bytes = set.layout().nbuckets as u64 * set.layout().bucket_size as u64;
     assert!(
         vol.size_bytes() >= 5 * data_bytes,

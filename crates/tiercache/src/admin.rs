@@ -4,32 +4,26 @@
 //! `detach`, `attach`, `stop`); the reply is `{"ok": true, ...}` or `{"ok": false, "error":
 //! "..."}`. Long operations (detach) first send progress lines `{"progress": {...}}`.
 //!
-//! Invariants: the socket is created with permissions 0600 (only its owner may control the
-//! cache); a malformed or unknown request gets an error reply and never affects other
-//! clients; requests are bounded (64 KiB per line) and each connection is served by its own
-//! thread, so a stuck client cannot block the others.
+//! Invariants: the socket is 0600 from the moment it exists (only its owner may control the
+//! cache; the caller binds it with `server::bind_unix`); a malformed or unknown request gets an
+//! error reply and never affects other clients; requests are bounded (64 KiB per line); at
+//! most `ADMIN_CONNECTIONS_MAX` connections are open at once, each served by its own thread
+//! and closed after `ADMIN_IDLE_TIMEOUT` of silence; at the limit a newcomer displaces the
+//! connection idle longest, so a flood of admin connections costs a bounded number of threads
+//! and descriptors and cannot lock the operator out; a stuck client cannot block the others.
 
 use crate::units::parse_size;
 use anyhow::{anyhow, bail, Context, Result};
-use engine::{CacheMode, CacheSet, DevStatus, Volume};
+use engine::{CacheMode, CacheSet, DevStatus, Knob, Volume};
 use serde_json::{json, Value};
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 const MAX_LINE_BYTES: u64 = 64 * 1024;
-
-/// The knobs `set` accepts, with bcache's sysfs names.
-pub const KNOBS: [&str; 6] = [
-    "cache_mode",
-    "sequential_cutoff",
-    "writeback_percent",
-    "writeback_delay",
-    "writeback_running",
-    "label",
-];
 
 /// What the admin server needs from the process that serves exports.
 pub trait Control: Send + Sync + 'static {
@@ -60,29 +54,33 @@ fn parse_bool(v: &str) -> Result<bool> {
     }
 }
 
-/// Applies one knob change; errors say what is accepted.
-pub fn set_knob(vol: &Volume, knob: &str, value: &str) -> Result<()> {
-    match knob {
-        "cache_mode" => vol.set_mode(value.parse::<CacheMode>().map_err(|e| anyhow!(e))?)?,
-        "sequential_cutoff" => {
-            vol.set_sequential_cutoff(parse_size(value).map_err(|e| anyhow!(e))?)
-        }
+/// Parses a knob given as text (`tiercache set`, the config file); the engine checks its range
+/// when it is applied.
+pub fn parse_knob(knob: &str, value: &str) -> Result<Knob> {
+    Ok(match knob {
+        "cache_mode" => Knob::CacheMode(value.parse::<CacheMode>().map_err(|e| anyhow!(e))?),
+        "sequential_cutoff" => Knob::SequentialCutoff(
+            parse_size(value).map_err(|e| anyhow!("sequential_cutoff: {e}"))?,
+        ),
         "writeback_percent" => {
-            let pct: u32 = value.parse().map_err(|_| {
+            Knob::WritebackPercent(value.parse().map_err(|_| {
                 anyhow!("writeback_percent must be an integer 0-100, got '{value}'")
-            })?;
-            vol.set_writeback_percent(pct)?
+            })?)
         }
-        "writeback_delay" => vol.set_writeback_delay_secs(
+        "writeback_delay" => Knob::WritebackDelaySecs(
             value
                 .parse()
                 .map_err(|_| anyhow!("writeback_delay must be whole seconds, got '{value}'"))?,
         ),
-        "writeback_running" => vol.set_writeback_running(parse_bool(value)?),
-        "label" => vol.set_label(value)?,
-        _ => bail!("unknown knob '{knob}' (knobs: {})", KNOBS.join(", ")),
-    }
-    Ok(())
+        "writeback_running" => Knob::WritebackRunning(parse_bool(value)?),
+        "label" => Knob::Label(value.to_string()),
+        _ => bail!("unknown knob '{knob}' (knobs: {})", Knob::NAMES.join(", ")),
+    })
+}
+
+/// Parses, validates, persists and applies one knob change; errors say what is accepted.
+pub fn set_knob(vol: &Volume, knob: &str, value: &str) -> Result<()> {
+    Ok(vol.set_knob(parse_knob(knob, value)?)?)
 }
 
 pub fn status_json(s: &DevStatus, name: &str) -> Value {
@@ -184,54 +182,150 @@ fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result
     }
 }
 
-fn serve_conn(ctl: &dyn Control, stream: UnixStream) -> std::io::Result<()> {
+/// Most admin connections served at once. A newcomer over the limit closes the connection
+/// that has waited longest for its next request; when every connection is running a request,
+/// the newcomer gets an error line instead.
+pub const ADMIN_CONNECTIONS_MAX: usize = 8;
+/// An admin connection that sends nothing for this long is closed.
+pub const ADMIN_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest a reply line may take to be written (a client that stops reading is dropped).
+pub const ADMIN_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The open admin connections: a clone of each socket (to close it when evicted) and, while
+/// it waits for a request, since when.
+#[derive(Default)]
+struct Conns {
+    next_id: u64,
+    open: HashMap<u64, (UnixStream, Option<Instant>)>,
+}
+
+type SharedConns = Arc<Mutex<Conns>>;
+
+fn lock(conns: &SharedConns) -> std::sync::MutexGuard<'_, Conns> {
+    conns.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Registers a new connection, evicting the longest-idle one at the limit; `None` when every
+/// connection is busy.
+fn admit(conns: &SharedConns, stream: &UnixStream) -> Option<u64> {
+    let mut c = lock(conns);
+    if c.open.len() >= ADMIN_CONNECTIONS_MAX {
+        let oldest = c
+            .open
+            .iter()
+            .filter_map(|(id, (_, idle))| idle.map(|t| (t, *id)))
+            .min()?
+            .1;
+        if let Some((s, _)) = c.open.remove(&oldest) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+    let clone = stream.try_clone().ok()?;
+    let id = c.next_id;
+    c.next_id += 1;
+    c.open.insert(id, (clone, Some(Instant::now())));
+    Some(id)
+}
+
+/// Marks a connection idle (waiting for a request) or busy; false if it was evicted.
+fn mark(conns: &SharedConns, id: u64, idle: bool) -> bool {
+    match lock(conns).open.get_mut(&id) {
+        Some(entry) => {
+            entry.1 = idle.then(Instant::now);
+            true
+        }
+        None => false,
+    }
+}
+
+fn serve_conn(
+    ctl: &dyn Control,
+    stream: UnixStream,
+    conns: &SharedConns,
+    id: u64,
+) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(ADMIN_IDLE_TIMEOUT))?;
+    stream.set_write_timeout(Some(ADMIN_WRITE_TIMEOUT))?;
     let mut writer = stream.try_clone()?;
     let mut reader = BufReader::new(stream);
     loop {
         let mut line = String::new();
-        let n = (&mut reader).take(MAX_LINE_BYTES).read_line(&mut line)?;
-        if n == 0 {
+        if !mark(conns, id, true) {
             return Ok(());
         }
-        let mut out = Vec::new();
+        let n = (&mut reader).take(MAX_LINE_BYTES).read_line(&mut line)?;
+        if n == 0 || !mark(conns, id, false) {
+            return Ok(());
+        }
+        // Progress lines go out as they come; a failed write ends the connection afterwards.
+        let mut progress_result = Ok(());
         let reply = match serde_json::from_str::<Value>(&line) {
-            Ok(req) => handle(ctl, &req, &mut |v| out.push(v)),
+            Ok(req) => handle(ctl, &req, &mut |v| {
+                if progress_result.is_ok() {
+                    progress_result = writeln!(writer, "{v}");
+                }
+            }),
             Err(e) => Err(anyhow!("malformed request: {e}")),
         };
-        for v in out {
-            writeln!(writer, "{v}")?;
-        }
+        progress_result?;
         let reply = reply.unwrap_or_else(|e| json!({"ok": false, "error": format!("{e:#}")}));
         writeln!(writer, "{reply}")?;
     }
 }
 
-/// Listens on `path` (created 0600) until the process exits; one thread per connection.
-pub fn listen(path: &Path, ctl: Arc<dyn Control>) -> Result<()> {
-    if path.exists() {
-        if UnixStream::connect(path).is_ok() {
-            bail!("{} is in use by a running tiercache", path.display());
-        }
-        std::fs::remove_file(path).with_context(|| format!("removing stale {}", path.display()))?;
-    }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+/// Serves admin requests on `listener` until the process exits, one thread per connection,
+/// at most `ADMIN_CONNECTIONS_MAX` of them (see [`admit`]).
+pub fn listen(listener: UnixListener, ctl: Arc<dyn Control>) -> Result<()> {
+    let conns = SharedConns::default();
     std::thread::Builder::new()
         .name("tc-admin".into())
         .spawn(move || {
-            for stream in listener.incoming().flatten() {
+            for stream in listener.incoming() {
+                let stream = match stream {
+                    Ok(s) => s,
+                    Err(e) => {
+                        static LOG: engine::guard::Throttled = engine::guard::Throttled::new();
+                        LOG.log(log::Level::Warn, format_args!("admin accept: {e}"));
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                };
+                let Some(id) = admit(&conns, &stream) else {
+                    refuse_busy(stream);
+                    continue;
+                };
                 let ctl = ctl.clone();
-                let _ = std::thread::Builder::new()
+                let thread_conns = conns.clone();
+                let spawned = std::thread::Builder::new()
                     .name("tc-admin-conn".into())
                     .spawn(move || {
-                        if let Err(e) = serve_conn(&*ctl, stream) {
+                        if let Err(e) = serve_conn(&*ctl, stream, &thread_conns, id) {
                             log::debug!("admin connection: {e}");
                         }
+                        lock(&thread_conns).open.remove(&id);
                     });
+                if let Err(e) = spawned {
+                    log::warn!("admin connection: cannot start a thread: {e}");
+                    lock(&conns).open.remove(&id);
+                }
             }
         })?;
     Ok(())
+}
+
+/// Tells a client over the connection limit why it is turned away (best effort: a fresh
+/// socket's buffer holds the line, and the timeout bounds the rare case where it does not).
+fn refuse_busy(mut stream: UnixStream) {
+    static LOG: engine::guard::Throttled = engine::guard::Throttled::new();
+    LOG.log(
+        log::Level::Warn,
+        format_args!("admin connection refused: {ADMIN_CONNECTIONS_MAX} already open"),
+    );
+    let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+    let reply = json!({"ok": false, "error": format!(
+        "the server is busy: {ADMIN_CONNECTIONS_MAX} admin connections are open; try again"
+    )});
+    let _ = writeln!(stream, "{reply}");
 }
 
 /// Client side: sends one request, calls `progress` for progress lines, returns the reply.

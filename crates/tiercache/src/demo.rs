@@ -59,8 +59,7 @@ pub fn run(dir: &Path, size: u64, no_serve: bool) -> Result<()> {
         cache: fast_path.clone(),
         backing: vec![slow_path.to_string_lossy().into_owned()],
         socket: Some(socket.clone()),
-        tcp: None,
-        admin: None,
+        ..ServeConfig::default()
     };
     let admin = cfg.admin();
     serve_devices(&cfg, fast, vec![slow], move |running| {
@@ -105,7 +104,7 @@ fn workload(running: &Arc<Running>, socket: &Path) -> Result<()> {
         .into_iter()
         .find(|v| v.name() == EXPORT)
         .context("the demo export is missing")?;
-    vol.set_sequential_cutoff(0);
+    vol.set_sequential_cutoff(0)?;
     let blocks = HOT_SET_BYTES.min(dev.size_bytes()) / 4096;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut buf = vec![0u8; 4096];

@@ -438,6 +438,7 @@ fn main() -> ExitCode {
                     socket,
                     tcp,
                     admin,
+                    ..Default::default()
                 },
             };
             serve::serve(&cfg, |_| {})

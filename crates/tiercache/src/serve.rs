@@ -13,13 +13,14 @@ use anyhow::{Context, Result};
 use blockdev::BlockDevice;
 use engine::{CacheSet, Config};
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 /// `serve` settings, from the command line or a TOML file.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServeConfig {
     /// Cache device (file or block device).
@@ -33,6 +34,12 @@ pub struct ServeConfig {
     pub tcp: Option<String>,
     /// Admin socket (default: the NBD socket path with ".admin" appended).
     pub admin: Option<PathBuf>,
+    /// Knobs per volume (by export name or uuid), applied and persisted at every start, e.g.
+    /// `[volumes.data]` with `cache_mode = "writeback"`, `sequential_cutoff = "8M"`,
+    /// `writeback_percent = 10`, `writeback_delay = 30`, `writeback_running = true`,
+    /// `label = "data"`.
+    #[serde(default)]
+    pub volumes: BTreeMap<String, toml::Table>,
 }
 
 impl ServeConfig {
@@ -71,6 +78,59 @@ pub fn parse_tcp(s: &str) -> Result<std::net::SocketAddr> {
     }
     s.parse()
         .with_context(|| format!("'{s}' is not an address like 127.0.0.1:10809"))
+}
+
+/// Applies the config file's `[volumes.NAME]` knobs. Everything is parsed and validated
+/// before the first knob is applied, so a bad value stops the start without a half-applied
+/// configuration; names that match no attached volume are an error, not a silent no-op.
+fn apply_volume_knobs(set: &CacheSet, volumes: &BTreeMap<String, toml::Table>) -> Result<()> {
+    let mut changes = Vec::new();
+    for (name, table) in volumes {
+        let vol = set
+            .volumes()
+            .into_iter()
+            .find(|v| v.name() == *name || v.uuid().to_string() == *name)
+            .with_context(|| {
+                format!("config [volumes.{name}]: no attached backing device has that name or uuid")
+            })?;
+        for (key, value) in table {
+            let text = match value {
+                toml::Value::String(s) => s.clone(),
+                toml::Value::Integer(i) => i.to_string(),
+                toml::Value::Boolean(b) => b.to_string(),
+                other => anyhow::bail!(
+                    "config [volumes.{name}] {key}: expected a string, integer or boolean, got {}",
+                    other.type_str()
+                ),
+            };
+            let knob = admin::parse_knob(key, &text)
+                .with_context(|| format!("config [volumes.{name}]"))?;
+            knob.validate()
+                .with_context(|| format!("config [volumes.{name}]"))?;
+            changes.push((vol.clone(), knob));
+        }
+    }
+    for (vol, knob) in changes {
+        let what = format!("{} {}", vol.name(), knob.name());
+        vol.set_knob(knob)
+            .with_context(|| format!("applying config knob {what}"))?;
+    }
+    Ok(())
+}
+
+/// Binds the admin socket (TEMPORARY until server::bind_unix lands).
+fn bind_admin(path: &Path) -> Result<std::os::unix::net::UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            anyhow::bail!("{} is in use by a running tiercache", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("removing stale {}", path.display()))?;
+    }
+    let l = std::os::unix::net::UnixListener::bind(path)
+        .with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(l)
 }
 
 /// A running server: the cache set, its exports, the admin socket.
@@ -165,6 +225,7 @@ pub fn serve_devices(
             v.mode()
         );
     }
+    apply_volume_knobs(&set, &cfg.volumes)?;
     let running = Arc::new(Running {
         set: Arc::new(set),
         exports: server::ExportRegistry::default(),
@@ -186,7 +247,10 @@ pub fn serve_devices(
                 .with_context(|| format!("listening on {b:?}"))
         })
         .collect::<Result<Vec<_>>>()?;
-    admin::listen(&cfg.admin(), running.clone() as Arc<dyn Control>)?;
+    admin::listen(
+        bind_admin(&cfg.admin())?,
+        running.clone() as Arc<dyn Control>,
+    )?;
     log::info!(
         "serving on {} (admin socket {}){}",
         cfg.socket().display(),

@@ -198,9 +198,9 @@ impl Rig {
             test_config(self.clock.clone()),
         )?;
         let vol = set.attach(self.backing.clone() as Arc<dyn BlockDevice>)?;
-        vol.set_writeback_delay_secs(0);
+        vol.set_writeback_delay_secs(0).unwrap();
         if let Some(c) = self.seq_cutoff {
-            vol.set_sequential_cutoff(c);
+            vol.set_sequential_cutoff(c).unwrap();
         }
         self.set = Some(set);
         self.vol = Some(vol);
@@ -217,7 +217,7 @@ impl Rig {
         // Bits 2-3 of the seed: independent of tests that pick the mode by `seed % 4`.
         if (seed >> 2) % 4 == 1 {
             self.seq_cutoff = Some(32 << 10);
-            self.vol().set_sequential_cutoff(32 << 10);
+            self.vol().set_sequential_cutoff(32 << 10).unwrap();
         }
     }
 

@@ -1,0 +1,168 @@
+//! Helpers shared by the tests that run the real `tiercache` binary: finding external tools
+//! (a missing tool fails under CI=true and is a printed skip otherwise), running commands, and
+//! a `Fixture` of device files formatted by `tiercache make` with a server over them.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn have(tool: &str) -> bool {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !found {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("{tool} is required in CI but is not installed");
+        }
+        eprintln!("SKIP: {tool} is not installed");
+    }
+    found
+}
+
+pub fn tc() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tiercache"));
+    c.env("RUST_LOG", "warn");
+    c
+}
+
+pub fn run(cmd: &mut Command) -> Output {
+    let o = cmd.output().expect("spawning a command");
+    assert!(
+        o.status.success(),
+        "{:?} failed: {}\n{}",
+        cmd,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Device files formatted by `tiercache make`, and a server over them.
+pub struct Fixture {
+    pub dir: tempfile::TempDir,
+    pub server: Option<Child>,
+}
+
+impl Fixture {
+    pub fn new(backing_mib: u64, cache_mib: u64, writeback: bool) -> Fixture {
+        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+        for (name, mib) in [("slow.img", backing_mib), ("fast.img", cache_mib)] {
+            std::fs::File::create(dir.path().join(name))
+                .unwrap()
+                .set_len(mib << 20)
+                .unwrap();
+        }
+        let mut make = tc();
+        make.args([
+            "make",
+            "--label",
+            "data",
+            "--bucket-size",
+            "256k",
+            "--backing",
+        ])
+        .arg(dir.path().join("slow.img"))
+        .arg("--cache")
+        .arg(dir.path().join("fast.img"));
+        if writeback {
+            make.arg("--writeback");
+        }
+        run(&mut make);
+        Fixture { dir, server: None }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.path("nbd.sock")
+    }
+
+    pub fn admin(&self) -> String {
+        format!("{}.admin", self.socket().display())
+    }
+
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///data?socket={}", self.socket().display())
+    }
+
+    pub fn start(&mut self) {
+        self.start_with(&[]);
+    }
+
+    /// Starts `serve` on the fixture's devices with extra arguments and waits until both
+    /// sockets exist.
+    pub fn start_with(&mut self, extra: &[&str]) {
+        // A killed server leaves both sockets behind; wait for the new ones.
+        let _ = std::fs::remove_file(self.socket());
+        let _ = std::fs::remove_file(self.admin());
+        let child = tc()
+            .arg("serve")
+            .arg("--cache")
+            .arg(self.path("fast.img"))
+            .arg("--backing")
+            .arg(self.path("slow.img"))
+            .arg("--socket")
+            .arg(self.socket())
+            .args(extra)
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting tiercache serve");
+        self.server = Some(child);
+        let t = Instant::now();
+        while !(self.socket().exists() && Path::new(&self.admin()).exists()) {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Runs an admin command (`status`, `set ...`) against the server; it must succeed.
+    pub fn tc_admin(&self, args: &[&str]) -> Output {
+        run(&mut self.admin_cmd(args))
+    }
+
+    /// The command line of an admin command, to run it expecting failure.
+    pub fn admin_cmd(&self, args: &[&str]) -> Command {
+        let mut c = tc();
+        c.args(&args[..1])
+            .arg("--admin")
+            .arg(self.admin())
+            .args(&args[1..]);
+        c
+    }
+
+    /// Graceful stop through the admin socket; the server must exit 0.
+    pub fn stop(&mut self) {
+        self.tc_admin(&["stop"]);
+        let status = self.server.take().unwrap().wait().unwrap();
+        assert!(status.success(), "server exited with {status}");
+    }
+
+    pub fn kill9(&mut self) {
+        let mut c = self.server.take().unwrap();
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.server.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
