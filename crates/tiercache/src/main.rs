@@ -143,6 +143,8 @@ enum Cmd {
         /// Export name or uuid.
         device: String,
         knob: String,
+        /// The new value (sizes take suffixes: 8M; booleans 1/0, on/off, true/false).
+        #[arg(allow_hyphen_values = true)]
         value: String,
     },
     /// Write back all dirty data of a device, then remove it from the cache set.

@@ -165,4 +165,3 @@ impl Drop for Fixture {
         }
     }
 }
-
