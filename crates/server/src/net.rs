@@ -5,11 +5,13 @@
 //! address on TCP), and socket I/O with a deadline.
 //!
 //! Invariants: a connection's socket is one descriptor, shared through an `Arc` by everyone who
-//! reads, writes or kicks it (never duplicated), so it costs [`DESCRIPTORS_PER_CONNECTION`];
-//! I/O with a deadline sets the socket timeout to the time left before every system call, so a
-//! peer that trickles bytes cannot stretch one operation past its deadline; the read and write
-//! timeouts are separate socket options, so the one reader and the one writer of a connection
-//! do not disturb each other's.
+//! reads, writes or kicks it (never duplicated), so it costs [`DESCRIPTORS_PER_CONNECTION`].
+//! I/O with a deadline never outlasts it, however the peer trickles bytes: a read sets the
+//! receive timeout to the time left before every system call (a read returns as soon as any
+//! byte arrives, and the kernel bounds one call by that timeout); a write sends without
+//! blocking and waits in `poll` for the time left (the send timeout cannot bound one call on
+//! a unix socket). Only the receive timeout is a socket option, set only by the one reader of
+//! a connection.
 //!
 //! Fault model: OS errors are returned to the caller as `io::Error`; a passed deadline is
 //! `io::ErrorKind::TimedOut`.
@@ -17,7 +19,7 @@
 use crate::unix_socket::{self, UnixSocketFile, UnixSocketPerms};
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -204,10 +206,10 @@ impl Stream {
         }
     }
 
-    fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+    fn as_raw_fd(&self) -> RawFd {
         match self {
-            Stream::Unix(s) => s.set_write_timeout(t),
-            Stream::Tcp(s) => s.set_write_timeout(t),
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
         }
     }
 }
@@ -244,21 +246,69 @@ impl Write for Deadlined<'_> {
         self.write_vectored(&[io::IoSlice::new(buf)])
     }
 
-    /// Forwarded so replies go out with one `writev` (the default writes only the first
-    /// buffer).
+    /// Forwarded so replies go out with one `writev`-like call (the default writes only the
+    /// first buffer). With a deadline, sends without blocking and waits in `poll` for the time
+    /// left: a blocked send's `SO_SNDTIMEO` restarts for every chunk on a unix socket, so a
+    /// reader taking a little at a time could stretch one call indefinitely.
     fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
-        self.stream
-            .set_write_timeout(self.deadline.map(time_left).transpose()?)?;
-        let result = match self.stream {
-            Stream::Unix(s) => (&*s).write_vectored(bufs),
-            Stream::Tcp(s) => (&*s).write_vectored(bufs),
+        let Some(deadline) = self.deadline else {
+            return match self.stream {
+                Stream::Unix(s) => (&*s).write_vectored(bufs),
+                Stream::Tcp(s) => (&*s).write_vectored(bufs),
+            };
         };
-        result.map_err(timed_out)
+        let fd = self.stream.as_raw_fd();
+        time_left(deadline)?;
+        loop {
+            match send_nowait(fd, bufs) {
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {
+                    wait_writable(fd, time_left(deadline)?)?;
+                }
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                result => return result,
+            }
+        }
     }
 
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
+}
+
+/// One `sendmsg` of `bufs` that does not block (nor raise SIGPIPE).
+fn send_nowait(fd: RawFd, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+    // SAFETY: all zeroes is a valid `msghdr`: no address, no control data, no buffers.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    // `IoSlice` is guaranteed ABI-compatible with `iovec`; the kernel only reads through it.
+    msg.msg_iov = bufs.as_ptr().cast_mut().cast::<libc::iovec>();
+    msg.msg_iovlen = bufs.len() as _;
+    // SAFETY: `msg` points at `bufs.len()` valid iovecs borrowed for the duration of the call;
+    // `fd` is a socket kept open by the borrowed stream.
+    let sent = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    if sent < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(sent as usize)
+    }
+}
+
+/// Waits until `fd` is writable (or in error, which the next send reports), at most
+/// `timeout` (rounded up to a millisecond).
+fn wait_writable(fd: RawFd, timeout: Duration) -> io::Result<()> {
+    let mut poll_fd = libc::pollfd {
+        fd,
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    let timeout_ms = timeout.as_millis().clamp(1, libc::c_int::MAX as u128) as libc::c_int;
+    // SAFETY: `poll_fd` is one valid, writable `pollfd` for the duration of the call.
+    if unsafe { libc::poll(&mut poll_fd, 1, timeout_ms) } < 0 {
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
