@@ -104,10 +104,7 @@ fn serve_inner(
 ) -> io::Result<()> {
     let config = &shared.config;
     let registry = &shared.registry;
-    let mut io = Deadlined {
-        stream,
-        deadline: Some(Instant::now() + config.handshake_timeout),
-    };
+    let mut io = Deadlined::new(stream, Some(Instant::now() + config.handshake_timeout));
     let mut hs = ServerHandshake::new();
     let mut buf = vec![0u8; HANDSHAKE_READ_BYTES];
     let handshake = |err| timeout_context(err, "the handshake", config.handshake_timeout);
@@ -143,10 +140,7 @@ fn serve_inner(
     );
     let reader = BufReader::with_capacity(
         READ_BUFFER_BYTES,
-        io::Cursor::new(negotiated.leftover).chain(Deadlined {
-            stream,
-            deadline: None,
-        }),
+        io::Cursor::new(negotiated.leftover).chain(Deadlined::new(stream, None)),
     );
     transmission(reader, stream, &lease, ctx, activity, shared)
 }
@@ -413,10 +407,7 @@ impl<'a> Connection<'a> {
             return;
         }
         let reply_timeout = self.shared.config.reply_timeout;
-        let mut out = Deadlined {
-            stream: self.stream,
-            deadline: Some(Instant::now() + reply_timeout),
-        };
+        let mut out = Deadlined::new(self.stream, Some(Instant::now() + reply_timeout));
         if let Err(err) = write_all_two(&mut out, head, data) {
             // Stop reading requests too: nobody will see their replies.
             self.stream.shutdown(Shutdown::Both);

@@ -216,8 +216,22 @@ impl Stream {
 
 /// A [`Stream`] read or written with an optional deadline for each call.
 pub(crate) struct Deadlined<'a> {
-    pub(crate) stream: &'a Stream,
+    stream: &'a Stream,
+    /// Applies to every later call; change it at will.
     pub(crate) deadline: Option<Instant>,
+    /// Whether the socket may have a receive timeout set (saves clearing it before every read
+    /// without a deadline).
+    read_timeout_set: bool,
+}
+
+impl<'a> Deadlined<'a> {
+    pub(crate) fn new(stream: &'a Stream, deadline: Option<Instant>) -> Deadlined<'a> {
+        Deadlined {
+            stream,
+            deadline,
+            read_timeout_set: true,
+        }
+    }
 }
 
 /// `WouldBlock` is how an expired socket timeout surfaces; report it as a timeout.
@@ -231,8 +245,11 @@ fn timed_out(err: io::Error) -> io::Error {
 
 impl Read for Deadlined<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.stream
-            .set_read_timeout(self.deadline.map(time_left).transpose()?)?;
+        if self.deadline.is_some() || self.read_timeout_set {
+            let timeout = self.deadline.map(time_left).transpose()?;
+            self.stream.set_read_timeout(timeout)?;
+            self.read_timeout_set = timeout.is_some();
+        }
         let result = match self.stream {
             Stream::Unix(s) => (&*s).read(buf),
             Stream::Tcp(s) => (&*s).read(buf),
@@ -343,35 +360,15 @@ mod tests {
         let (a, b) = (Stream::Unix(a), Stream::Unix(b));
         let soon = Instant::now() + Duration::from_millis(20);
         let mut buf = [0u8; 4];
-        let err = Deadlined {
-            stream: &a,
-            deadline: Some(soon),
-        }
-        .read(&mut buf)
-        .unwrap_err();
+        let err = Deadlined::new(&a, Some(soon)).read(&mut buf).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
         let later = Some(Instant::now() + Duration::from_secs(10));
-        Deadlined {
-            stream: &b,
-            deadline: later,
-        }
-        .write_all(b"ping")
-        .unwrap();
-        Deadlined {
-            stream: &a,
-            deadline: later,
-        }
-        .read_exact(&mut buf)
-        .unwrap();
+        Deadlined::new(&b, later).write_all(b"ping").unwrap();
+        Deadlined::new(&a, later).read_exact(&mut buf).unwrap();
         assert_eq!(&buf, b"ping");
         // A passed deadline fails before any system call.
         let past = Some(Instant::now() - Duration::from_millis(1));
-        let err = Deadlined {
-            stream: &b,
-            deadline: past,
-        }
-        .write(b"x")
-        .unwrap_err();
+        let err = Deadlined::new(&b, past).write(b"x").unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
     }
 }

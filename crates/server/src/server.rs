@@ -390,11 +390,12 @@ impl ServerHandle {
         if let Err(err) = self.listener.wake() {
             log::error!("could not wake the accept thread: {err}");
         }
+        // Closing the table also ends a wait for an evicted connection in the accept thread.
+        let connections = self.shared.table.close();
         self.accept_thread.thread().unpark();
         if self.accept_thread.join().is_err() {
             log::error!("accept thread panicked");
         }
-        let connections = self.shared.table.close();
         for (_, entry) in &connections {
             entry.stream().shutdown(Shutdown::Read);
         }

@@ -105,6 +105,28 @@ fn idle_connections_make_room_for_a_newcomer() {
 }
 
 #[test]
+fn a_silent_handshake_counts_as_idle() {
+    let config = ServerConfig {
+        connections_max: 1,
+        idle_timeout: Duration::from_millis(100),
+        ..ServerConfig::default()
+    };
+    let (_disk, srv) = mem_server(MIB, config);
+    let mut silent = UnixStream::connect(&srv.socket).unwrap();
+    silent.set_read_timeout(Some(HUNG)).unwrap();
+    let mut greeting = [0u8; 18];
+    silent.read_exact(&mut greeting).unwrap();
+    thread::sleep(Duration::from_millis(200));
+    let mut good = connect(&srv, "d").expect("the silent handshake made room");
+    assert_closed_by_server(&mut silent);
+    assert_eq!(
+        good.call(Command::Read, 0, 0, 4096, &[]).unwrap().error,
+        None
+    );
+    assert_eq!(srv.handle().stats().connections_evicted, 1);
+}
+
+#[test]
 fn busy_connections_are_never_evicted() {
     let export = GateExport::new("gate");
     export.inner.fill(&pattern(MIB as usize, 3));
