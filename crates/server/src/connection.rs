@@ -8,36 +8,48 @@
 //! between the socket and its reply; meanwhile another worker already waits for the next
 //! request, so a slow request never holds up reading or answering pipelined ones. Workers are
 //! started as needed: a worker that has just read a request and finds every worker busy starts
-//! one more, up to `workers_per_connection`; the connection thread is the first worker.
+//! one more, up to `workers_per_connection` and while the server-wide `workers_max` has room
+//! (otherwise the connection goes on with the workers it has); the connection thread is the
+//! first worker.
 //!
-//! Owns: the threads and buffers of one connection, and the order of teardown: reading stops
-//! (client disconnect, EOF, a protocol violation, a failed reply write, or a shutdown kick)
-//! and no worker reads again; every worker finishes the request it holds and writes its reply;
-//! when all workers have exited, the socket is closed and the export lease released.
+//! Owns: the threads and buffers of one connection, its budget account, and the order of
+//! teardown: reading stops (client disconnect, EOF, a protocol violation, a timeout, a failed
+//! reply write, eviction or idle close, or a shutdown kick) and no worker reads again; every
+//! worker finishes the request it holds and writes its reply; when all workers have exited,
+//! the socket is shut down and the export lease released.
 //!
 //! Invariants: requests in flight ≤ `requests_in_flight_max` and ≤ `workers_per_connection`
-//! (a worker holds one request at a time), and their buffers ≤ `bytes_in_flight_max`
-//! (enforced by [`Budget`]; a permit is taken before a payload is read and released after the
-//! reply is written); at most one thread reads the socket (the read lock) and at most one
-//! writes it (the write lock), and a reply is written whole under one hold of the write lock,
-//! so replies never interleave; a write payload larger than `BlockSize::TIERCACHE.max` is never
-//! read into memory (the connection is dropped instead, since the stream cannot be
-//! resynchronised without consuming it). Each worker reuses one I/O buffer, kept between
-//! requests only up to [`REUSE_BYTES_MAX`], so memory outside the budget is bounded by
-//! workers × that; read data and write payloads start at a [`IO_ALIGN`]-aligned address, so an
-//! O_DIRECT export needs no bounce buffer.
+//! (a worker holds one request at a time), and their buffers are budgeted by the server-wide
+//! [`Budget`] (a permit is taken before a payload is read and released after the reply is
+//! written); a request is in flight, for idleness ([`Activity`]), from its first byte to its
+//! reply, and it only starts if the connection is not being closed as idle; at most one
+//! thread reads the socket (the read lock) and at most one writes it (the write lock), and a
+//! reply is written whole under one hold of the write lock, so replies never interleave; a
+//! write payload larger than `BlockSize::TIERCACHE.max` is never read into memory (the
+//! connection is dropped instead, since the stream cannot be resynchronised without consuming
+//! it). Each worker reuses one I/O buffer, kept between requests only up to
+//! [`REUSE_BYTES_MAX`], so memory outside the budget is bounded by workers × that; read data
+//! and write payloads start at a [`IO_ALIGN`]-aligned address, so an O_DIRECT export needs no
+//! bounce buffer.
 //!
-//! Fault model: the client may send garbage, lie about lengths, stall, or vanish mid-request.
-//! Each case ends in an error reply or in this connection closing; no panic, no effect on other
-//! connections. Export errors become NBD error replies; a panicking export becomes an EIO reply
-//! for that request (and an error log). A client that stops reading replies is cut off by the
-//! write timeout: the write fails, the socket is shut down, reading ends, and the remaining
-//! replies are dropped.
+//! Deadlines (each enforced per system call, with the socket timeout set to the time left):
+//! the whole handshake within `handshake_timeout`; the rest of a request within
+//! `request_timeout` of its first byte, and a write's payload within `request_timeout` of its
+//! permit; one whole reply within `reply_timeout` of taking the write lock; with
+//! `idle_close_after`, the next request before the connection has been idle that long.
+//!
+//! Fault model: the client may send garbage, lie about lengths, stall, trickle, or vanish
+//! mid-request. Each case ends in an error reply or in this connection closing; no panic, no
+//! effect on other connections. Export errors become NBD error replies; a panicking export
+//! becomes an EIO reply for that request (and an error log). A client that does not take a
+//! reply within `reply_timeout` is cut off: the socket is shut down, reading ends, the
+//! remaining replies are dropped and their permits released.
 
-use crate::budget::{Budget, Permit};
-use crate::export::{ExportRegistry, Lease};
-use crate::net::Stream;
-use crate::server::ServerConfig;
+use crate::budget::{Account, Permit};
+use crate::export::Lease;
+use crate::net::{Deadlined, Stream};
+use crate::server::Shared;
+use crate::table::{Activity, InFlight};
 use crate::Export;
 use nbd_proto::{
     encode_offset_data_header, encode_simple_reply, BlockSize, Chunk, Decoded, Extent, NbdErrno,
@@ -46,9 +58,10 @@ use nbd_proto::{
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::Shutdown;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, Scope};
+use std::time::{Duration, Instant};
 
 /// Largest write payload read into memory; anything larger drops the connection.
 const PAYLOAD_BYTES_MAX: u32 = BlockSize::TIERCACHE.max;
@@ -56,45 +69,63 @@ const PAYLOAD_BYTES_MAX: u32 = BlockSize::TIERCACHE.max;
 const EXTENT_COUNT_MAX: usize = 1024;
 /// Bytes read from the socket at once.
 const READ_BUFFER_BYTES: usize = 256 * 1024;
+/// Bytes read from the socket at once during the handshake.
+const HANDSHAKE_READ_BYTES: usize = 4096;
 /// Alignment of the data part of every worker buffer (a page: enough for O_DIRECT).
 const IO_ALIGN: usize = 4096;
 /// A worker keeps its I/O buffer between requests only up to this size.
 const REUSE_BYTES_MAX: usize = 256 * 1024;
 
 /// Serves one connection until it ends; errors are logged, never propagated.
-pub(crate) fn serve(stream: Stream, id: u64, registry: &ExportRegistry, config: &ServerConfig) {
-    match serve_inner(stream, id, registry, config) {
+pub(crate) fn serve(stream: &Arc<Stream>, id: u64, activity: &Activity, shared: &Shared) {
+    match serve_inner(stream, id, activity, shared) {
         Ok(()) => log::debug!("connection {id} closed"),
         Err(err) => log::info!("connection {id} ended: {err}"),
     }
 }
 
+/// Names a passed deadline in an error.
+fn timeout_context(err: io::Error, what: &str, limit: Duration) -> io::Error {
+    if err.kind() == io::ErrorKind::TimedOut {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("{what} took longer than {limit:?}"),
+        )
+    } else {
+        err
+    }
+}
+
 fn serve_inner(
-    mut stream: Stream,
+    stream: &Arc<Stream>,
     id: u64,
-    registry: &ExportRegistry,
-    config: &ServerConfig,
+    activity: &Activity,
+    shared: &Shared,
 ) -> io::Result<()> {
-    stream.set_read_timeout(Some(config.handshake_timeout))?;
-    stream.set_write_timeout(Some(config.reply_timeout))?;
+    let config = &shared.config;
+    let registry = &shared.registry;
+    let mut io = Deadlined::new(stream, Some(Instant::now() + config.handshake_timeout));
     let mut hs = ServerHandshake::new();
-    let mut buf = vec![0u8; 4096];
+    let mut buf = vec![0u8; HANDSHAKE_READ_BYTES];
+    let handshake = |err| timeout_context(err, "the handshake", config.handshake_timeout);
     let negotiated = loop {
         let event = hs.poll(registry);
-        stream.write_all(&hs.take_output())?;
+        io.write_all(&hs.take_output()).map_err(handshake)?;
         match event.map_err(io::Error::from)? {
             ServerEvent::Done(negotiated) => break negotiated,
             ServerEvent::Aborted => return Ok(()),
             ServerEvent::NeedInput => {}
         }
-        let n = stream.read(&mut buf)?;
-        if n == 0 {
-            return Ok(());
-        }
+        let n = match io.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(handshake(err)),
+        };
+        activity.touch();
         hs.feed(&buf[..n]);
     };
-    stream.set_read_timeout(None)?;
-    let Some(lease) = registry.attach(&negotiated.export.name, id, stream.try_clone()?) else {
+    let Some(lease) = registry.attach(&negotiated.export.name, id, Arc::clone(stream)) else {
         return Err(io::Error::new(
             io::ErrorKind::NotFound,
             "export removed during handshake",
@@ -109,17 +140,25 @@ fn serve_inner(
     );
     let reader = BufReader::with_capacity(
         READ_BUFFER_BYTES,
-        io::Cursor::new(negotiated.leftover).chain(stream.try_clone()?),
+        io::Cursor::new(negotiated.leftover).chain(Deadlined::new(stream, None)),
     );
-    transmission(reader, stream, lease, ctx, config)
+    transmission(reader, stream, &lease, ctx, activity, shared)
+}
+
+/// The socket's reading side: bytes left over from the handshake, then the socket.
+type RequestReader<'a> = BufReader<io::Chain<io::Cursor<Vec<u8>>, Deadlined<'a>>>;
+
+fn set_deadline(reader: &mut RequestReader<'_>, deadline: Option<Instant>) {
+    reader.get_mut().get_mut().1.deadline = deadline;
 }
 
 fn transmission(
-    reader: impl Read + Send,
-    stream: Stream,
-    lease: Lease,
+    reader: RequestReader<'_>,
+    stream: &Stream,
+    lease: &Lease,
     ctx: TransmissionContext,
-    config: &ServerConfig,
+    activity: &Activity,
+    shared: &Shared,
 ) -> io::Result<()> {
     let conn = Connection {
         read: Mutex::new(ReadSide {
@@ -128,15 +167,13 @@ fn transmission(
             result: Ok(()),
             workers: 1,
         }),
-        write: Mutex::new(WriteSide {
-            stream,
-            result: Ok(()),
-        }),
-        busy: AtomicUsize::new(0),
-        budget: Budget::new(config.requests_in_flight_max, config.bytes_in_flight_max),
+        write: Mutex::new(Ok(())),
+        stream,
+        account: shared.budget.account(),
+        activity,
+        shared,
         ctx,
         export: lease.export().as_ref(),
-        workers_max: config.workers_per_connection.max(1),
     };
     // The scope returns once every worker has exited, i.e. reading has ended and every request
     // read has been answered (or its reply dropped because the socket failed).
@@ -144,129 +181,120 @@ fn transmission(
     let Connection { read, write, .. } = conn;
     let read = read.into_inner().unwrap_or_else(|p| p.into_inner());
     let write = write.into_inner().unwrap_or_else(|p| p.into_inner());
-    write.stream.shutdown(Shutdown::Both);
-    drop(lease);
-    read.result.and(write.result)
+    stream.shutdown(Shutdown::Both);
+    read.result.and(write)
 }
 
 /// The reading half of a connection, behind the read lock.
-struct ReadSide<R> {
-    reader: R,
+struct ReadSide<'a> {
+    reader: RequestReader<'a>,
     /// False once reading has ended; no worker reads again.
     open: bool,
-    /// Why reading ended: `Ok` on a clean end (DISC or EOF between requests).
+    /// Why reading ended: `Ok` on a clean end (DISC, EOF between requests, idle close).
     result: io::Result<()>,
     /// Workers started so far (including the connection thread).
     workers: usize,
 }
 
-/// The writing half of a connection, behind the write lock.
-struct WriteSide {
-    stream: Stream,
-    /// The first write error; once set, replies are dropped.
-    result: io::Result<()>,
-}
-
 /// What the workers of one connection share.
-struct Connection<'a, R> {
-    read: Mutex<ReadSide<R>>,
-    write: Mutex<WriteSide>,
-    /// Workers holding a request (read but not yet answered).
-    busy: AtomicUsize,
-    budget: Arc<Budget>,
+struct Connection<'a> {
+    read: Mutex<ReadSide<'a>>,
+    /// The first write error; once set, replies are dropped. Held while writing a reply.
+    write: Mutex<io::Result<()>>,
+    stream: &'a Stream,
+    account: Arc<Account>,
+    activity: &'a Activity,
+    shared: &'a Shared,
     ctx: TransmissionContext,
     export: &'a dyn Export,
-    workers_max: usize,
 }
 
 /// A request read from the socket, with the budget it holds until its reply is written. A
 /// write payload is in the reading worker's buffer.
-enum Next {
-    Run {
-        cookie: u64,
-        request: ValidRequest,
-        permit: Permit,
-    },
-    Reject {
-        cookie: u64,
-        errno: NbdErrno,
-        permit: Permit,
-    },
+struct Next<'a> {
+    cookie: u64,
+    /// The request, or why it is rejected.
+    action: Result<ValidRequest, NbdErrno>,
+    permit: Permit,
+    in_flight: InFlight<'a>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl<'env, R: Read + Send> Connection<'env, R> {
+impl<'a> Connection<'a> {
     /// One worker: reads, executes and answers requests until reading ends.
-    fn work<'scope>(&'env self, scope: &'scope Scope<'scope, 'env>) {
+    fn work<'scope, 'env: 'scope>(&'env self, scope: &'scope Scope<'scope, 'env>)
+    where
+        'a: 'env,
+    {
         let mut buf = IoBuf::default();
         let mut head = Vec::with_capacity(64);
         while let Some(next) = self.next_request(scope, &mut buf) {
             head.clear();
-            let (data_bytes, permit) = match next {
-                Next::Run {
-                    cookie,
-                    request,
-                    permit,
-                } => {
+            let cookie = next.cookie;
+            let data_bytes = match next.action {
+                Ok(request) => {
                     let run =
                         || execute(self.export, &self.ctx, cookie, request, &mut buf, &mut head);
-                    match catch_unwind(AssertUnwindSafe(run)) {
-                        Ok(data_bytes) => (data_bytes, permit),
-                        Err(_) => {
-                            log::error!("the export panicked serving request {cookie:#x}");
-                            head.clear();
-                            error_reply(
-                                &self.ctx,
-                                cookie,
-                                NbdErrno::Eio,
-                                "internal error",
-                                &mut head,
-                            );
-                            (0, permit)
-                        }
-                    }
+                    catch_unwind(AssertUnwindSafe(run)).unwrap_or_else(|_| {
+                        log::error!("the export panicked serving request {cookie:#x}");
+                        head.clear();
+                        error_reply(
+                            &self.ctx,
+                            cookie,
+                            NbdErrno::Eio,
+                            "internal error",
+                            &mut head,
+                        );
+                        0
+                    })
                 }
-                Next::Reject {
-                    cookie,
-                    errno,
-                    permit,
-                } => {
+                Err(errno) => {
                     error_reply(&self.ctx, cookie, errno, "invalid request", &mut head);
-                    (0, permit)
+                    0
                 }
             };
             self.send(&head, buf.data(data_bytes));
-            drop(permit);
-            self.busy.fetch_sub(1, Ordering::SeqCst);
+            // Free a large buffer while its bytes are still budgeted, then the budget, then
+            // (last) the request's place in flight: an idle connection holds no permit.
             buf.shrink();
+            drop(next.permit);
+            drop(next.in_flight);
         }
     }
 
     /// Reads the next request under the read lock, starting another worker when every worker
     /// is busy; `None` once reading has ended.
-    fn next_request<'scope>(
+    fn next_request<'scope, 'env: 'scope>(
         &'env self,
         scope: &'scope Scope<'scope, 'env>,
         buf: &mut IoBuf,
-    ) -> Option<Next> {
+    ) -> Option<Next<'a>>
+    where
+        'a: 'env,
+    {
         let mut read = lock(&self.read);
         if !read.open {
             return None;
         }
-        match read_request(&mut read.reader, &self.ctx, &self.budget, buf) {
+        match self.read_request(&mut read.reader, buf) {
             Ok(Some(next)) => {
-                let busy = self.busy.fetch_add(1, Ordering::SeqCst) + 1;
-                if busy >= read.workers && read.workers < self.workers_max {
-                    let started = thread::Builder::new()
-                        .name("nbd-worker".into())
-                        .spawn_scoped(scope, move || self.work(scope));
-                    match started {
-                        Ok(_) => read.workers += 1,
-                        // Serve with the workers we have.
-                        Err(err) => log::warn!("could not start a worker: {err}"),
+                let workers_max = self.shared.config.workers_per_connection;
+                if self.activity.in_flight() >= read.workers && read.workers < workers_max {
+                    // Without a slot, serve with the workers we have.
+                    if let Some(slot) = self.shared.threads.try_take() {
+                        let started = thread::Builder::new()
+                            .name("nbd-worker".into())
+                            .spawn_scoped(scope, move || {
+                                let _slot = slot;
+                                self.work(scope)
+                            });
+                        match started {
+                            Ok(_) => read.workers += 1,
+                            Err(err) => log::warn!("could not start a worker: {err}"),
+                        }
                     }
                 }
                 Some(next)
@@ -283,76 +311,109 @@ impl<'env, R: Read + Send> Connection<'env, R> {
         }
     }
 
-    /// Writes one reply whole; after a failed write, drops it.
+    /// Reads one request; `Ok(None)` on a clean end (DISC, EOF between requests, or the
+    /// connection closed as idle).
+    fn read_request(
+        &self,
+        reader: &mut RequestReader<'_>,
+        buf: &mut IoBuf,
+    ) -> io::Result<Option<Next<'a>>> {
+        let request_timeout = self.shared.config.request_timeout;
+        let late = |err| timeout_context(err, "receiving a request", request_timeout);
+        let mut header = [0u8; Request::HEADER_BYTES];
+        let Some(first) = self.wait_for_request(reader, &mut header)? else {
+            return Ok(None);
+        };
+        let activity: &'a Activity = self.activity;
+        let Some(in_flight) = activity.begin_request() else {
+            // Closed as idle to make room for another connection just as this one arrived.
+            return Ok(None);
+        };
+        set_deadline(reader, Some(Instant::now() + request_timeout));
+        reader.read_exact(&mut header[first..]).map_err(late)?;
+        let request = match Request::decode(&header).map_err(io::Error::from)? {
+            Decoded::Done { value, .. } => value,
+            Decoded::Needed(_) => unreachable!("a full header was read"),
+        };
+        let payload_bytes = request.payload_bytes();
+        if payload_bytes > PAYLOAD_BYTES_MAX {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("write payload of {payload_bytes} bytes exceeds the maximum"),
+            ));
+        }
+        let reply_bytes = match request.command {
+            nbd_proto::Command::Read => request.length.min(PAYLOAD_BYTES_MAX),
+            _ => 0,
+        };
+        let permit = self
+            .account
+            .acquire(payload_bytes as usize + reply_bytes as usize);
+        set_deadline(reader, Some(Instant::now() + request_timeout));
+        reader
+            .read_exact(buf.slice(payload_bytes as usize))
+            .map_err(late)?;
+        let action = match self.ctx.validate(&request) {
+            Ok(ValidRequest::Disconnect) => return Ok(None),
+            other => other,
+        };
+        Ok(Some(Next {
+            cookie: request.cookie,
+            action,
+            permit,
+            in_flight,
+        }))
+    }
+
+    /// Waits for the first bytes of the next request header, filling `header` from its start:
+    /// how many arrived, or `None` on EOF or when the connection was closed for having been
+    /// idle `idle_close_after`.
+    fn wait_for_request(
+        &self,
+        reader: &mut RequestReader<'_>,
+        header: &mut [u8],
+    ) -> io::Result<Option<usize>> {
+        let idle_close_after = self.shared.config.idle_close_after;
+        loop {
+            set_deadline(
+                reader,
+                idle_close_after.map(|after| self.activity.idle_deadline(after)),
+            );
+            match reader.read(header) {
+                Ok(0) => return Ok(None),
+                Ok(n) => return Ok(Some(n)),
+                Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                Err(err) if err.kind() == io::ErrorKind::TimedOut => {
+                    let Some(after) = idle_close_after else {
+                        return Err(err);
+                    };
+                    if self.activity.close_if_idle(after, Instant::now()) {
+                        let counters = &self.shared.table.counters;
+                        counters.idle_closed.fetch_add(1, Ordering::Relaxed);
+                        log::debug!("closing a connection idle for {after:?}");
+                        return Ok(None);
+                    }
+                    // Not idle long enough (a request was in flight): wait on.
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    /// Writes one reply whole within `reply_timeout`; after a failed write, drops it.
     fn send(&self, head: &[u8], data: &[u8]) {
-        let mut write = lock(&self.write);
-        if write.result.is_err() {
+        let mut result = lock(&self.write);
+        if result.is_err() {
             return;
         }
-        if let Err(err) = write_all_two(&mut write.stream, head, data) {
+        let reply_timeout = self.shared.config.reply_timeout;
+        let mut out = Deadlined::new(self.stream, Some(Instant::now() + reply_timeout));
+        if let Err(err) = write_all_two(&mut out, head, data) {
             // Stop reading requests too: nobody will see their replies.
-            write.stream.shutdown(Shutdown::Both);
-            write.result = Err(err);
+            self.stream.shutdown(Shutdown::Both);
+            *result = Err(timeout_context(err, "writing a reply", reply_timeout));
         }
     }
-}
-
-/// Reads one request; `Ok(None)` on a clean end (DISC or EOF between requests).
-fn read_request(
-    reader: &mut impl Read,
-    ctx: &TransmissionContext,
-    budget: &Arc<Budget>,
-    buf: &mut IoBuf,
-) -> io::Result<Option<Next>> {
-    let mut header = [0u8; Request::HEADER_BYTES];
-    if !read_header(reader, &mut header)? {
-        return Ok(None);
-    }
-    let request = match Request::decode(&header).map_err(io::Error::from)? {
-        Decoded::Done { value, .. } => value,
-        Decoded::Needed(_) => unreachable!("a full header was read"),
-    };
-    let payload_bytes = request.payload_bytes();
-    if payload_bytes > PAYLOAD_BYTES_MAX {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("write payload of {payload_bytes} bytes exceeds the maximum"),
-        ));
-    }
-    let reply_bytes = match request.command {
-        nbd_proto::Command::Read => request.length.min(PAYLOAD_BYTES_MAX),
-        _ => 0,
-    };
-    let permit = budget.acquire(payload_bytes as usize + reply_bytes as usize);
-    reader.read_exact(buf.slice(payload_bytes as usize))?;
-    Ok(match ctx.validate(&request) {
-        Ok(ValidRequest::Disconnect) => None,
-        Ok(request_valid) => Some(Next::Run {
-            cookie: request.cookie,
-            request: request_valid,
-            permit,
-        }),
-        Err(errno) => Some(Next::Reject {
-            cookie: request.cookie,
-            errno,
-            permit,
-        }),
-    })
-}
-
-/// Fills `header`; `Ok(false)` on EOF before its first byte, an error on EOF inside it.
-fn read_header(reader: &mut impl Read, header: &mut [u8]) -> io::Result<bool> {
-    let mut filled = 0;
-    while filled < header.len() {
-        match reader.read(&mut header[filled..]) {
-            Ok(0) if filled == 0 => return Ok(false),
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => filled += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(true)
 }
 
 /// Writes `a` then `b` completely, both in one `writev` when the socket takes them.

@@ -81,8 +81,8 @@ struct Entry {
 #[derive(Default)]
 struct EntryState {
     removed: bool,
-    /// Connection id → a clone of its socket, to disconnect it on removal.
-    connections: HashMap<u64, Stream>,
+    /// Connection id → its socket (shared, not duplicated), to disconnect it on removal.
+    connections: HashMap<u64, Arc<Stream>>,
 }
 
 impl Entry {
@@ -161,7 +161,7 @@ impl ExportRegistry {
     }
 
     /// Registers connection `id` as a user of export `name`.
-    pub(crate) fn attach(&self, name: &str, id: u64, stream: Stream) -> Option<Lease> {
+    pub(crate) fn attach(&self, name: &str, id: u64, stream: Arc<Stream>) -> Option<Lease> {
         let entry = Arc::clone(self.read().get(name)?);
         let mut state = entry.lock();
         if state.removed {

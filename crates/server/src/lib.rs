@@ -1,24 +1,62 @@
 //! NBD server for tiercache: serves a live catalog of [`Export`]s over unix sockets and TCP.
 //!
-//! Owns: listening, per-connection handshake and transmission, bounded concurrency, graceful
-//! shutdown. It contains no cache logic: everything below the [`Export`] trait belongs to the
-//! embedder (the engine), and all protocol decisions are delegated to the sans-I/O `nbd-proto`.
+//! Owns: listening (unix socket files that stay put: [`bind_unix`]), per-connection handshake
+//! and transmission, bounded resources, graceful shutdown. It contains no cache logic:
+//! everything below the [`Export`] trait belongs to the embedder (the engine), and all protocol
+//! decisions are delegated to the sans-I/O `nbd-proto`.
 //!
-//! Invariants: every request is validated by `nbd_proto::TransmissionContext::validate` before
-//! an export sees it, so exports only get in-range, aligned, advertised operations; each
-//! connection has bounded requests and bytes in flight, at most one thread reading its socket
-//! and at most one writing it at a time (each reply written whole).
+//! Invariants:
+//! - every request is validated by `nbd_proto::TransmissionContext::validate` before an export
+//!   sees it, so exports only get in-range, aligned, advertised operations;
+//! - at most one thread reads a connection's socket and at most one writes it at a time, and
+//!   each reply is written whole;
+//! - a unix socket path a live server listens on is never taken over (a second server fails
+//!   with `AddrInUse`), a non-socket is never removed, the socket file gets its mode and owner
+//!   before it appears at its path (the umask does not matter), and shutdown removes it only
+//!   if the path still names the socket we bound — and never needs the file to wake up;
+//! - binding TCP to a non-loopback address logs a warning ([`tcp_exposure_warning`]): there is
+//!   no TLS or authentication.
+//!
+//! Limits (fields of [`ServerConfig`], defaults in brackets), all enforced per server:
+//! - connections: `connections_max` [256] at once, lowered at start so that they fit under the
+//!   descriptor limit (raised to the hard limit first; one descriptor per connection plus 64
+//!   reserved); `connections_per_client_max` [32] per client (peer uid on unix sockets, peer IP
+//!   on TCP). A newcomer beyond either limit takes the place of the longest-idle *idle*
+//!   connection (of that client, for the per-client limit), else it is closed at once. Idle:
+//!   nothing in flight and nothing received for `idle_timeout` [30 s]; idle connections are not
+//!   closed while there is room, except after `idle_close_after` [never];
+//! - memory: `bytes_in_flight_max` [256 MiB] of request and reply buffers for all connections
+//!   together — half of it split into a guaranteed share per connection, so small requests are
+//!   never starved, the rest shared by a fair-share rule, so a few connections cannot take it
+//!   all — and `connection_bytes_in_flight_max` [64 MiB] per connection (a single larger legal
+//!   request is still served alone, so nothing deadlocks); `requests_in_flight_max` [64]
+//!   requests per connection. Outside the budget: a 256 KiB read buffer per connection and an
+//!   I/O buffer of at most 256 KiB kept per worker thread;
+//! - threads: `workers_per_connection` [16] per connection, and `workers_max` [256] extra
+//!   workers (beyond each connection's first thread) for all connections together;
+//! - time: the whole handshake within `handshake_timeout` [30 s]; the rest of a request within
+//!   `request_timeout` [30 s] of its first byte, a write's payload within `request_timeout` of
+//!   its buffer being granted; one whole reply within `reply_timeout` [30 s] (a client that does
+//!   not read its replies is cut off and its buffers released).
+//!
+//! Counters of what the limits did are in [`ServerHandle::stats`].
 //!
 //! Fault model: clients are untrusted. Bad input becomes an NBD error reply or a dropped
-//! connection; it never panics the server or disturbs other connections. Export I/O errors
-//! become error replies mapped by `nbd_proto::NbdErrno::from_io_error`.
+//! connection; it never panics the server or disturbs other connections beyond the limits
+//! above. Events a client can cause at will (refusals, accept errors) are logged at a bounded
+//! rate. Export I/O errors become error replies mapped by `nbd_proto::NbdErrno::from_io_error`.
 
 mod budget;
 mod connection;
 mod export;
+mod fd_limit;
+mod log_limit;
 mod net;
 mod server;
+mod table;
+mod unix_socket;
 
 pub use export::{Detached, Export, ExportRegistry};
-pub use net::{BindAddr, LocalAddr};
-pub use server::{start, ServerConfig, ServerHandle};
+pub use net::{tcp_exposure_warning, BindAddr, LocalAddr};
+pub use server::{start, ServerConfig, ServerHandle, ServerStats};
+pub use unix_socket::{bind_unix, UnixSocketFile, UnixSocketPerms, SOCKET_MODE_DEFAULT};

@@ -1,164 +1,342 @@
-//! The listener, the accept loop, and graceful shutdown.
+//! The listener, the accept loop, admission, and graceful shutdown.
 //!
-//! Owns: the set of live connections and their threads.
+//! Owns: the server's configuration and shared state ([`Shared`]: budgets, connection table),
+//! the accept thread, and the socket file of a unix listener.
 //!
-//! Invariants: after [`ServerHandle::shutdown`] returns, no connection thread is running, every
-//! request that was read has been answered (or its client had gone), and a unix socket file we
-//! bound has been removed. At most `connections_max` connections are served at once; further
-//! ones are closed immediately.
+//! Invariants: after [`ServerHandle::shutdown`] returns, no connection thread is running,
+//! every request that was read has been answered (or its client had gone or was cut off by a
+//! timeout), and a unix socket file we bound has been removed — unless the path no longer
+//! names it, in which case whatever is there is left alone. Shutdown never depends on the
+//! socket file: the accept thread is woken by shutting the listening socket down. At most the
+//! effective `connections_max` connections (the configured one lowered to fit the descriptor
+//! limit) and `connections_per_client_max` per client are open; a newcomer beyond a limit
+//! takes the place of the longest-idle idle connection, or is closed at once.
 //!
-//! Fault model: accept errors (e.g. out of file descriptors) are logged and the loop goes on
-//! after a short pause; a connection's failure is confined to that connection.
+//! Fault model: accept errors (e.g. out of descriptors) and refusals are logged at most once
+//! per `LOG_INTERVAL` with a count; after a resource error the loop pauses for
+//! [`ACCEPT_ERROR_PAUSE`] instead of spinning. A connection's failure is confined to that
+//! connection.
 
+use crate::budget::{Budget, BudgetLimits, ThreadBudget};
 use crate::connection;
 use crate::export::ExportRegistry;
-use crate::net::{self, BindAddr, Listener, LocalAddr, Stream};
-use std::collections::HashMap;
+use crate::fd_limit;
+use crate::log_limit::{log_limited, LogLimiter};
+use crate::net::{self, BindAddr, ClientKey, Listener, LocalAddr, Stream};
+use crate::table::{Activity, Table, TableLimits};
+use crate::unix_socket::{UnixSocketFile, UnixSocketPerms};
 use std::io;
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
-/// Limits and timeouts of a server.
+/// How long the accept loop pauses after running out of a resource (descriptors, memory).
+pub(crate) const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
+
+const MIB: usize = 1024 * 1024;
+
+/// Limits and timeouts of a server. Memory outside `bytes_in_flight_max`: per connection a
+/// 256 KiB read buffer, per worker thread an I/O buffer kept up to 256 KiB between requests.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Most threads serving one connection (each reads, executes and answers one request at a
     /// time; started as needed, the connection's own thread being the first), so also the most
-    /// requests one connection has in flight.
+    /// requests one connection executes at once. Default 16.
     pub workers_per_connection: usize,
-    /// Requests read but not yet answered, per connection.
+    /// Worker threads beyond each connection's first, all connections together. A connection
+    /// that cannot get another keeps serving with the ones it has. Default 256.
+    pub workers_max: usize,
+    /// Requests read but not yet answered, per connection. Default 64.
     pub requests_in_flight_max: usize,
-    /// Request and reply buffers held at once, per connection.
+    /// Request and reply buffers held at once by all connections together: half of it is
+    /// split into a guaranteed share per connection, the rest is shared by a fair-share rule
+    /// (see the crate docs). Default 256 MiB.
     pub bytes_in_flight_max: usize,
-    /// Connections served at once.
+    /// Request and reply buffers held at once by one connection; a single larger request is
+    /// still served when the connection holds nothing else. Default 64 MiB.
+    pub connection_bytes_in_flight_max: usize,
+    /// Connections open at once, lowered at start so that they fit under the process's
+    /// descriptor limit (see [`ServerStats::connections_max`]). Default 256.
     pub connections_max: usize,
-    /// Longest silence from a client during the handshake.
+    /// Connections open at once from one client: one user (peer uid) on a unix socket, one IP
+    /// address on TCP. Default 32.
+    pub connections_per_client_max: usize,
+    /// Longest a handshake may take, from accept to the start of transmission. Default 30 s.
     pub handshake_timeout: Duration,
-    /// Longest a reply may take to be written (a client that stops reading is dropped).
+    /// A connection with nothing in flight that has received nothing for this long is idle:
+    /// it is closed when a newcomer needs its place (at `connections_max`, or at
+    /// `connections_per_client_max` for its client), and only then. Default 30 s.
+    pub idle_timeout: Duration,
+    /// Closes a connection idle this long even when there is room. Default `None` (never:
+    /// NBD clients such as the kernel and qemu keep connections idle for hours).
+    pub idle_close_after: Option<Duration>,
+    /// Longest wait for the rest of a request after its first byte, and for a write's payload
+    /// after its buffer was granted; a client that does not send it is disconnected. Default
+    /// 30 s.
+    pub request_timeout: Duration,
+    /// Longest time to write one whole reply; a client that does not take it in time is
+    /// disconnected and its buffers released. Default 30 s.
     pub reply_timeout: Duration,
+    /// Mode and owner of a unix socket file. Default 0660, our own uid and gid.
+    pub socket_perms: UnixSocketPerms,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             workers_per_connection: 16,
+            workers_max: 256,
             requests_in_flight_max: 64,
-            bytes_in_flight_max: 128 * 1024 * 1024,
+            bytes_in_flight_max: 256 * MIB,
+            connection_bytes_in_flight_max: 64 * MIB,
             connections_max: 256,
+            connections_per_client_max: 32,
             handshake_timeout: Duration::from_secs(30),
-            reply_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(30),
+            idle_close_after: None,
+            request_timeout: Duration::from_secs(30),
+            reply_timeout: Duration::from_secs(30),
+            socket_perms: UnixSocketPerms::default(),
         }
     }
 }
 
-struct Shared {
-    stopping: AtomicBool,
-    next_id: AtomicU64,
-    /// Connection id → (socket clone to kick it, its thread).
-    connections: Mutex<HashMap<u64, (Stream, JoinHandle<()>)>>,
+impl ServerConfig {
+    fn check(&self) -> io::Result<()> {
+        let limits = [
+            ("workers_per_connection", self.workers_per_connection),
+            ("requests_in_flight_max", self.requests_in_flight_max),
+            ("bytes_in_flight_max", self.bytes_in_flight_max),
+            (
+                "connection_bytes_in_flight_max",
+                self.connection_bytes_in_flight_max,
+            ),
+            ("connections_max", self.connections_max),
+            (
+                "connections_per_client_max",
+                self.connections_per_client_max,
+            ),
+        ];
+        match limits.iter().find(|(_, value)| *value == 0) {
+            Some((name, _)) => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("server limit {name} must be positive"),
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
-impl Shared {
-    fn connections(&self) -> MutexGuard<'_, HashMap<u64, (Stream, JoinHandle<()>)>> {
-        self.connections.lock().unwrap_or_else(|p| p.into_inner())
-    }
+/// A snapshot of a server's load and of what its limits did so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerStats {
+    /// Connections open now, including those still in the handshake.
+    pub connections: usize,
+    /// The connection limit in effect: the configured one, lowered to fit the descriptor limit.
+    pub connections_max: usize,
+    /// Connections closed at once on arrival so far (no room, or no thread for them).
+    pub connections_refused: u64,
+    /// Idle connections closed so far to make room for new ones.
+    pub connections_evicted: u64,
+    /// Connections closed so far for being idle longer than `idle_close_after`.
+    pub connections_idle_closed: u64,
+    /// Bytes of request and reply buffers held now (the budgeted part of memory).
+    pub bytes_in_flight: usize,
+    /// The most bytes of request and reply buffers held at once so far.
+    pub bytes_in_flight_peak: usize,
+    /// Worker threads running now beyond each connection's first.
+    pub workers_extra: usize,
+}
+
+/// What the accept thread and every connection share.
+pub(crate) struct Shared {
+    pub(crate) config: ServerConfig,
+    pub(crate) registry: ExportRegistry,
+    pub(crate) budget: Arc<Budget>,
+    pub(crate) threads: Arc<ThreadBudget>,
+    pub(crate) table: Table,
+    stopping: AtomicBool,
+    next_id: AtomicU64,
 }
 
 /// A running server.
 pub struct ServerHandle {
     local: LocalAddr,
-    registry: ExportRegistry,
     shared: Arc<Shared>,
+    listener: Arc<Listener>,
+    socket_file: Option<UnixSocketFile>,
     accept_thread: JoinHandle<()>,
 }
 
-/// Binds `bind` and serves the exports of `registry` (which may change at any time).
+/// Binds `bind` and serves the exports of `registry` (which may change at any time). Fails
+/// if the configuration has a zero limit, if the descriptor limit leaves no room for a single
+/// connection, or if the address cannot be bound — in particular, with `AddrInUse`, if another
+/// server listens on the unix socket path.
 pub fn start(
     bind: &BindAddr,
     registry: ExportRegistry,
     config: ServerConfig,
 ) -> io::Result<ServerHandle> {
-    assert!(
-        config.workers_per_connection > 0 && config.connections_max > 0,
-        "server limits must be positive"
-    );
-    let (listener, local) = Listener::bind(bind)?;
+    config.check()?;
+    let connections_max = connections_max_for_descriptors(config.connections_max)?;
+    let (listener, local, socket_file) = Listener::bind(bind, &config.socket_perms)?;
+    if let LocalAddr::Tcp(addr) = &local {
+        if let Some(warning) = net::tcp_exposure_warning(addr) {
+            log::warn!("{warning}");
+        }
+    }
     let shared = Arc::new(Shared {
+        budget: Budget::new(BudgetLimits::new(
+            config.bytes_in_flight_max,
+            config.connection_bytes_in_flight_max,
+            connections_max,
+            config.requests_in_flight_max,
+        )),
+        threads: ThreadBudget::new(config.workers_max),
+        table: Table::new(TableLimits {
+            connections_max,
+            connections_per_client_max: config.connections_per_client_max,
+            idle_timeout: config.idle_timeout,
+        }),
+        config,
+        registry: registry.clone(),
         stopping: AtomicBool::new(false),
         next_id: AtomicU64::new(0),
-        connections: Mutex::new(HashMap::new()),
     });
+    let listener = Arc::new(listener);
     let accept_thread = {
         let shared = Arc::clone(&shared);
-        let registry = registry.clone();
+        let listener = Arc::clone(&listener);
         thread::Builder::new()
             .name("nbd-accept".into())
-            .spawn(move || accept_loop(&listener, &shared, &registry, &config))?
+            .spawn(move || accept_loop(&listener, &shared))
+    };
+    let accept_thread = match accept_thread {
+        Ok(thread) => thread,
+        Err(err) => {
+            if let Some(file) = &socket_file {
+                let _ = file.remove_if_ours();
+            }
+            return Err(err);
+        }
     };
     Ok(ServerHandle {
         local,
-        registry,
         shared,
+        listener,
+        socket_file,
         accept_thread,
     })
 }
 
-fn accept_loop(
-    listener: &Listener,
-    shared: &Arc<Shared>,
-    registry: &ExportRegistry,
-    config: &ServerConfig,
-) {
+/// Raises the descriptor limit and lowers `configured` to what fits under it (logged).
+fn connections_max_for_descriptors(configured: usize) -> io::Result<usize> {
+    let soft = match fd_limit::raise_nofile_limit() {
+        Ok(soft) => soft,
+        Err(err) => {
+            log::warn!(
+                "could not read the descriptor limit ({err}); keeping connections_max {configured}"
+            );
+            return Ok(configured);
+        }
+    };
+    let effective = fd_limit::effective_connections_max(configured, soft);
+    if effective == 0 {
+        return Err(io::Error::other(format!(
+            "the descriptor limit {soft} leaves no room for connections; raise it (ulimit -n)"
+        )));
+    }
+    if effective < configured {
+        log::warn!(
+            "serving at most {effective} connections (not {configured}): the descriptor limit is {soft}"
+        );
+    } else {
+        log::info!("serving at most {effective} connections (descriptor limit {soft})");
+    }
+    Ok(effective)
+}
+
+/// The accept thread's log limiters, one per kind of event.
+#[derive(Default)]
+struct AcceptLogs {
+    errors: LogLimiter,
+    refusals: LogLimiter,
+    evictions: LogLimiter,
+}
+
+fn accept_loop(listener: &Listener, shared: &Arc<Shared>) {
+    let mut logs = AcceptLogs::default();
     loop {
-        let stream = match listener.accept() {
-            Ok(stream) => stream,
-            Err(err) => {
-                if shared.stopping.load(Ordering::SeqCst) {
-                    return;
-                }
-                log::warn!("accept failed: {err}");
-                thread::sleep(Duration::from_millis(100));
-                continue;
-            }
-        };
+        let accepted = listener.accept();
         if shared.stopping.load(Ordering::SeqCst) {
             return;
         }
-        if let Err(err) = spawn_connection(stream, shared, registry, config) {
-            log::warn!("could not start a connection: {err}");
+        match accepted {
+            Ok((stream, client)) => admit(stream, client, shared, &mut logs),
+            Err(err) => {
+                let exhausted = matches!(
+                    err.raw_os_error(),
+                    Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                );
+                log_limited!(logs.errors, log::Level::Warn, "accept failed: {err}");
+                if exhausted {
+                    // Unparked by shutdown.
+                    thread::park_timeout(ACCEPT_ERROR_PAUSE);
+                }
+            }
         }
     }
 }
 
-fn spawn_connection(
-    stream: Stream,
-    shared: &Arc<Shared>,
-    registry: &ExportRegistry,
-    config: &ServerConfig,
-) -> io::Result<()> {
-    let mut connections = shared.connections();
-    if connections.len() >= config.connections_max {
-        log::warn!("connection limit {} reached", config.connections_max);
-        return Ok(());
+/// Serves a new connection if there is room (made by evicting idle ones if need be), else
+/// closes it.
+fn admit(stream: Stream, client: ClientKey, shared: &Arc<Shared>, logs: &mut AcceptLogs) {
+    let table = &shared.table;
+    let refused = |logs: &mut AcceptLogs, why: &dyn std::fmt::Display| {
+        table.counters.refused.fetch_add(1, Ordering::Relaxed);
+        log_limited!(
+            logs.refusals,
+            log::Level::Warn,
+            "refused a connection from {client}: {why}"
+        );
+    };
+    match table.make_room(client) {
+        Ok(0) => {}
+        Ok(evicted) => log_limited!(
+            logs.evictions,
+            log::Level::Info,
+            "closed {evicted} idle connection(s) to make room for one from {client}"
+        ),
+        Err(refusal) => return refused(logs, &refusal),
     }
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-    let kicker = stream.try_clone()?;
-    let thread = {
-        let shared = Arc::clone(shared);
-        let registry = registry.clone();
-        let config = config.clone();
-        thread::Builder::new()
-            .name(format!("nbd-conn-{id}"))
-            .spawn(move || {
-                connection::serve(stream, id, &registry, &config);
-                // Reap ourselves; at shutdown the entry was already taken and joined.
-                shared.connections().remove(&id);
-            })?
+    let stream = Arc::new(stream);
+    let activity = Arc::new(Activity::new());
+    let spawn = {
+        let (shared, stream, activity) = (
+            Arc::clone(shared),
+            Arc::clone(&stream),
+            Arc::clone(&activity),
+        );
+        move || {
+            thread::Builder::new()
+                .name(format!("nbd-conn-{id}"))
+                .spawn(move || {
+                    connection::serve(&stream, id, &activity, &shared);
+                    // Closes the socket (ours is the last reference but the table's) and frees
+                    // the place; at shutdown the entry was already taken and is joined.
+                    drop(stream);
+                    shared.table.remove(id);
+                })
+        }
     };
-    connections.insert(id, (kicker, thread));
-    Ok(())
+    match table.insert(id, client, stream, activity, spawn) {
+        Ok(true) => {}
+        Ok(false) => refused(logs, &crate::table::Refusal::Closed),
+        Err(err) => refused(logs, &format!("could not start its thread: {err}")),
+    }
 }
 
 impl ServerHandle {
@@ -169,36 +347,61 @@ impl ServerHandle {
 
     /// The live export catalog; add or remove exports through it at any time.
     pub fn registry(&self) -> &ExportRegistry {
-        &self.registry
+        &self.shared.registry
     }
 
     /// Connections currently open.
     pub fn connection_count(&self) -> usize {
-        self.shared.connections().len()
+        self.shared.table.len()
+    }
+
+    /// Current load and what the limits did so far.
+    pub fn stats(&self) -> ServerStats {
+        let shared = &self.shared;
+        let counters = &shared.table.counters;
+        ServerStats {
+            connections: shared.table.len(),
+            connections_max: shared.table.limits().connections_max,
+            connections_refused: counters.refused.load(Ordering::Relaxed),
+            connections_evicted: counters.evicted.load(Ordering::Relaxed),
+            connections_idle_closed: counters.idle_closed.load(Ordering::Relaxed),
+            bytes_in_flight: shared.budget.bytes_held(),
+            bytes_in_flight_peak: shared.budget.bytes_held_peak(),
+            workers_extra: shared.threads.used(),
+        }
     }
 
     /// Stops accepting, stops reading new requests, answers every request already read, closes
     /// all connections and returns. Clients that stop reading their replies are cut off by the
-    /// reply timeout.
+    /// reply timeout. Works whatever happened to the socket file meanwhile.
     pub fn shutdown(self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
-        // Wake the blocking accept; failure means the listener is already unusable.
-        drop(net::connect(&self.local));
+        // While the listener is still open, so a server probing the path sees it live.
+        if let Some(file) = &self.socket_file {
+            match file.remove_if_ours() {
+                Ok(true) => {}
+                Ok(false) => log::warn!(
+                    "{} no longer is our socket (removed or replaced); leaving it alone",
+                    file.path().display()
+                ),
+                Err(err) => log::warn!("{err}"),
+            }
+        }
+        if let Err(err) = self.listener.wake() {
+            log::error!("could not wake the accept thread: {err}");
+        }
+        // Closing the table also ends a wait for an evicted connection in the accept thread.
+        let connections = self.shared.table.close();
+        self.accept_thread.thread().unpark();
         if self.accept_thread.join().is_err() {
             log::error!("accept thread panicked");
         }
-        let connections: Vec<_> = self.shared.connections().drain().collect();
-        for (_, (stream, _)) in &connections {
-            stream.shutdown(Shutdown::Read);
+        for (_, entry) in &connections {
+            entry.stream().shutdown(Shutdown::Read);
         }
-        for (id, (_, thread)) in connections {
-            if thread.join().is_err() {
+        for (id, entry) in connections {
+            if entry.into_thread().join().is_err() {
                 log::error!("connection {id} thread panicked");
-            }
-        }
-        if let LocalAddr::Unix(path) = &self.local {
-            if let Err(err) = std::fs::remove_file(path) {
-                log::warn!("could not remove {}: {err}", path.display());
             }
         }
     }

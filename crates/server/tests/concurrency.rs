@@ -6,181 +6,21 @@
 
 mod support;
 
-use nbd_proto::{Chunk, Command, NbdErrno, Reply};
+use nbd_proto::{Command, NbdErrno};
 use server::{Export, ServerConfig};
-use std::io::{self, Write};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::io::Write;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
-use support::{pattern, MemExport, RawClient, TestServer};
+use support::{
+    pattern, read_request, recv_reply, GateExport, RawClient, TestServer, GATED_BELOW, PANIC_AT,
+};
 
 const MIB: u64 = 1024 * 1024;
-/// Reads starting below this offset wait for the gate.
-const GATED_BELOW: u64 = 64 * 1024;
-/// A gate never opened by a broken test still opens after this, so the server can shut down.
-const GATE_TIMEOUT: Duration = Duration::from_secs(20);
-
-/// Wraps a [`MemExport`]: reads below [`GATED_BELOW`] wait until the gate opens; reads at offset
-/// [`PANIC_AT`] panic; counts requests inside the export and whether buffers were aligned.
-struct GateExport {
-    inner: Arc<MemExport>,
-    open: Mutex<bool>,
-    opened: Condvar,
-    inside: Mutex<usize>,
-    inside_changed: Condvar,
-    inside_max: AtomicUsize,
-    misaligned: AtomicBool,
-}
-
-const PANIC_AT: u64 = MIB;
-
-impl GateExport {
-    fn new(name: &str) -> Arc<GateExport> {
-        Arc::new(GateExport {
-            inner: MemExport::new(name, 4 * MIB),
-            open: Mutex::new(false),
-            opened: Condvar::new(),
-            inside: Mutex::new(0),
-            inside_changed: Condvar::new(),
-            inside_max: AtomicUsize::new(0),
-            misaligned: AtomicBool::new(false),
-        })
-    }
-
-    fn open_gate(&self) {
-        *self.open.lock().unwrap() = true;
-        self.opened.notify_all();
-    }
-
-    /// Waits until `n` requests are inside the export (at most 20 s).
-    fn wait_inside(&self, n: usize) -> usize {
-        let deadline = Instant::now() + GATE_TIMEOUT;
-        let mut inside = self.inside.lock().unwrap();
-        while *inside < n && Instant::now() < deadline {
-            inside = self
-                .inside_changed
-                .wait_timeout(inside, Duration::from_millis(50))
-                .unwrap()
-                .0;
-        }
-        *inside
-    }
-
-    fn enter(&self) {
-        let mut inside = self.inside.lock().unwrap();
-        *inside += 1;
-        self.inside_max.fetch_max(*inside, Ordering::SeqCst);
-        self.inside_changed.notify_all();
-    }
-
-    fn leave(&self) {
-        *self.inside.lock().unwrap() -= 1;
-        self.inside_changed.notify_all();
-    }
-
-    fn check_aligned(&self, ptr: *const u8, len: usize) {
-        if len >= 4096 && ptr as usize % 4096 != 0 {
-            self.misaligned.store(true, Ordering::SeqCst);
-        }
-    }
-}
-
-impl Export for GateExport {
-    fn name(&self) -> String {
-        self.inner.name()
-    }
-    fn description(&self) -> String {
-        self.inner.description()
-    }
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-    fn is_rotational(&self) -> bool {
-        false
-    }
-    fn read_only(&self) -> bool {
-        false
-    }
-    fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.check_aligned(buf.as_ptr(), buf.len());
-        assert_ne!(offset, PANIC_AT, "test export panics here on purpose");
-        self.enter();
-        if offset < GATED_BELOW {
-            let deadline = Instant::now() + GATE_TIMEOUT;
-            let mut open = self.open.lock().unwrap();
-            while !*open && Instant::now() < deadline {
-                open = self
-                    .opened
-                    .wait_timeout(open, Duration::from_millis(50))
-                    .unwrap()
-                    .0;
-            }
-        }
-        let result = self.inner.read(offset, buf);
-        self.leave();
-        result
-    }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
-        self.check_aligned(data.as_ptr(), data.len());
-        self.inner.write(offset, data, fua)
-    }
-    fn flush(&self) -> io::Result<()> {
-        self.inner.flush()
-    }
-    fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.inner.trim(offset, len)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64, fua: bool, no_hole: bool) -> io::Result<()> {
-        self.inner.write_zeroes(offset, len, fua, no_hole)
-    }
-    fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
-        self.inner.cache(offset, len)
-    }
-    fn block_status(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
-        self.inner.block_status(offset, len)
-    }
-}
 
 fn start(export: &Arc<GateExport>, config: ServerConfig) -> TestServer {
     TestServer::start_with(vec![Arc::clone(export) as Arc<dyn Export>], config)
-}
-
-fn read_request(cookie: u64, offset: u64, length: u32, out: &mut Vec<u8>) {
-    nbd_proto::Request {
-        flags: nbd_proto::CommandFlags(0),
-        command: Command::Read,
-        cookie,
-        offset,
-        length,
-    }
-    .encode(out);
-}
-
-/// Receives one whole structured reply: (cookie, error, data).
-fn recv_reply(c: &mut RawClient) -> (u64, Option<NbdErrno>, Vec<u8>) {
-    let mut data = Vec::new();
-    loop {
-        let (reply, _) = c.recv(|_| 0).unwrap();
-        let Reply::Chunk {
-            cookie,
-            done,
-            chunk,
-        } = reply
-        else {
-            panic!("expected structured replies, got {reply:?}")
-        };
-        let mut error = None;
-        match chunk {
-            Chunk::OffsetData { data: d, .. } => data.extend_from_slice(&d),
-            Chunk::Error { error: e, .. } => error = NbdErrno::from_wire(e),
-            Chunk::None => {}
-            other => panic!("unexpected chunk {other:?}"),
-        }
-        if done {
-            return (cookie, error, data);
-        }
-    }
 }
 
 #[test]
@@ -298,4 +138,37 @@ fn a_client_that_stops_reading_is_cut_off_by_the_reply_timeout() {
     assert_eq!(srv.handle().connection_count(), 0, "connection was dropped");
     // The connection is gone although its client is still there, not reading.
     drop(c);
+}
+
+#[test]
+fn extra_workers_are_capped_across_connections() {
+    let export = GateExport::new("gate");
+    let config = ServerConfig {
+        workers_per_connection: 8,
+        workers_max: 1,
+        ..ServerConfig::default()
+    };
+    let srv = start(&export, config);
+    let mut clients: Vec<RawClient> = (0..2)
+        .map(|_| RawClient::connect_unix(&srv.socket, "gate", true).unwrap())
+        .collect();
+    for (n, c) in clients.iter_mut().enumerate() {
+        let mut out = Vec::new();
+        for i in 0..4u64 {
+            read_request(i, (n as u64 * 4 + i) * 4096, 4096, &mut out);
+        }
+        c.stream.write_all(&out).unwrap();
+    }
+    // Each connection's own thread, plus the one extra worker there is for both.
+    assert_eq!(export.wait_inside(3), 3);
+    assert_eq!(srv.handle().stats().workers_extra, 1);
+    // Room for a wrongly uncapped server to start more before the gate opens.
+    thread::sleep(Duration::from_millis(100));
+    export.open_gate();
+    for c in &mut clients {
+        let mut cookies: Vec<u64> = (0..4).map(|_| recv_reply(c).0).collect();
+        cookies.sort_unstable();
+        assert_eq!(cookies, vec![0, 1, 2, 3], "no request is lost or stuck");
+    }
+    assert_eq!(export.inside_max.load(Ordering::SeqCst), 3);
 }

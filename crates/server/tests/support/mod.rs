@@ -1,4 +1,4 @@
-//! Test support: an in-memory [`Export`], a server on a temporary unix socket, and gating for
+//! Test support: an in-memory [`Export`] and a gated wrapper of it, a server on a temporary unix socket, and gating for
 //! external tools (a missing tool fails the test under `CI=true`, and is skipped with a notice
 //! otherwise).
 #![allow(dead_code)] // Each test binary uses a different part of this module.
@@ -7,8 +7,9 @@ use server::{BindAddr, Export, ExportRegistry, ServerConfig, ServerHandle};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 /// Granularity of the allocation map of [`MemExport`].
 pub const MAP_BLOCK_BYTES: u64 = 4096;
@@ -432,4 +433,171 @@ pub struct CallResult {
     pub error: Option<nbd_proto::NbdErrno>,
     pub data: Vec<u8>,
     pub extents: Vec<(u32, u32)>,
+}
+
+/// Reads starting below this offset wait for the gate of a [`GateExport`].
+pub const GATED_BELOW: u64 = 64 * 1024;
+/// A gate never opened by a broken test still opens after this, so the server can shut down.
+pub const GATE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Wraps a [`MemExport`]: reads below [`GATED_BELOW`] wait until the gate opens; reads at offset
+/// [`PANIC_AT`] panic; counts requests inside the export and whether buffers were aligned.
+pub struct GateExport {
+    pub inner: Arc<MemExport>,
+    open: Mutex<bool>,
+    opened: Condvar,
+    inside: Mutex<usize>,
+    inside_changed: Condvar,
+    pub inside_max: AtomicUsize,
+    pub misaligned: AtomicBool,
+}
+
+/// Reads of a [`GateExport`] at this offset panic.
+pub const PANIC_AT: u64 = 1024 * 1024;
+
+impl GateExport {
+    /// A 4 MiB gated export.
+    pub fn new(name: &str) -> Arc<GateExport> {
+        Arc::new(GateExport {
+            inner: MemExport::new(name, 4 * 1024 * 1024),
+            open: Mutex::new(false),
+            opened: Condvar::new(),
+            inside: Mutex::new(0),
+            inside_changed: Condvar::new(),
+            inside_max: AtomicUsize::new(0),
+            misaligned: AtomicBool::new(false),
+        })
+    }
+
+    pub fn open_gate(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+
+    /// Waits until `n` requests are inside the export (at most 20 s).
+    pub fn wait_inside(&self, n: usize) -> usize {
+        let deadline = Instant::now() + GATE_TIMEOUT;
+        let mut inside = self.inside.lock().unwrap();
+        while *inside < n && Instant::now() < deadline {
+            inside = self
+                .inside_changed
+                .wait_timeout(inside, Duration::from_millis(50))
+                .unwrap()
+                .0;
+        }
+        *inside
+    }
+
+    fn enter(&self) {
+        let mut inside = self.inside.lock().unwrap();
+        *inside += 1;
+        self.inside_max.fetch_max(*inside, Ordering::SeqCst);
+        self.inside_changed.notify_all();
+    }
+
+    fn leave(&self) {
+        *self.inside.lock().unwrap() -= 1;
+        self.inside_changed.notify_all();
+    }
+
+    fn check_aligned(&self, ptr: *const u8, len: usize) {
+        if len >= 4096 && ptr as usize % 4096 != 0 {
+            self.misaligned.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Export for GateExport {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn description(&self) -> String {
+        self.inner.description()
+    }
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn is_rotational(&self) -> bool {
+        false
+    }
+    fn read_only(&self) -> bool {
+        false
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.check_aligned(buf.as_ptr(), buf.len());
+        assert_ne!(offset, PANIC_AT, "test export panics here on purpose");
+        self.enter();
+        if offset < GATED_BELOW {
+            let deadline = Instant::now() + GATE_TIMEOUT;
+            let mut open = self.open.lock().unwrap();
+            while !*open && Instant::now() < deadline {
+                open = self
+                    .opened
+                    .wait_timeout(open, Duration::from_millis(50))
+                    .unwrap()
+                    .0;
+            }
+        }
+        let result = self.inner.read(offset, buf);
+        self.leave();
+        result
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        self.check_aligned(data.as_ptr(), data.len());
+        self.inner.write(offset, data, fua)
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.inner.flush()
+    }
+    fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.inner.trim(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, fua: bool, no_hole: bool) -> io::Result<()> {
+        self.inner.write_zeroes(offset, len, fua, no_hole)
+    }
+    fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.inner.cache(offset, len)
+    }
+    fn block_status(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
+        self.inner.block_status(offset, len)
+    }
+}
+
+/// Appends an `NBD_CMD_READ` request to `out`.
+pub fn read_request(cookie: u64, offset: u64, length: u32, out: &mut Vec<u8>) {
+    nbd_proto::Request {
+        flags: nbd_proto::CommandFlags(0),
+        command: nbd_proto::Command::Read,
+        cookie,
+        offset,
+        length,
+    }
+    .encode(out);
+}
+
+/// Receives one whole structured reply: (cookie, error, data).
+pub fn recv_reply(c: &mut RawClient) -> (u64, Option<nbd_proto::NbdErrno>, Vec<u8>) {
+    use nbd_proto::{Chunk, NbdErrno, Reply};
+    let mut data = Vec::new();
+    loop {
+        let (reply, _) = c.recv(|_| 0).unwrap();
+        let Reply::Chunk {
+            cookie,
+            done,
+            chunk,
+        } = reply
+        else {
+            panic!("expected structured replies, got {reply:?}")
+        };
+        let mut error = None;
+        match chunk {
+            Chunk::OffsetData { data: d, .. } => data.extend_from_slice(&d),
+            Chunk::Error { error: e, .. } => error = NbdErrno::from_wire(e),
+            Chunk::None => {}
+            other => panic!("unexpected chunk {other:?}"),
+        }
+        if done {
+            return (cookie, error, data);
+        }
+    }
 }
