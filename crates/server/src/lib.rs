@@ -50,7 +50,6 @@ mod budget;
 mod connection;
 mod export;
 mod fd_limit;
-mod log_limit;
 mod net;
 mod server;
 mod table;

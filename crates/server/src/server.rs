@@ -13,7 +13,7 @@
 //! takes the place of the longest-idle idle connection, or is closed at once.
 //!
 //! Fault model: accept errors (e.g. out of descriptors) and refusals are logged at most once
-//! per `LOG_INTERVAL` with a count; after a resource error the loop pauses for
+//! per `ACCEPT_LOG_INTERVAL` with a count; after a resource error the loop pauses for
 //! [`ACCEPT_ERROR_PAUSE`] instead of spinning. A connection's failure is confined to that
 //! connection.
 
@@ -21,10 +21,10 @@ use crate::budget::{Budget, BudgetLimits, ThreadBudget};
 use crate::connection;
 use crate::export::ExportRegistry;
 use crate::fd_limit;
-use crate::log_limit::{log_limited, LogLimiter};
 use crate::net::{self, BindAddr, ClientKey, Listener, LocalAddr, Stream};
 use crate::table::{Activity, Table, TableLimits};
 use crate::unix_socket::{UnixSocketFile, UnixSocketPerms};
+use lograte::Throttled;
 use std::io;
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -258,12 +258,24 @@ fn connections_max_for_descriptors(configured: usize) -> io::Result<usize> {
     Ok(effective)
 }
 
+/// Shortest time between two log lines of one kind of accept event.
+const ACCEPT_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
 /// The accept thread's log limiters, one per kind of event.
-#[derive(Default)]
 struct AcceptLogs {
-    errors: LogLimiter,
-    refusals: LogLimiter,
-    evictions: LogLimiter,
+    errors: Throttled,
+    refusals: Throttled,
+    evictions: Throttled,
+}
+
+impl Default for AcceptLogs {
+    fn default() -> Self {
+        AcceptLogs {
+            errors: Throttled::with_period(ACCEPT_LOG_INTERVAL),
+            refusals: Throttled::with_period(ACCEPT_LOG_INTERVAL),
+            evictions: Throttled::with_period(ACCEPT_LOG_INTERVAL),
+        }
+    }
 }
 
 fn accept_loop(listener: &Listener, shared: &Arc<Shared>) {
@@ -280,7 +292,8 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>) {
                     err.raw_os_error(),
                     Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
                 );
-                log_limited!(logs.errors, log::Level::Warn, "accept failed: {err}");
+                logs.errors
+                    .log(log::Level::Warn, format_args!("accept failed: {err}"));
                 if exhausted {
                     // Unparked by shutdown.
                     thread::park_timeout(ACCEPT_ERROR_PAUSE);
@@ -296,19 +309,21 @@ fn admit(stream: Stream, client: ClientKey, shared: &Arc<Shared>, logs: &mut Acc
     let table = &shared.table;
     let refused = |logs: &mut AcceptLogs, why: &dyn std::fmt::Display| {
         table.counters.refused.fetch_add(1, Ordering::Relaxed);
-        log_limited!(
-            logs.refusals,
+        logs.refusals.log(
             log::Level::Warn,
-            "refused a connection from {client}: {why}"
+            format_args!("refused a connection from {client}: {why}"),
         );
     };
     match table.make_room(client) {
         Ok(0) => {}
-        Ok(evicted) => log_limited!(
-            logs.evictions,
-            log::Level::Info,
-            "closed {evicted} idle connection(s) to make room for one from {client}"
-        ),
+        Ok(evicted) => {
+            logs.evictions.log(
+                log::Level::Info,
+                format_args!(
+                    "closed {evicted} idle connection(s) to make room for one from {client}"
+                ),
+            );
+        }
         Err(refusal) => return refused(logs, &refusal),
     }
     let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
