@@ -11,10 +11,17 @@
 //! Short reads and writes are retried; EINTR is retried; bytes past the end of a regular file
 //! that shrank after opening read as zeroes.
 //!
+//! Ownership: an open takes the lock of its [`LockMode`] (default exclusive: `flock` on the
+//! descriptor, plus `O_EXCL` for block devices — see [`crate::owner`]) before anything is
+//! read or written, and holds it until the device is dropped; a conflicting open fails with a
+//! [`DeviceBusy`](crate::DeviceBusy) naming the holder. `create` truncates only after it holds
+//! the lock, so it never clobbers a file another owner has open.
+//!
 //! Fault model: every error from the kernel is returned as-is; a failed write leaves any
 //! subset of its sectors written. `discard` on a regular file punches a hole (zeroes); where
 //! that is unsupported it writes zeroes; on a block device it is a hint (unsupported ⇒ `Ok`).
 
+use crate::owner::{self, DeviceId, LockMode};
 use crate::{check_range, BlockDevice, SECTOR_SIZE};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fs::{File, OpenOptions};
@@ -32,6 +39,8 @@ pub struct FileDeviceOptions {
     /// When the path does not exist, create a sparse regular file of this size (rounded down
     /// to a multiple of 512) instead of failing.
     pub create_size_bytes: Option<u64>,
+    /// How the open claims the device (default: exclusively).
+    pub lock: LockMode,
 }
 
 impl Default for FileDeviceOptions {
@@ -40,6 +49,7 @@ impl Default for FileDeviceOptions {
             direct: true,
             read_only: false,
             create_size_bytes: None,
+            lock: LockMode::Exclusive,
         }
     }
 }
@@ -57,6 +67,7 @@ pub struct FileDevice {
     size: u64,
     rotational: bool,
     block_device: bool,
+    identity: DeviceId,
 }
 
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
@@ -114,8 +125,27 @@ fn rotational_of(meta: &std::fs::Metadata) -> bool {
 
 impl FileDevice {
     /// Opens a regular file or block device (creating the file when `create_size_bytes` is set
-    /// and the path does not exist).
+    /// and the path does not exist), locked as `opts.lock` says.
     pub fn open(path: &Path, opts: FileDeviceOptions) -> io::Result<FileDevice> {
+        FileDevice::open_and_resize(path, opts, None)
+    }
+
+    /// Creates (or truncates) a sparse regular file of `size_bytes` and opens it exclusively;
+    /// an existing file is truncated only once the lock is held.
+    pub fn create(path: &Path, size_bytes: u64) -> io::Result<FileDevice> {
+        let opts = FileDeviceOptions {
+            create_size_bytes: Some(size_bytes),
+            ..FileDeviceOptions::default()
+        };
+        FileDevice::open_and_resize(path, opts, Some(size_bytes))
+    }
+
+    /// `open`; then, with `truncate_to`, empties the file and sets its size (under the lock).
+    fn open_and_resize(
+        path: &Path,
+        opts: FileDeviceOptions,
+        truncate_to: Option<u64>,
+    ) -> io::Result<FileDevice> {
         if let Some(size_bytes) = opts.create_size_bytes {
             if !opts.read_only {
                 match OpenOptions::new().write(true).create_new(true).open(path) {
@@ -125,10 +155,22 @@ impl FileDevice {
                 }
             }
         }
+        // The kernel's exclusive claim of a block device is taken at open time, so whether the
+        // path is one must be known before opening it.
+        let claim = owner::claims_block_device(opts.lock)
+            && std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device());
         let mut o = OpenOptions::new();
         o.read(true).write(!opts.read_only);
-        let buffered = o.open(path)?;
-        let meta = buffered.metadata()?;
+        if claim {
+            o.custom_flags(libc::O_EXCL);
+        }
+        let buffered = match o.open(path) {
+            Err(e) if claim && e.raw_os_error() == Some(libc::EBUSY) => {
+                return Err(owner::claim_refused(path))
+            }
+            r => r?,
+        };
+        let mut meta = buffered.metadata()?;
         let block_device = meta.file_type().is_block_device();
         if !block_device && !meta.is_file() {
             return Err(io::Error::new(
@@ -138,6 +180,12 @@ impl FileDevice {
                     path.display()
                 ),
             ));
+        }
+        owner::lock(&buffered, &meta, path, opts.lock)?;
+        if let Some(size_bytes) = truncate_to {
+            buffered.set_len(0)?;
+            buffered.set_len(size_bytes / SECTOR_SIZE * SECTOR_SIZE)?;
+            meta = buffered.metadata()?;
         }
         let size = if block_device {
             let mut bytes: u64 = 0;
@@ -161,6 +209,7 @@ impl FileDevice {
             size,
             rotational: block_device && rotational_of(&meta),
             block_device,
+            identity: DeviceId::of_metadata(&meta),
         };
         if opts.direct {
             dev.try_direct(opts.read_only);
@@ -168,21 +217,9 @@ impl FileDevice {
         Ok(dev)
     }
 
-    /// Creates (or truncates) a sparse regular file of `size_bytes` and opens it.
-    pub fn create(path: &Path, size_bytes: u64) -> io::Result<FileDevice> {
-        let f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)?;
-        f.set_len(size_bytes / SECTOR_SIZE * SECTOR_SIZE)?;
-        drop(f);
-        FileDevice::open(path, FileDeviceOptions::default())
-    }
-
     /// Opens the O_DIRECT descriptor and learns its alignment; leaves the device buffered when
-    /// the filesystem refuses direct I/O (e.g. tmpfs: EINVAL) or no alignment works.
+    /// the filesystem refuses direct I/O (e.g. tmpfs: EINVAL), no alignment works, or the path
+    /// no longer names the device the (locked) buffered descriptor has open.
     fn try_direct(&mut self, read_only: bool) {
         let Ok(f) = OpenOptions::new()
             .read(true)
@@ -192,6 +229,12 @@ impl FileDevice {
         else {
             return;
         };
+        if !f
+            .metadata()
+            .is_ok_and(|m| DeviceId::of_metadata(&m) == self.identity)
+        {
+            return;
+        }
         match dio_align(&f) {
             // The kernel says direct I/O is unsupported for this file, or wants buffers aligned
             // beyond what our bounce buffers give.
@@ -220,6 +263,11 @@ impl FileDevice {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Which device this is, whatever path opened it (see [`DeviceId`]).
+    pub fn identity(&self) -> DeviceId {
+        self.identity
     }
 
     pub fn is_direct(&self) -> bool {
@@ -442,6 +490,8 @@ impl BlockDevice for FileDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::owner::{Busy, Holder};
+    use crate::DeviceBusy;
 
     fn round_trip(dir: &Path) {
         let p = dir.join(format!("tc-file-test-{}", std::process::id()));
@@ -584,6 +634,164 @@ mod tests {
         let mut b = [0u8; 512];
         d.read_at(&mut b, 0).unwrap();
         assert_eq!(b, [4; 512]);
+    }
+
+    fn busy_holder(e: &io::Error) -> Holder {
+        match &DeviceBusy::of(e)
+            .unwrap_or_else(|| panic!("not a DeviceBusy: {e}"))
+            .busy
+        {
+            Busy::Locked(h) => h.clone(),
+            Busy::Claimed => panic!("a file cannot be claimed: {e}"),
+        }
+    }
+
+    fn with_lock(lock: LockMode, read_only: bool) -> FileDeviceOptions {
+        FileDeviceOptions {
+            lock,
+            read_only,
+            ..FileDeviceOptions::default()
+        }
+    }
+
+    #[test]
+    fn a_second_open_is_refused_until_the_first_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dev");
+        let first = FileDevice::create(&p, 65536).unwrap();
+        first.write_at(&[7; 512], 0).unwrap();
+        first.flush().unwrap();
+        std::os::unix::fs::symlink(&p, dir.path().join("sym")).unwrap();
+        std::fs::hard_link(&p, dir.path().join("hard")).unwrap();
+        for name in ["dev", "sym", "hard"] {
+            let q = dir.path().join(name);
+            for opts in [
+                FileDeviceOptions::default(),
+                with_lock(LockMode::Exclusive, true),
+                with_lock(LockMode::Shared, true),
+            ] {
+                let e = FileDevice::open(&q, opts.clone()).unwrap_err();
+                assert_eq!(busy_holder(&e), Holder::ThisProcess, "{name} {opts:?}");
+                assert_eq!(
+                    e.to_string(),
+                    format!("{} is already open in this process", q.display())
+                );
+            }
+        }
+        // `create` refuses as well, and truncates nothing.
+        assert_eq!(
+            busy_holder(&FileDevice::create(&p, 4096).unwrap_err()),
+            Holder::ThisProcess
+        );
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), 65536);
+        // An unlocked reader may look alongside.
+        let peek = FileDevice::open(&p, with_lock(LockMode::None, true)).unwrap();
+        let mut b = [0u8; 512];
+        peek.read_at(&mut b, 0).unwrap();
+        assert_eq!(b, [7; 512]);
+        // Dropping the owner releases the lock (the unlocked reader holds none).
+        drop(first);
+        let second = FileDevice::open(&p, FileDeviceOptions::default()).unwrap();
+        second.read_at(&mut b, 0).unwrap();
+        assert_eq!(b, [7; 512]);
+    }
+
+    #[test]
+    fn shared_opens_coexist_and_exclude_exclusive_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dev");
+        drop(FileDevice::create(&p, 8192).unwrap());
+        let a = FileDevice::open(&p, with_lock(LockMode::Shared, true)).unwrap();
+        let b = FileDevice::open(&p, with_lock(LockMode::Shared, true)).unwrap();
+        let e = FileDevice::open(&p, FileDeviceOptions::default()).unwrap_err();
+        assert_eq!(busy_holder(&e), Holder::ThisProcess);
+        drop((a, b));
+        let owner = FileDevice::open(&p, FileDeviceOptions::default()).unwrap();
+        let e = FileDevice::open(&p, with_lock(LockMode::Shared, true)).unwrap_err();
+        assert_eq!(busy_holder(&e), Holder::ThisProcess);
+        drop(owner);
+    }
+
+    #[test]
+    fn a_holder_in_another_process_is_named_and_released_when_it_dies() {
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::process::CommandExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dev");
+        drop(FileDevice::create(&p, 8192).unwrap());
+        let cpath = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+        let mut cmd = std::process::Command::new("sleep");
+        cmd.arg("30");
+        // SAFETY: between fork and exec the child only makes the async-signal-safe calls
+        // open(2) and flock(2), on a string prepared before the fork; the descriptor (no
+        // O_CLOEXEC) and its lock survive the exec, so `sleep` holds the lock.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(cpath.as_ptr(), libc::O_RDONLY);
+                if fd < 0 || libc::flock(fd, libc::LOCK_EX) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        struct Reaped(std::process::Child);
+        impl Drop for Reaped {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let mut child = Reaped(cmd.spawn().unwrap());
+        let pid = child.0.id();
+        // Wait until the child holds the lock and has become `sleep`.
+        let start = std::time::Instant::now();
+        let e = loop {
+            match FileDevice::open(&p, FileDeviceOptions::default()) {
+                Ok(d) => drop(d), // not locked yet
+                Err(e) => match busy_holder(&e) {
+                    Holder::Process { command, .. } if command != "sleep 30" => {}
+                    _ => break e,
+                },
+            }
+            assert!(start.elapsed().as_secs() < 10, "the child never locked");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        assert_eq!(
+            busy_holder(&e),
+            Holder::Process {
+                pid,
+                command: "sleep 30".into()
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "{} is in use by another process (pid {pid}, sleep 30); stop it first",
+                p.display()
+            )
+        );
+        // kill -9: the kernel releases the lock with the process's descriptors.
+        child.0.kill().unwrap();
+        child.0.wait().unwrap();
+        FileDevice::open(&p, FileDeviceOptions::default()).unwrap();
+    }
+
+    #[test]
+    fn identity_is_the_file_not_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("dev");
+        let d = FileDevice::create(&p, 8192).unwrap();
+        std::os::unix::fs::symlink("dev", dir.path().join("sym")).unwrap();
+        std::fs::hard_link(&p, dir.path().join("hard")).unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        for name in ["dev", "./dev", "sub/../dev", "sym", "hard"] {
+            let q = dir.path().join(name);
+            assert_eq!(DeviceId::of_path(&q).unwrap(), d.identity(), "{name}");
+        }
+        let other = FileDevice::create(&dir.path().join("other"), 8192).unwrap();
+        assert_ne!(other.identity(), d.identity());
+        assert!(matches!(d.identity(), DeviceId::File { .. }));
+        assert!(DeviceId::of_path(&dir.path().join("missing")).is_err());
     }
 
     #[test]

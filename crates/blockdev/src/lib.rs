@@ -3,8 +3,10 @@
 //! Owns: the [`BlockDevice`] trait and its implementations — [`MemDevice`] (in memory),
 //! [`FileDevice`] (regular file or block device, O_DIRECT where possible) — and the wrappers
 //! [`fault`] (seeded EIO, latency, crash with lost and torn writes) and [`latency`] (HDD and
-//! SSD timing models), and [`NbdDevice`] (a remote device over NBD). Nothing here knows
-//! about caching.
+//! SSD timing models), and [`NbdDevice`] (a remote device over NBD); and [`owner`]: one owner
+//! per device file (locks taken by every [`FileDevice`] open, [`DeviceBusy`] naming the
+//! holder of a refused one) and [`DeviceId`] (whether two paths name the same device).
+//! Nothing here knows about caching.
 //!
 //! Invariants every implementation keeps:
 //! - offsets and lengths are multiples of [`SECTOR_SIZE`] (512 bytes) and lie inside
@@ -26,10 +28,12 @@ mod file;
 pub mod latency;
 mod mem;
 mod nbd;
+pub mod owner;
 
 pub use file::{FileDevice, FileDeviceOptions};
 pub use mem::MemDevice;
 pub use nbd::{parse_uri, NbdDevice, Target};
+pub use owner::{DeviceBusy, DeviceId, LockMode};
 
 /// The unit of addressing for every device: offsets and lengths are multiples of this.
 pub const SECTOR_SIZE: u64 = 512;

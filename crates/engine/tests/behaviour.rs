@@ -359,6 +359,8 @@ fn works_on_file_devices_with_direct_io() {
     vol.write(512 * 3, &d, false).unwrap();
     vol.flush().unwrap();
     set.close().unwrap();
+    // A restart: the old set lets go of its files (each has one owner, by lock) first.
+    drop((set, vol));
     let cache: Arc<dyn BlockDevice> =
         Arc::new(FileDevice::open(&cache_path, Default::default()).unwrap());
     let backing: Arc<dyn BlockDevice> =

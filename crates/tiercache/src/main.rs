@@ -17,6 +17,7 @@ mod units;
 use anyhow::{bail, Context, Result};
 use blockdev::BlockDevice;
 use clap::{Parser, Subcommand};
+use devices::Access;
 use engine::{CacheMode, CacheSet, Config, FormatOptions};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -225,13 +226,15 @@ fn make(
         bucket_size: to_u32(bucket_size, "bucket size")?,
         label: String::new(),
     };
-    if backing.iter().any(|b| b == cache) {
-        bail!("the cache and backing device must be different");
-    }
-    let cache_dev = devices::open_path(cache, false)?;
-    let backing_devs = backing
+    let specs: Vec<String> = backing
         .iter()
-        .map(|p| devices::open_spec(&p.to_string_lossy(), false))
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    devices::ensure_distinct(cache, &specs)?;
+    let cache_dev = devices::open_path(cache, Access::Write)?;
+    let backing_devs = specs
+        .iter()
+        .map(|s| devices::open_spec(s, Access::Write))
         .collect::<Result<Vec<_>>>()?;
     let mode = if writeback {
         CacheMode::Writeback
@@ -287,7 +290,9 @@ fn make(
 }
 
 fn show(path: &Path) -> Result<()> {
-    let dev = devices::open_spec(&path.to_string_lossy(), true)?;
+    // Headers only, without a lock: `show` works beside a running server (what it prints may
+    // be about to change).
+    let dev = devices::open_spec(&path.to_string_lossy(), Access::Inspect)?;
     if let Ok((sb, notes)) = engine::format::Superblock::read(&*dev) {
         let l = &sb.layout;
         println!("type            cache device");
@@ -359,7 +364,7 @@ fn show(path: &Path) -> Result<()> {
 }
 
 fn check(path: &Path, data: bool) -> Result<ExitCode> {
-    let dev = devices::open_spec(&path.to_string_lossy(), true)?;
+    let dev = devices::open_spec(&path.to_string_lossy(), Access::Check)?;
     let r = engine::check_device(&*dev, data)?;
     println!("{}: tiercache {} device", path.display(), r.kind);
     for (k, v) in &r.facts {

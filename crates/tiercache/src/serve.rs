@@ -5,9 +5,12 @@
 //! Invariants: exports always mirror the set's attached volumes (attach/detach/label changes
 //! re-sync them); shutdown order is stop accepting → finish in-flight requests → close the
 //! cache set (journal + checkpoint durable) → exit 0, so a restart finds the cache warm; TCP
-//! binds to 127.0.0.1 unless an address is given.
+//! binds to 127.0.0.1 unless an address is given. The server owns its devices for as long as
+//! it has them open (exclusive locks, see `devices`): the cache and backing devices must be
+//! distinct devices, and another server, `make`, `check` or `attach` of them is refused.
 
 use crate::admin::{self, Control};
+use crate::devices::Access;
 use crate::export::VolumeExport;
 use anyhow::{Context, Result};
 use blockdev::BlockDevice;
@@ -175,19 +178,22 @@ impl Control for Running {
     fn stop(&self) {
         self.request_stop();
     }
+    /// Exclusive: a device this server already has open (its cache, an attached backing
+    /// device) or another process owns is refused.
     fn open_backing(&self, path: &Path) -> Result<Arc<dyn BlockDevice>> {
-        crate::devices::open_spec(&path.to_string_lossy(), false)
+        crate::devices::open_spec(&path.to_string_lossy(), Access::Write)
     }
 }
 
 /// Opens the set and serves until stopped. `on_ready` runs once everything listens (the demo
 /// uses it to drive its workload); it may call `request_stop`.
 pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> Result<()> {
-    let cache = crate::devices::open_path(&cfg.cache, false)?;
+    crate::devices::ensure_distinct(&cfg.cache, &cfg.backing)?;
+    let cache = crate::devices::open_path(&cfg.cache, Access::Write)?;
     let backings = cfg
         .backing
         .iter()
-        .map(|b| crate::devices::open_spec(b, false))
+        .map(|b| crate::devices::open_spec(b, Access::Write))
         .collect::<Result<Vec<_>>>()?;
     serve_devices(cfg, cache, backings, on_ready)
 }
