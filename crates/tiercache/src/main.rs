@@ -4,6 +4,7 @@
 //! user for bad input. All logic lives in the library crates; this file only parses
 //! arguments, calls them and prints.
 
+mod access;
 mod admin;
 mod bench;
 mod client;
@@ -42,6 +43,41 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// Who may connect to `serve` and how much one client may take.
+#[derive(clap::Args)]
+struct ServeLimits {
+    /// Permissions of the NBD socket, octal, set before the socket appears whatever the umask
+    /// [default: 0660].
+    #[arg(long)]
+    socket_mode: Option<String>,
+    /// Owner of the NBD socket (user name or uid) [default: the server's user].
+    #[arg(long)]
+    socket_owner: Option<String>,
+    /// Group of the NBD socket (group name or gid) [default: the server's group].
+    #[arg(long)]
+    socket_group: Option<String>,
+    /// Seconds without a request after which an NBD connection may be closed to make room for
+    /// a new client when the server is full [default: 30].
+    #[arg(long)]
+    idle_timeout: Option<u64>,
+    /// Close an idle NBD connection after this many seconds even when there is room [default:
+    /// never].
+    #[arg(long)]
+    idle_close_after: Option<u64>,
+    /// NBD connections served at once, per listening socket (lowered to fit the descriptor
+    /// limit) [default: 256].
+    #[arg(long)]
+    max_connections: Option<usize>,
+    /// NBD connections one client may hold (a user id on the unix socket, an IP address on
+    /// TCP) [default: 32].
+    #[arg(long)]
+    max_connections_per_client: Option<usize>,
+    /// Memory for the request and reply buffers of all NBD connections together [default:
+    /// 256M].
+    #[arg(long)]
+    request_memory: Option<String>,
+}
+
 /// Where a running server's admin socket is.
 #[derive(clap::Args)]
 struct AdminArgs {
@@ -66,11 +102,19 @@ enum Cmd {
         /// Also listen on TCP: a port (bound to 127.0.0.1) or ADDRESS:PORT.
         #[arg(long)]
         tcp: Option<String>,
-        /// Admin socket for `tiercache status/set/...` (default: SOCKET.admin).
+        /// Admin socket for `tiercache status/set/...` (default: SOCKET.admin); always 0600.
         #[arg(long)]
         admin: Option<PathBuf>,
-        /// Read settings from a TOML file (keys: cache, backing, socket, tcp, admin).
-        #[arg(long, conflicts_with_all = ["cache", "backing", "socket", "tcp", "admin"])]
+        #[command(flatten)]
+        limits: ServeLimits,
+        /// Read settings from a TOML file: the keys are the long options above with '_' for
+        /// '-' (cache, backing, socket, tcp, admin, socket_mode, ..., request_memory), plus
+        /// per-volume knobs in [volumes.NAME] tables (see README).
+        #[arg(long, conflicts_with_all = [
+            "cache", "backing", "socket", "tcp", "admin", "socket_mode", "socket_owner",
+            "socket_group", "idle_timeout", "idle_close_after", "max_connections",
+            "max_connections_per_client", "request_memory",
+        ])]
         config: Option<PathBuf>,
     },
     /// Quickstart: make slow and fast file-backed devices, serve them, show the cache working.
@@ -435,6 +479,7 @@ fn main() -> ExitCode {
             socket,
             tcp,
             admin,
+            limits,
             config,
         } => (|| {
             let cfg = match config {
@@ -445,7 +490,15 @@ fn main() -> ExitCode {
                     socket,
                     tcp,
                     admin,
-                    ..Default::default()
+                    socket_mode: limits.socket_mode,
+                    socket_owner: limits.socket_owner,
+                    socket_group: limits.socket_group,
+                    idle_timeout: limits.idle_timeout,
+                    idle_close_after: limits.idle_close_after,
+                    max_connections: limits.max_connections,
+                    max_connections_per_client: limits.max_connections_per_client,
+                    request_memory: limits.request_memory,
+                    volumes: Default::default(),
                 },
             };
             serve::serve(&cfg, |_| {})

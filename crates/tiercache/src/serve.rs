@@ -43,6 +43,27 @@ pub struct ServeConfig {
     /// `label = "data"`.
     #[serde(default)]
     pub volumes: BTreeMap<String, toml::Table>,
+    /// Mode of the NBD socket, octal (default 0660, whatever the umask).
+    pub socket_mode: Option<String>,
+    /// Owner of the NBD socket: user name or uid (default: the server's user).
+    pub socket_owner: Option<String>,
+    /// Group of the NBD socket: group name or gid (default: the server's group).
+    pub socket_group: Option<String>,
+    /// Seconds without a request after which an NBD connection may be closed to make room for
+    /// a new client when the server is full (default 30).
+    pub idle_timeout: Option<u64>,
+    /// Seconds after which an idle NBD connection is closed even when there is room (default:
+    /// never; NBD clients such as the kernel's and qemu's keep idle connections for hours).
+    pub idle_close_after: Option<u64>,
+    /// NBD connections served at once, per listening socket (default 256; lowered to fit the
+    /// descriptor limit).
+    pub max_connections: Option<usize>,
+    /// NBD connections one client may hold (default 32): a client is a user id on the unix
+    /// socket, an IP address on TCP.
+    pub max_connections_per_client: Option<usize>,
+    /// Memory for the request and reply buffers of all NBD connections together (default
+    /// 256M).
+    pub request_memory: Option<String>,
 }
 
 impl ServeConfig {
@@ -50,6 +71,54 @@ impl ServeConfig {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+
+    /// The NBD server's limits and socket permissions: the defaults of
+    /// `server::ServerConfig`, with what this configuration sets.
+    pub fn server_config(&self) -> Result<server::ServerConfig> {
+        let mut c = server::ServerConfig::default();
+        if let Some(m) = &self.socket_mode {
+            c.socket_perms.mode = crate::access::parse_mode(m)?;
+        }
+        if let Some(u) = &self.socket_owner {
+            c.socket_perms.uid = Some(crate::access::parse_user(u)?);
+        }
+        if let Some(g) = &self.socket_group {
+            c.socket_perms.gid = Some(crate::access::parse_group(g)?);
+        }
+        let positive = |what: &str, v: u64| {
+            if v == 0 {
+                anyhow::bail!("{what} must be at least 1")
+            }
+            Ok(v)
+        };
+        if let Some(t) = self.idle_timeout {
+            c.idle_timeout = Duration::from_secs(positive("idle_timeout", t)?);
+        }
+        if let Some(t) = self.idle_close_after {
+            c.idle_close_after = Some(Duration::from_secs(positive("idle_close_after", t)?));
+        }
+        if let Some(n) = self.max_connections {
+            c.connections_max = positive("max_connections", n as u64)? as usize;
+        }
+        if let Some(n) = self.max_connections_per_client {
+            c.connections_per_client_max =
+                positive("max_connections_per_client", n as u64)? as usize;
+        }
+        if let Some(m) = &self.request_memory {
+            let bytes = crate::units::parse_size(m).map_err(|e| anyhow::anyhow!(e))?;
+            if bytes < REQUEST_MEMORY_MIN {
+                anyhow::bail!(
+                    "request_memory {m} is too small (at least {} for one largest request)",
+                    crate::units::human(REQUEST_MEMORY_MIN)
+                );
+            }
+            c.bytes_in_flight_max = usize::try_from(bytes).context("request_memory")?;
+            c.connection_bytes_in_flight_max = c
+                .connection_bytes_in_flight_max
+                .min(c.bytes_in_flight_max / 2);
+        }
+        Ok(c)
     }
 
     pub fn socket(&self) -> PathBuf {
@@ -66,6 +135,9 @@ impl ServeConfig {
 }
 
 pub const DEFAULT_SOCKET: &str = "/tmp/tiercache.sock";
+
+/// Smallest `request_memory`: room for two of the largest NBD requests (32 MiB each).
+const REQUEST_MEMORY_MIN: u64 = 64 << 20;
 
 /// The admin socket that goes with an NBD socket.
 pub fn admin_for(socket: &Path) -> PathBuf {
@@ -121,19 +193,46 @@ fn apply_volume_knobs(set: &CacheSet, volumes: &BTreeMap<String, toml::Table>) -
     Ok(())
 }
 
-/// Binds the admin socket (TEMPORARY until server::bind_unix lands).
-fn bind_admin(path: &Path) -> Result<std::os::unix::net::UnixListener> {
-    use std::os::unix::fs::PermissionsExt;
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            anyhow::bail!("{} is in use by a running tiercache", path.display());
-        }
-        std::fs::remove_file(path).with_context(|| format!("removing stale {}", path.display()))?;
+/// Starts the NBD listeners (unix socket, optional TCP) and the admin socket (0600 from the
+/// moment it exists). A socket path a live server listens on is refused, never taken over.
+fn listen_all(
+    cfg: &ServeConfig,
+    running: &Arc<Running>,
+) -> Result<(Vec<server::ServerHandle>, server::UnixSocketFile)> {
+    let server_cfg = cfg.server_config()?;
+    let mut binds = vec![server::BindAddr::Unix(cfg.socket())];
+    if let Some(t) = &cfg.tcp {
+        binds.push(server::BindAddr::Tcp(parse_tcp(t)?));
     }
-    let l = std::os::unix::net::UnixListener::bind(path)
-        .with_context(|| format!("binding {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(l)
+    let mut handles = Vec::new();
+    for b in &binds {
+        let what = match b {
+            server::BindAddr::Unix(p) => p.display().to_string(),
+            server::BindAddr::Tcp(a) => format!("tcp {a}"),
+        };
+        match server::start(b, running.exports.clone(), server_cfg.clone()) {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                handles.into_iter().for_each(server::ServerHandle::shutdown);
+                return Err(anyhow::Error::new(e).context(format!("listening on {what}")));
+            }
+        }
+    }
+    let admin_perms = server::UnixSocketPerms {
+        mode: 0o600,
+        uid: None,
+        gid: None,
+    };
+    match server::bind_unix(&cfg.admin(), &admin_perms) {
+        Ok((listener, file)) => {
+            admin::listen(listener, running.clone() as Arc<dyn Control>)?;
+            Ok((handles, file))
+        }
+        Err(e) => {
+            handles.into_iter().for_each(server::ServerHandle::shutdown);
+            Err(anyhow::Error::new(e).context("binding the admin socket"))
+        }
+    }
 }
 
 /// A running server: the cache set, its exports, the admin socket.
@@ -242,21 +341,16 @@ pub fn serve_devices(
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, signals.clone()).context("installing signal handlers")?;
     }
-    let mut binds = vec![server::BindAddr::Unix(cfg.socket())];
-    if let Some(t) = &cfg.tcp {
-        binds.push(server::BindAddr::Tcp(parse_tcp(t)?));
-    }
-    let handles = binds
-        .iter()
-        .map(|b| {
-            server::start(b, running.exports.clone(), server::ServerConfig::default())
-                .with_context(|| format!("listening on {b:?}"))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    admin::listen(
-        bind_admin(&cfg.admin())?,
-        running.clone() as Arc<dyn Control>,
-    )?;
+    let (handles, admin_file) = match listen_all(cfg, &running) {
+        Ok(l) => l,
+        Err(e) => {
+            // Nothing was served: close the set cleanly so the next start needs no recovery.
+            if let Err(close) = running.set.close() {
+                log::error!("closing the cache set: {close:#}");
+            }
+            return Err(e);
+        }
+    };
     log::info!(
         "serving on {} (admin socket {}){}",
         cfg.socket().display(),
@@ -276,7 +370,9 @@ pub fn serve_devices(
     for h in handles {
         h.shutdown();
     }
-    let _ = std::fs::remove_file(cfg.admin());
+    if let Err(e) = admin_file.remove_if_ours() {
+        log::warn!("could not remove {}: {e}", cfg.admin().display());
+    }
     running.set.close().context("closing the cache set")?;
     log::info!("cache set closed cleanly");
     Ok(())
