@@ -523,6 +523,13 @@ pub fn drain_dirty(inner: &Inner, dev: DevId, progress: &mut dyn FnMut(u64, u64)
             break;
         }
         if writeback_batch(inner, true, Some(dev))? == 0 {
+            // A pass that wrote nothing is a failure only if nobody else made progress: the
+            // writeback thread (or a client write going around the cache) may have cleaned or
+            // dropped these very blocks while this pass waited for their range locks.
+            let now = inner.state.lock().index.dev_dirty_blocks(dev) * bs;
+            if now < remaining {
+                continue;
+            }
             return Err(Error::State(format!(
                 "{remaining} dirty bytes of device {} cannot be written back (unreadable cache data)",
                 dev.0

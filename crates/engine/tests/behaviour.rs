@@ -844,3 +844,32 @@ fn a_miss_with_holes_between_cached_blocks_is_one_backing_read_on_a_disk() {
     assert_eq!(backing.reads.lock().unwrap().len(), 1);
     assert_eq!(vol.status().stats.total.cache_hits, 1);
 }
+
+/// Detach and writeback passes racing for the same dirty blocks: whichever marks them clean
+/// second found nothing left to do, and detach used to take that for unreadable cache data
+/// ("N dirty bytes ... cannot be written back") although every block had been written back.
+#[test]
+fn detach_racing_writeback_passes_completes() {
+    for round in 0..40u64 {
+        let (set, vol) = open_on_mem_cache(Arc::new(MemDevice::new(8 << 20)), CacheMode::Writeback);
+        for i in 0..128u64 {
+            vol.write(i * 8192, &data(round + i, i * 16, 8192), false)
+                .unwrap();
+        }
+        let set = Arc::new(set);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let racer = {
+            let (set, stop) = (set.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let _ = set.writeback_step(true);
+                }
+            })
+        };
+        let res = set.detach(&vol, &mut |_, _| {});
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        racer.join().unwrap();
+        res.unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert!(set.volumes().is_empty());
+    }
+}
