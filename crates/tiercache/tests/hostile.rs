@@ -243,6 +243,9 @@ fn clients_that_never_read_their_replies_hold_bounded_memory() {
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap();
+    eprintln!(
+        "server peak RSS with 8 never-reading clients and --request-memory 64M: {hwm_kib} KiB"
+    );
     // 64 MiB of request memory, plus per-connection read buffers and per-worker I/O buffers,
     // plus the program itself; without a total budget this was 8 x 128 MiB and more.
     assert!(
