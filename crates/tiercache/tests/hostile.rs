@@ -44,14 +44,7 @@ fn read_request(cookie: u64, offset: u64, len: u32) -> Vec<u8> {
 
 /// Waits for `child` to exit (a hang fails the test instead of hanging it).
 fn wait_exit(child: &mut Child, what: &str) -> std::process::ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            return st;
-        }
-        assert!(t.elapsed() < Duration::from_secs(60), "{what} did not exit");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for(child, Duration::from_secs(60)).unwrap_or_else(|| panic!("{what} did not exit"))
 }
 
 fn sigterm(child: &Child) {
@@ -259,15 +252,8 @@ fn clients_that_never_read_their_replies_hold_bounded_memory() {
 #[test]
 fn tcp_on_a_non_loopback_address_warns() {
     let f = Fixture::new(16, 16, false);
-    let mut child = tc()
-        .env("RUST_LOG", "warn")
-        .arg("serve")
-        .arg("--cache")
-        .arg(f.path("fast.img"))
-        .arg("--backing")
-        .arg(f.path("slow.img"))
-        .arg("--socket")
-        .arg(f.socket())
+    let mut child = f
+        .serve_cmd()
         .args(["--tcp", "0.0.0.0:0"])
         .stderr(Stdio::piped())
         .spawn()

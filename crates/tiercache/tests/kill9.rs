@@ -17,11 +17,14 @@
 //! libnbd bindings (`import nbd`); a missing one is a failure under CI=true and a printed skip
 //! otherwise.
 
+mod common;
+
+use common::{output_within, tc, wait_for};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/scripts/kill9_writer.py");
@@ -54,12 +57,6 @@ fn python_with_nbd() -> Option<String> {
     None
 }
 
-fn tc() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tiercache"));
-    c.env("RUST_LOG", "warn");
-    c
-}
-
 fn text(o: &Output) -> String {
     format!(
         "{}{}",
@@ -72,52 +69,6 @@ fn tail(path: &Path, lines: usize) -> String {
     let s = std::fs::read_to_string(path).unwrap_or_default();
     let v: Vec<&str> = s.lines().collect();
     v[v.len().saturating_sub(lines)..].join("\n")
-}
-
-/// Runs a command to completion like `Command::output`, but kills it after `limit` (a hung
-/// server must fail the test, not hang it); `None` then.
-fn output_within(cmd: &mut Command, limit: Duration) -> Option<Output> {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}"));
-    let drain = |r: Option<Box<dyn std::io::Read + Send>>| {
-        std::thread::spawn(move || {
-            let mut v = Vec::new();
-            if let Some(mut r) = r {
-                let _ = r.read_to_end(&mut v);
-            }
-            v
-        })
-    };
-    let out = drain(child.stdout.take().map(|r| Box::new(r) as _));
-    let err = drain(child.stderr.take().map(|r| Box::new(r) as _));
-    let status = wait_for(&mut child, limit);
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let (stdout, stderr) = (out.join().unwrap(), err.join().unwrap());
-    status.map(|status| Output {
-        status,
-        stdout,
-        stderr,
-    })
-}
-
-/// Waits for a child for at most `limit`.
-fn wait_for(c: &mut Child, limit: Duration) -> Option<ExitStatus> {
-    let t = Instant::now();
-    loop {
-        if let Some(s) = c.try_wait().unwrap() {
-            return Some(s);
-        }
-        if t.elapsed() > limit {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// The devices, the logs, the server and the writer of one run. Dropped while panicking, it

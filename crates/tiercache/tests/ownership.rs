@@ -7,37 +7,14 @@
 //! A missing tool (nbdinfo; losetup and root for block devices) is a failure under CI=true
 //! and a printed skip otherwise.
 
+mod common;
+
+use common::{ci, have, output_within, tc};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const DEADLINE: Duration = Duration::from_secs(20);
-
-fn ci() -> bool {
-    std::env::var("CI").as_deref() == Ok("true")
-}
-
-fn have(tool: &str) -> bool {
-    let found = Command::new("sh")
-        .arg("-c")
-        .arg(format!("command -v {tool}"))
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !found {
-        if ci() {
-            panic!("{tool} is required in CI but is not installed");
-        }
-        eprintln!("SKIP: {tool} is not installed");
-    }
-    found
-}
-
-fn tc() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tiercache"));
-    c.env("RUST_LOG", "warn");
-    c
-}
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -46,24 +23,8 @@ fn text(b: &[u8]) -> String {
 /// Runs `cmd` to completion (killed after [`DEADLINE`]: a server that should have been refused
 /// but runs is a failure, not a hang).
 fn finish(cmd: &mut Command) -> Output {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawning a command");
-    let start = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > DEADLINE {
-            let _ = child.kill();
-            let o = child.wait_with_output().unwrap();
-            panic!(
-                "{cmd:?} still running after {DEADLINE:?}: {}",
-                text(&o.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
+    output_within(cmd, DEADLINE)
+        .unwrap_or_else(|| panic!("{cmd:?} still running after {DEADLINE:?}"))
 }
 
 fn ok(cmd: &mut Command) -> Output {

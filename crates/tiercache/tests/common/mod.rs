@@ -4,8 +4,13 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
+
+/// Whether this is a CI run (`CI=true`), where a missing tool fails instead of skipping.
+pub fn ci() -> bool {
+    std::env::var("CI").as_deref() == Ok("true")
+}
 
 pub fn have(tool: &str) -> bool {
     let found = Command::new("sh")
@@ -15,7 +20,7 @@ pub fn have(tool: &str) -> bool {
         .map(|o| o.status.success())
         .unwrap_or(false);
     if !found {
-        if std::env::var("CI").as_deref() == Ok("true") {
+        if ci() {
             panic!("{tool} is required in CI but is not installed");
         }
         eprintln!("SKIP: {tool} is not installed");
@@ -99,20 +104,27 @@ impl Fixture {
         self.start_with(&[]);
     }
 
+    /// `tiercache serve` on the fixture's devices and socket, not yet started.
+    pub fn serve_cmd(&self) -> Command {
+        let mut c = tc();
+        c.arg("serve")
+            .arg("--cache")
+            .arg(self.path("fast.img"))
+            .arg("--backing")
+            .arg(self.path("slow.img"))
+            .arg("--socket")
+            .arg(self.socket());
+        c
+    }
+
     /// Starts `serve` on the fixture's devices with extra arguments and waits until both
     /// sockets exist.
     pub fn start_with(&mut self, extra: &[&str]) {
         // A killed server leaves both sockets behind; wait for the new ones.
         let _ = std::fs::remove_file(self.socket());
         let _ = std::fs::remove_file(self.admin());
-        let child = tc()
-            .arg("serve")
-            .arg("--cache")
-            .arg(self.path("fast.img"))
-            .arg("--backing")
-            .arg(self.path("slow.img"))
-            .arg("--socket")
-            .arg(self.socket())
+        let child = self
+            .serve_cmd()
             .args(extra)
             .stderr(Stdio::inherit())
             .spawn()
@@ -163,5 +175,51 @@ impl Drop for Fixture {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// Runs a command to completion like `Command::output`, but kills it after `limit` (a hung
+/// server must fail the test, not hang it); `None` then.
+pub fn output_within(cmd: &mut Command, limit: Duration) -> Option<Output> {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawning {cmd:?}: {e}"));
+    let drain = |r: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut v);
+            }
+            v
+        })
+    };
+    let out = drain(child.stdout.take().map(|r| Box::new(r) as _));
+    let err = drain(child.stderr.take().map(|r| Box::new(r) as _));
+    let status = wait_for(&mut child, limit);
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let (stdout, stderr) = (out.join().unwrap(), err.join().unwrap());
+    status.map(|status| Output {
+        status,
+        stdout,
+        stderr,
+    })
+}
+
+/// Waits for a child for at most `limit`.
+pub fn wait_for(c: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = c.try_wait().unwrap() {
+            return Some(s);
+        }
+        if t.elapsed() > limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
