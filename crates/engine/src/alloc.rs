@@ -12,9 +12,16 @@
 //!   cannot be emptied under them;
 //! - one open bucket per write point, so clean promotions and dirty writes live in different
 //!   buckets (clean buckets can be reclaimed whole, dirty ones wait for writeback);
-//! - the policy (which bucket to reclaim) is a pure function of the counters here.
+//! - the policy (which bucket to reclaim) is a pure function of the counters here;
+//! - nothing here scans every bucket on a frequent path: free and pending buckets are kept in
+//!   queues with a count, and reclaim and GC victims are served from candidate lists that one
+//!   scan fills with up to `candidates_max` buckets (so a scan costs O(buckets) once per that
+//!   many victims); a candidate is re-checked when it is taken (a bucket used since the scan
+//!   is skipped, as warm), and after a scan that found nothing, the next one waits until the
+//!   journal has grown by `rescan_pause` entries, so a cache full of dirty data does not
+//!   rescan per request.
 
-use std::collections::VecDeque;
+use std::collections::{BinaryHeap, VecDeque};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BucketState {
@@ -41,8 +48,33 @@ pub struct Buckets {
     pub last_use: Vec<u64>,
     pub pins: Vec<u32>,
     free: VecDeque<u32>,
+    /// Retired buckets in retirement order (tags never decrease). An entry whose bucket is no
+    /// longer `PendingFree` with that tag (freed by its last unpin) is skipped when popped.
+    pending: VecDeque<(u64, u32)>,
+    /// Buckets in state `PendingFree`.
+    pending_count: usize,
+    /// Reclaim victims found by the last scan, best last, with `last_use` as seen then.
+    lru: Vec<(u32, u64)>,
+    /// GC victims found by the last scan, best (fewest live blocks) last.
+    gc: Vec<u32>,
+    /// After a scan that found nothing: the journal epoch before which none is repeated.
+    lru_rescan_epoch: u64,
+    gc_rescan_epoch: u64,
+    /// Scans of every bucket so far (reclaim and GC candidates).
+    scans: u64,
     open: [Option<u32>; 2],
     bpb: u32,
+}
+
+/// Most candidates one scan keeps: a scan costs O(buckets), so victims cost O(64) each.
+fn candidates_max(nbuckets: usize) -> usize {
+    (nbuckets / 64).max(16)
+}
+
+/// Journal entries after a scan that found nothing before the next scan: O(64) bucket checks
+/// per entry at most, and at once (any change) for caches under 128 buckets.
+fn rescan_pause(nbuckets: usize) -> u64 {
+    (nbuckets as u64 / 64).max(1)
 }
 
 impl Buckets {
@@ -66,6 +98,13 @@ impl Buckets {
             last_use: vec![0; n],
             pins: vec![0; n],
             free,
+            pending: VecDeque::new(),
+            pending_count: 0,
+            lru: Vec::new(),
+            gc: Vec::new(),
+            lru_rescan_epoch: 0,
+            gc_rescan_epoch: 0,
+            scans: 0,
             open: [None, None],
             bpb,
         }
@@ -75,8 +114,15 @@ impl Buckets {
         self.free.len()
     }
 
-    pub fn count(&self, pred: impl Fn(BucketState) -> bool) -> usize {
-        self.state.iter().filter(|&&s| pred(s)).count()
+    /// Buckets emptied but not yet free (waiting for their generation bump to be durable, or
+    /// for their last reader).
+    pub fn pending_count(&self) -> usize {
+        self.pending_count
+    }
+
+    /// Buckets that are not free (open, closed or pending).
+    pub fn in_use_count(&self) -> usize {
+        self.state.len() - self.free.len()
     }
 
     /// Grants up to `want` blocks at the open bucket of `point`, opening a free bucket if
@@ -115,47 +161,186 @@ impl Buckets {
         let i = b as usize;
         assert!(self.pins[i] > 0, "unpin of an unpinned bucket");
         self.pins[i] -= 1;
-        if self.pins[i] == 0 && matches!(self.state[i], BucketState::PendingFree { .. }) {
-            self.release(durable_epoch);
+        if self.pins[i] == 0 {
+            if let BucketState::PendingFree { tag } = self.state[i] {
+                if tag <= durable_epoch {
+                    self.free_bucket(b);
+                }
+            }
         }
     }
 
-    /// The clean, closed, unpinned bucket used least recently (the reclaim victim).
-    pub fn reclaim_candidate(&self, live: &[u32], dirty: &[u32]) -> Option<u32> {
-        (0..self.state.len())
-            .filter(|&b| self.state[b] == BucketState::Closed && dirty[b] == 0 && self.pins[b] == 0)
-            .min_by_key(|&b| (live[b] > 0, self.last_use[b]))
-            .map(|b| b as u32)
+    fn free_bucket(&mut self, b: u32) {
+        debug_assert!(matches!(
+            self.state[b as usize],
+            BucketState::PendingFree { .. }
+        ));
+        self.state[b as usize] = BucketState::Free;
+        self.free.push_back(b);
+        self.pending_count -= 1;
     }
 
-    /// The closed, unpinned bucket with the fewest live blocks, if under `max_live_pct`.
-    pub fn gc_candidate(&self, live: &[u32], max_live_pct: u32) -> Option<u32> {
-        (0..self.state.len())
-            .filter(|&b| self.state[b] == BucketState::Closed && self.pins[b] == 0)
-            .filter(|&b| live[b] * 100 <= self.bpb * max_live_pct)
-            .min_by_key(|&b| live[b])
-            .map(|b| b as u32)
+    fn reclaimable(&self, b: usize, dirty: &[u32]) -> bool {
+        self.state[b] == BucketState::Closed && dirty[b] == 0 && self.pins[b] == 0
+    }
+
+    fn collectable(&self, b: usize, live: &[u32], max_live_pct: u32) -> bool {
+        self.state[b] == BucketState::Closed
+            && self.pins[b] == 0
+            && u64::from(live[b]) * 100 <= u64::from(self.bpb) * u64::from(max_live_pct)
+    }
+
+    /// The reclaim victim: a clean, closed, unpinned bucket, empty ones first, then the least
+    /// recently used (as of the last scan; see the module invariants). `epoch` is the journal's
+    /// appended epoch, which paces scans that find nothing.
+    pub fn reclaim_candidate(&mut self, live: &[u32], dirty: &[u32], epoch: u64) -> Option<u32> {
+        if let Some(b) = self.take_lru(dirty) {
+            return Some(b);
+        }
+        if epoch < self.lru_rescan_epoch {
+            return None;
+        }
+        // One scan keeps the `candidates_max` best: a max-heap whose top is the worst kept.
+        self.scans += 1;
+        let max = candidates_max(self.state.len());
+        let mut best: BinaryHeap<((bool, u64), u32)> = BinaryHeap::with_capacity(max + 1);
+        for b in (0..self.state.len()).filter(|&b| self.reclaimable(b, dirty)) {
+            best.push(((live[b] > 0, self.last_use[b]), b as u32));
+            if best.len() > max {
+                best.pop();
+            }
+        }
+        // `into_sorted_vec` is best first; serve from the end.
+        self.lru = best
+            .into_sorted_vec()
+            .into_iter()
+            .rev()
+            .map(|((_, used), b)| (b, used))
+            .collect();
+        if self.lru.is_empty() {
+            self.lru_rescan_epoch = epoch + rescan_pause(self.state.len());
+        }
+        self.take_lru(dirty)
+    }
+
+    fn take_lru(&mut self, dirty: &[u32]) -> Option<u32> {
+        while let Some((b, used)) = self.lru.pop() {
+            // Used since the scan: warm again, not a victim now (the next scan reconsiders it).
+            if self.reclaimable(b as usize, dirty) && self.last_use[b as usize] == used {
+                return Some(b);
+            }
+        }
+        None
+    }
+
+    /// The GC victim: a closed, unpinned bucket with at most `max_live_pct` % live blocks,
+    /// fewest first (as of the last scan). `epoch` as for `reclaim_candidate`.
+    pub fn gc_candidate(&mut self, live: &[u32], max_live_pct: u32, epoch: u64) -> Option<u32> {
+        if let Some(b) = self.take_gc(live, max_live_pct) {
+            return Some(b);
+        }
+        if epoch < self.gc_rescan_epoch {
+            return None;
+        }
+        self.scans += 1;
+        let max = candidates_max(self.state.len());
+        let mut best: BinaryHeap<(u32, u32)> = BinaryHeap::with_capacity(max + 1);
+        for b in (0..self.state.len()).filter(|&b| self.collectable(b, live, max_live_pct)) {
+            best.push((live[b], b as u32));
+            if best.len() > max {
+                best.pop();
+            }
+        }
+        self.gc = best
+            .into_sorted_vec()
+            .into_iter()
+            .rev()
+            .map(|(_, b)| b)
+            .collect();
+        if self.gc.is_empty() {
+            self.gc_rescan_epoch = epoch + rescan_pause(self.state.len());
+        }
+        self.take_gc(live, max_live_pct)
+    }
+
+    fn take_gc(&mut self, live: &[u32], max_live_pct: u32) -> Option<u32> {
+        while let Some(b) = self.gc.pop() {
+            if self.collectable(b as usize, live, max_live_pct) {
+                return Some(b);
+            }
+        }
+        None
     }
 
     /// Marks an emptied bucket: generation bumped, free once epoch `tag` is durable.
     pub fn retire(&mut self, b: u32, tag: u64) -> u8 {
         let i = b as usize;
         assert!(matches!(self.state[i], BucketState::Closed));
+        assert!(
+            self.pending.back().is_none_or(|&(t, _)| t <= tag),
+            "retirement tags must not decrease"
+        );
         self.gen[i] = self.gen[i].wrapping_add(1);
         self.state[i] = BucketState::PendingFree { tag };
+        self.pending.push_back((tag, b));
+        self.pending_count += 1;
         self.gen[i]
     }
 
-    /// Moves pending buckets whose generation bump is durable and that nobody reads to free.
+    /// Frees pending buckets whose generation bump is durable and that nobody reads (a pinned
+    /// one is freed by its last unpin). Costs O(buckets released).
     pub fn release(&mut self, durable_epoch: u64) {
-        for b in 0..self.state.len() {
-            if let BucketState::PendingFree { tag } = self.state[b] {
-                if tag <= durable_epoch && self.pins[b] == 0 {
-                    self.state[b] = BucketState::Free;
-                    self.free.push_back(b as u32);
+        while let Some(&(tag, b)) = self.pending.front() {
+            if tag > durable_epoch {
+                break;
+            }
+            self.pending.pop_front();
+            if self.state[b as usize] == (BucketState::PendingFree { tag })
+                && self.pins[b as usize] == 0
+            {
+                self.free_bucket(b);
+            }
+        }
+    }
+
+    /// Checks the bookkeeping against the per-bucket states (tests; O(buckets)).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let pending = self
+            .state
+            .iter()
+            .filter(|s| matches!(s, BucketState::PendingFree { .. }))
+            .count();
+        if pending != self.pending_count {
+            return Err(format!(
+                "{pending} pending buckets, count says {}",
+                self.pending_count
+            ));
+        }
+        let free = self
+            .state
+            .iter()
+            .filter(|&&s| s == BucketState::Free)
+            .count();
+        if free != self.free.len()
+            || self
+                .free
+                .iter()
+                .any(|&b| self.state[b as usize] != BucketState::Free)
+        {
+            return Err(format!(
+                "{free} free buckets, free list holds {} (not all free)",
+                self.free.len()
+            ));
+        }
+        // Every pending bucket can still be found by `release`, or is waiting for its pins.
+        for (b, s) in self.state.iter().enumerate() {
+            if let BucketState::PendingFree { tag } = *s {
+                if self.pins[b] == 0 && !self.pending.contains(&(tag, b as u32)) {
+                    return Err(format!("pending bucket {b} (tag {tag}) is in no queue"));
                 }
             }
         }
+        Ok(())
     }
 
     /// Records a use of the bucket (reads and writes keep it warm for LRU reclaim).
@@ -176,18 +361,110 @@ mod tests {
         assert_eq!(bk.alloc(WritePoint::Clean, 8, 1), Some((8, 4)));
         assert_eq!(bk.alloc(WritePoint::Dirty, 1, 1), None);
         // Allocations pin their bucket until the writer is done.
-        assert_eq!(bk.reclaim_candidate(&[0, 5, 4], &[0, 5, 0]), None);
+        assert_eq!(bk.reclaim_candidate(&[0, 5, 4], &[0, 5, 0], 0), None);
         bk.unpin(0, 0);
         bk.unpin(0, 0);
         bk.unpin(2, 0);
         // Bucket 0 was closed when full; reclaim it.
         let live = [0, 5, 4];
-        assert_eq!(bk.reclaim_candidate(&live, &[0, 5, 0]), Some(0));
+        assert_eq!(bk.reclaim_candidate(&live, &[0, 5, 0], 1), Some(0));
         bk.retire(0, 7);
         bk.release(6);
         assert_eq!(bk.free_count(), 0);
         bk.release(7);
         assert_eq!(bk.alloc(WritePoint::Dirty, 1, 2), Some((0, 1)));
         assert_eq!(bk.gen[0], 1);
+    }
+
+    /// Buckets closed with `live` blocks each (none dirty), unpinned.
+    fn closed(n: usize, live: u32) -> (Buckets, Vec<u32>, Vec<u32>) {
+        let lives = vec![live.max(1); n];
+        let mut bk = Buckets::new(vec![0; n], &lives, 4);
+        for b in 0..n {
+            bk.last_use[b] = b as u64;
+        }
+        (bk, vec![live; n], vec![0; n])
+    }
+
+    #[test]
+    fn victims_come_from_one_scan_in_lru_order_and_touched_ones_are_skipped() {
+        let n = 64 * 64;
+        let (mut bk, live, dirty) = closed(n, 3);
+        let max = candidates_max(n);
+        bk.touch(1, 10_000);
+        let mut got = Vec::new();
+        for _ in 0..max - 1 {
+            got.push(bk.reclaim_candidate(&live, &dirty, 0).unwrap());
+            let b = *got.last().unwrap();
+            bk.retire(b, 1);
+        }
+        assert_eq!(bk.scans, 1, "one scan serves {max} victims");
+        // Least recently used first; bucket 1 was touched before the scan: not among them.
+        assert_eq!(got[..4], [0, 2, 3, 4]);
+        // A bucket touched after the scan is skipped when its turn comes.
+        let next_expected = got.last().unwrap() + 1;
+        bk.touch(next_expected, 20_000);
+        let b = bk.reclaim_candidate(&live, &dirty, 0).unwrap();
+        assert_ne!(b, next_expected);
+    }
+
+    #[test]
+    fn a_scan_that_finds_nothing_is_not_repeated_until_the_journal_grows() {
+        let n = 64 * 64;
+        let (mut bk, live, _) = closed(n, 3);
+        let all_dirty = vec![1; n];
+        assert_eq!(bk.reclaim_candidate(&live, &all_dirty, 100), None);
+        for e in 100..100 + rescan_pause(n) {
+            assert_eq!(bk.reclaim_candidate(&live, &all_dirty, e), None);
+        }
+        assert_eq!(bk.scans, 1);
+        let clean = vec![0; n];
+        assert!(bk
+            .reclaim_candidate(&live, &clean, 100 + rescan_pause(n))
+            .is_some());
+        assert_eq!(bk.scans, 2);
+    }
+
+    #[test]
+    fn gc_victims_fewest_live_first() {
+        let (mut bk, mut live, _) = closed(8, 4);
+        live[5] = 1;
+        live[2] = 0;
+        live[7] = 2;
+        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(2));
+        bk.retire(2, 1);
+        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(5));
+        bk.retire(5, 1);
+        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(7));
+        bk.retire(7, 1);
+        assert_eq!(bk.gc_candidate(&live, 50, 1), None);
+    }
+
+    #[test]
+    fn pinned_pending_buckets_are_freed_by_their_last_unpin_once() {
+        let (mut bk, _, _) = closed(4, 2);
+        bk.pin(1);
+        bk.retire(1, 5);
+        bk.retire(2, 6);
+        assert_eq!(bk.pending_count(), 2);
+        bk.release(6);
+        assert_eq!(
+            (bk.free_count(), bk.pending_count()),
+            (1, 1),
+            "2 free, 1 pinned"
+        );
+        bk.check_invariants().unwrap();
+        bk.unpin(1, 6);
+        assert_eq!((bk.free_count(), bk.pending_count()), (2, 0));
+        bk.release(100);
+        assert_eq!(bk.free_count(), 2, "freed twice");
+        // Freed by unpin before `release` saw it: the stale queue entry is skipped.
+        bk.pin(3);
+        bk.retire(3, 7);
+        bk.unpin(3, 8);
+        assert_eq!(bk.free_count(), 3);
+        bk.release(8);
+        assert_eq!(bk.free_count(), 3);
+        bk.check_invariants().unwrap();
     }
 }

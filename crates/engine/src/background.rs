@@ -87,15 +87,13 @@ fn reclaim(inner: &Inner, target: usize, allow_gc: bool) -> Result<usize> {
         let victim = {
             let mut st = inner.state.lock();
             let st = &mut *st;
-            let pending = st
-                .buckets
-                .count(|s| matches!(s, crate::alloc::BucketState::PendingFree { .. }));
-            if st.buckets.free_count() + pending >= target {
+            if st.buckets.free_count() + st.buckets.pending_count() >= target {
                 break;
             }
-            let victim = st
-                .buckets
-                .reclaim_candidate(&st.index.bucket_live, &st.index.bucket_dirty);
+            let epoch = st.journal.appended_epoch;
+            let victim =
+                st.buckets
+                    .reclaim_candidate(&st.index.bucket_live, &st.index.bucket_dirty, epoch);
             if let Some(b) = victim {
                 retire_bucket(inner, st, b);
                 emptied += 1;
@@ -110,11 +108,7 @@ fn reclaim(inner: &Inner, target: usize, allow_gc: bool) -> Result<usize> {
             }
         }
     }
-    let pending = inner
-        .state
-        .lock()
-        .buckets
-        .count(|s| matches!(s, crate::alloc::BucketState::PendingFree { .. }));
+    let pending = inner.state.lock().buckets.pending_count();
     if emptied > 0 || pending > 0 {
         inner.commit_to(u64::MAX)?;
     }
@@ -137,9 +131,11 @@ fn retire_bucket(inner: &Inner, st: &mut crate::set::State, b: u32) {
 fn gc_one(inner: &Inner) -> Result<bool> {
     let (b, entries) = {
         let mut st = inner.state.lock();
-        let Some(b) = st
-            .buckets
-            .gc_candidate(&st.index.bucket_live, inner.config.gc_live_pct)
+        let st = &mut *st;
+        let epoch = st.journal.appended_epoch;
+        let Some(b) =
+            st.buckets
+                .gc_candidate(&st.index.bucket_live, inner.config.gc_live_pct, epoch)
         else {
             return Ok(false);
         };

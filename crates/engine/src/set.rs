@@ -905,9 +905,7 @@ impl CacheSet {
         let st = self.inner.state.lock();
         let bs = u64::from(l.block_size);
         let data = u64::from(l.nbuckets) * u64::from(l.bucket_size);
-        let used_buckets = st
-            .buckets
-            .count(|s| !matches!(s, crate::alloc::BucketState::Free));
+        let used_buckets = st.buckets.in_use_count();
         Occupancy {
             total_bytes: l.device_size,
             dirty_bytes: st.index.dirty_blocks * bs,
@@ -1016,7 +1014,9 @@ impl CacheSet {
 
     /// Verifies the in-memory index invariants (tests).
     pub fn check_invariants(&self) -> Result<(), String> {
-        self.inner.state.lock().index.check_invariants()
+        let st = self.inner.state.lock();
+        st.index.check_invariants()?;
+        st.buckets.check_invariants()
     }
 }
 
