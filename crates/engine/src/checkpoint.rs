@@ -98,13 +98,40 @@ fn check_extent(l: &Layout, gens: &[u8], dev: DevId, block: u64, e: &Extent) -> 
 }
 
 /// Loads the newest state of a cache device: superblock, checkpoint, journal replay.
+/// Reads the checkpoint frame in `slot`: its first block, then only as much more as its
+/// header claims (checked against the slot), so RAM and I/O follow the checkpoint's size, not
+/// the slot's (which is sized for a cache full of 4 KiB extents). The header's length is not
+/// trusted beyond that: the frame checksum is verified over exactly the bytes read.
+fn read_checkpoint_frame(cache: &dyn BlockDevice, l: &Layout, slot: u32) -> Result<Vec<u8>> {
+    let at = l.ckpt_offsets[slot as usize];
+    let block = crate::format::META_BLOCK;
+    let mut buf = vec![0u8; block.min(l.ckpt_len) as usize];
+    cache
+        .read_at(&mut buf, at)
+        .ctx(|| "reading checkpoint".into())?;
+    let claimed = crate::codec::frame_header(CKPT_MAGIC, &buf).map(|h| {
+        h.payload_len
+            .saturating_add(crate::codec::FRAME_HEADER_BYTES as u64)
+    });
+    let want = match claimed {
+        Some(total) if total <= l.ckpt_len => crate::codec::round_up(total, block).min(l.ckpt_len),
+        // Absent or impossible: unframe reports why from what was read.
+        _ => return Ok(buf),
+    };
+    if want > buf.len() as u64 {
+        let first = buf.len();
+        buf.resize(want as usize, 0);
+        cache
+            .read_at(&mut buf[first..], at + first as u64)
+            .ctx(|| "reading checkpoint".into())?;
+    }
+    Ok(buf)
+}
+
 pub fn load(cache: &dyn BlockDevice) -> Result<Loaded> {
     let (sb, mut notes) = Superblock::read(cache)?;
     let l = sb.layout.clone();
-    let mut buf = vec![0u8; l.ckpt_len as usize];
-    cache
-        .read_at(&mut buf, l.ckpt_offsets[sb.ckpt_slot as usize])
-        .ctx(|| "reading checkpoint".into())?;
+    let buf = read_checkpoint_frame(cache, &l, sb.ckpt_slot)?;
     let (seq, payload) = unframe(CKPT_MAGIC, CKPT_VERSION, &buf).map_err(|e| {
         corrupt(format!(
             "checkpoint {} in slot {}: {e}",

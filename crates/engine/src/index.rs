@@ -32,18 +32,24 @@ pub struct Seg {
 }
 
 type Key = (u32, u64);
-const NO_OWNER: u64 = u64::MAX;
+/// An owner slot nobody references. Zero, so the owner table of a fresh index is zeroed
+/// memory the kernel maps lazily: its RAM follows the blocks in use, not the cache size.
+const NO_OWNER: u64 = 0;
 const DEV_SHIFT: u32 = 48;
+/// Set in every packed owner, so no owner packs to `NO_OWNER`.
+const OWNED: u64 = 1 << 63;
 
 fn pack(dev: DevId, block: u64) -> u64 {
     assert!(
         block < 1 << DEV_SHIFT && dev.0 < 1 << 15,
         "block or device id out of range"
     );
-    (u64::from(dev.0) << DEV_SHIFT) | block
+    OWNED | (u64::from(dev.0) << DEV_SHIFT) | block
 }
 
 fn unpack(v: u64) -> (DevId, u64) {
+    debug_assert!(v & OWNED != 0, "unpack of an empty owner slot");
+    let v = v & !OWNED;
     (DevId((v >> DEV_SHIFT) as u32), v & ((1 << DEV_SHIFT) - 1))
 }
 
