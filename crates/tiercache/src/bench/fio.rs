@@ -32,6 +32,8 @@ impl Target {
 /// What one fio run measured (reads and writes together).
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct Measured {
+    /// I/Os completed (reads and writes).
+    pub ios: u64,
     pub iops: f64,
     pub bw_mib_s: f64,
     pub mean_lat_us: f64,
@@ -79,6 +81,7 @@ fn parse(v: &Value) -> Result<Measured> {
             if n == 0.0 {
                 continue;
             }
+            m.ios += n as u64;
             m.iops += d["iops"].as_f64().unwrap_or(0.0);
             m.bw_mib_s += d["bw_bytes"].as_f64().unwrap_or(0.0) / (1 << 20) as f64;
             lat_weighted += d["lat_ns"]["mean"].as_f64().unwrap_or(0.0) * n;
@@ -147,6 +150,7 @@ mod tests {
         .unwrap();
         let m = parse(&v).unwrap();
         assert_eq!(m.iops, 100.0);
+        assert_eq!(m.ios, 200);
         assert_eq!(m.mean_lat_us, 3.0);
         assert_eq!(m.p99_lat_us, 12.0);
         assert_eq!(m.runtime_s, 2.0);

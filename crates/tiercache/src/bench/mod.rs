@@ -8,12 +8,16 @@
 //! emulated disk over NBD with the same cache size; numbers come from fio's JSON and
 //! tiercache's own statistics; nothing here asserts a time. A pair that fails is reported as a
 //! notice and the run goes on, but the command then exits with an error.
+//!
+//! `--workloads scale` runs instead the engine-at-real-size measurements of [`scale`] (make,
+//! start, RSS, restart after kill -9, CPU per write on big sparse caches), on their own.
 
 mod cgroup;
 mod fio;
 mod fs;
 mod procs;
 mod report;
+mod scale;
 
 use anyhow::{bail, Context, Result};
 use cgroup::Limiter;
@@ -41,7 +45,8 @@ pub struct BenchArgs {
     /// How big and long: tiny (smoke), quick (minutes), full (long).
     #[arg(long, value_enum, default_value = "quick")]
     scale: Scale,
-    /// Workloads to run, comma separated (W1..W7; default all).
+    /// Workloads to run, comma separated (W1..W7; default all), or `scale` alone: the engine
+    /// at real size (the --scale-* options; writes scale.md and scale.json).
     #[arg(long, value_delimiter = ',')]
     workloads: Vec<String>,
     /// Configurations, comma separated, each run on every selected workload (default: hdd,
@@ -57,6 +62,8 @@ pub struct BenchArgs {
     /// Directory for results.md, results.json, plots and scratch devices.
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
+    #[command(flatten)]
+    scale_workload: scale::ScaleArgs,
 }
 
 /// Sizes and durations of one scale.
@@ -361,6 +368,16 @@ struct Ctx {
 
 /// Runs the selected workloads on the selected configurations.
 pub fn run(args: &BenchArgs) -> Result<()> {
+    if args
+        .workloads
+        .iter()
+        .any(|w| w.eq_ignore_ascii_case("scale"))
+    {
+        if args.workloads.len() > 1 || !args.configs.is_empty() {
+            bail!("the scale workload runs alone: no other workload and no --configs");
+        }
+        return scale::run(&args.scale_workload, &args.out);
+    }
     let mut p = params(args.scale);
     p.mem_limit_bytes = cgroup::limit_bytes(args.mem_limit, p.cache_bytes)?;
     let workloads: Vec<String> = if args.workloads.is_empty() {
@@ -370,7 +387,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     };
     for (i, w) in workloads.iter().enumerate() {
         if !WORKLOADS.iter().any(|k| k.0 == w) {
-            bail!("unknown workload '{w}' (known: W1..W7)");
+            bail!("unknown workload '{w}' (known: W1..W7, or scale alone)");
         }
         if workloads[..i].contains(w) {
             bail!("workload '{w}' given twice");

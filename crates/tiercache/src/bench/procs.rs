@@ -24,7 +24,7 @@ pub struct Proc {
 
 impl Proc {
     /// Starts `cmd` with its output discarded, in a fresh memory cgroup when `limit` is given.
-    fn spawn(cmd: &mut Command, what: &str, limit: Option<&Limiter>) -> Result<Proc> {
+    pub fn spawn(cmd: &mut Command, what: &str, limit: Option<&Limiter>) -> Result<Proc> {
         let cgroup = limit.map(Limiter::create).transpose()?;
         if let Some(cg) = &cgroup {
             cg.enter_on_spawn(cmd)?;
@@ -42,17 +42,22 @@ impl Proc {
     }
 
     /// SIGKILL and wait: for a process whose devices are thrown away next, so a graceful stop
-    /// has nothing to save.
-    fn kill(&mut self) {
+    /// has nothing to save (or, in the scale workload, to crash it on purpose).
+    pub fn kill(&mut self) {
         if self.exited().is_none() {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
     }
 
+    /// The process id (for reading /proc/PID).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// How the process ended, if it has (an error to ask counts as ended: it cannot be
     /// signalled any more).
-    fn exited(&mut self) -> Option<String> {
+    pub fn exited(&mut self) -> Option<String> {
         match self.child.try_wait() {
             Ok(None) => None,
             Ok(Some(status)) => Some(status.to_string()),
@@ -100,6 +105,42 @@ pub fn run_tool(cmd: &mut Command, what: &str) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// Like [`run_tool`], with a time limit: the tool is killed (SIGKILL) and reaped once it runs
+/// out of time. Returns its wall time, or None when it ran out of time.
+pub fn run_tool_within(cmd: &mut Command, what: &str, limit: Duration) -> Result<Option<Duration>> {
+    use std::io::Read;
+    let t = Instant::now();
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {what}"))?;
+    let mut pipe = child.stderr.take().context("stderr pipe")?;
+    let stderr = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = pipe.read_to_string(&mut s);
+        s
+    });
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if t.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let took = t.elapsed();
+    if !status.success() {
+        let err = stderr.join().unwrap_or_default();
+        bail!("{what} failed ({status}): {}", err.trim());
+    }
+    Ok(Some(took))
+}
+
 /// Whether `tool` is an executable file in a `PATH` directory.
 pub fn on_path(tool: &str) -> bool {
     use std::os::unix::fs::MetadataExt;
@@ -121,7 +162,8 @@ fn wait_for(path: &Path, what: &str) -> Result<()> {
     Ok(())
 }
 
-fn tiercache() -> Result<Command> {
+/// The running `tiercache` binary, as a command (servers log warnings only).
+pub fn tiercache() -> Result<Command> {
     let mut c = Command::new(std::env::current_exe().context("finding the tiercache binary")?);
     c.env("RUST_LOG", "warn");
     Ok(c)

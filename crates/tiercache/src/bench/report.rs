@@ -73,7 +73,8 @@ pub fn ratios(rows: &mut [Row]) {
     }
 }
 
-fn opt(v: Option<f64>, digits: usize) -> String {
+/// A value with `digits` decimals, or "n/a" when it was not measured.
+pub fn opt(v: Option<f64>, digits: usize) -> String {
     v.map(|v| format!("{v:.digits$}"))
         .unwrap_or_else(|| "n/a".into())
 }
@@ -88,12 +89,7 @@ pub fn write(
     notices: &[String],
 ) -> Result<()> {
     let machine = machine();
-    let date = std::process::Command::new("date")
-        .arg("-u")
-        .arg("+%Y-%m-%d %H:%M UTC")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_default();
+    let date = date();
     let mut md = String::new();
     writeln!(
         md,
@@ -189,7 +185,18 @@ pub fn write(
     Ok(())
 }
 
-fn machine() -> String {
+/// Now, in UTC to the minute, for report headers.
+pub fn date() -> String {
+    std::process::Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d %H:%M UTC")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+/// The machine, for report headers: cores, CPU model, RAM.
+pub fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|c| {
