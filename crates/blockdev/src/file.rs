@@ -628,7 +628,7 @@ mod tests {
             create_size_bytes: Some(1 << 20),
             ..FileDeviceOptions::default()
         };
-        let d = FileDevice::open(&p, opts).unwrap();
+        let d = open_within(&p, opts);
         assert_eq!(d.size_bytes(), 8192, "an existing file is not resized");
         assert!(d.write_at(&[0; 512], 0).is_err());
         let mut b = [0u8; 512];
@@ -689,11 +689,36 @@ mod tests {
         let mut b = [0u8; 512];
         peek.read_at(&mut b, 0).unwrap();
         assert_eq!(b, [7; 512]);
-        // Dropping the owner releases the lock (the unlocked reader holds none).
+        // Dropping the owner releases the lock (the unlocked reader holds none). A child that
+        // another test thread forks holds a copy of every descriptor until it execs (they are
+        // close-on-exec), and with it our lock, for a moment: retry briefly.
         drop(first);
-        let second = FileDevice::open(&p, FileDeviceOptions::default()).unwrap();
+        let second = open_within(&p, FileDeviceOptions::default());
         second.read_at(&mut b, 0).unwrap();
         assert_eq!(b, [7; 512]);
+    }
+
+    /// Opens `p`, retrying for up to a second while a lock is held in this process (see the
+    /// caller: a forked child's copy of a descriptor we closed).
+    fn open_within(p: &Path, opts: FileDeviceOptions) -> FileDevice {
+        let t = std::time::Instant::now();
+        loop {
+            match FileDevice::open(p, opts.clone()) {
+                Ok(d) => return d,
+                Err(e) if t.elapsed() < std::time::Duration::from_secs(1) => {
+                    // Ours, or already gone by the time /proc/locks was read (the child exec'd).
+                    assert!(
+                        matches!(busy_holder(&e), Holder::ThisProcess | Holder::Unknown),
+                        "{e}"
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(e) => panic!(
+                    "{}: still locked a second after its owner was dropped: {e}",
+                    p.display()
+                ),
+            }
+        }
     }
 
     #[test]
@@ -701,12 +726,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("dev");
         drop(FileDevice::create(&p, 8192).unwrap());
-        let a = FileDevice::open(&p, with_lock(LockMode::Shared, true)).unwrap();
+        let a = open_within(&p, with_lock(LockMode::Shared, true));
         let b = FileDevice::open(&p, with_lock(LockMode::Shared, true)).unwrap();
         let e = FileDevice::open(&p, FileDeviceOptions::default()).unwrap_err();
         assert_eq!(busy_holder(&e), Holder::ThisProcess);
         drop((a, b));
-        let owner = FileDevice::open(&p, FileDeviceOptions::default()).unwrap();
+        let owner = open_within(&p, FileDeviceOptions::default());
         let e = FileDevice::open(&p, with_lock(LockMode::Shared, true)).unwrap_err();
         assert_eq!(busy_holder(&e), Holder::ThisProcess);
         drop(owner);
@@ -773,7 +798,7 @@ mod tests {
         // kill -9: the kernel releases the lock with the process's descriptors.
         child.0.kill().unwrap();
         child.0.wait().unwrap();
-        FileDevice::open(&p, FileDeviceOptions::default()).unwrap();
+        open_within(&p, FileDeviceOptions::default());
     }
 
     #[test]

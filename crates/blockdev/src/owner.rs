@@ -211,11 +211,22 @@ pub(crate) fn claim_refused(path: &Path) -> io::Error {
 
 /// The holder of the flock lock on the inode `meta` describes, from `/proc/locks`.
 fn holder_of(meta: &Metadata) -> Holder {
-    let Ok(text) = std::fs::read_to_string("/proc/locks") else {
-        return Holder::Unknown;
-    };
     let dev = meta.dev();
-    let pids = flock_holders(&text, libc::major(dev), libc::minor(dev), meta.ino());
+    let find = || {
+        read_proc_locks()
+            .map(|text| flock_holders(&text, libc::major(dev), libc::minor(dev), meta.ino()))
+            .unwrap_or_default()
+    };
+    // A read of /proc/locks that takes several `read` calls can skip a line when other locks
+    // come and go in between (seq_file keeps its place by position); the conflicting lock
+    // was there a moment ago, so look again before giving up.
+    let mut pids = find();
+    for _ in 1..PROC_LOCKS_TRIES {
+        if !pids.is_empty() {
+            break;
+        }
+        pids = find();
+    }
     let me = std::process::id();
     if pids.contains(&me) {
         return Holder::ThisProcess;
@@ -227,6 +238,33 @@ fn holder_of(meta: &Metadata) -> Holder {
         },
         None => Holder::Unknown,
     }
+}
+
+/// How many times `/proc/locks` is read before a holder is declared unknown.
+const PROC_LOCKS_TRIES: usize = 3;
+/// The buffer `/proc/locks` is read into: large enough that one `read` returns all of it on
+/// any machine short of thousands of locks (each line is about 50 bytes).
+const PROC_LOCKS_READ_BYTES: usize = 1 << 20;
+
+/// `/proc/locks` in as few `read` calls as possible (one, normally), so that the kernel's
+/// listing is as close to one snapshot as it offers.
+fn read_proc_locks() -> io::Result<String> {
+    use std::io::Read;
+    let mut f = File::open("/proc/locks")?;
+    let mut buf = vec![0u8; PROC_LOCKS_READ_BYTES];
+    let mut len = 0;
+    loop {
+        let n = f.read(&mut buf[len..])?;
+        if n == 0 {
+            break;
+        }
+        len += n;
+        if len == buf.len() {
+            buf.resize(buf.len() * 2, 0);
+        }
+    }
+    buf.truncate(len);
+    Ok(String::from_utf8_lossy(&buf).into_owned())
 }
 
 /// The pids holding flock locks on inode `ino` of the filesystem `major:minor`, from the text
