@@ -53,15 +53,10 @@ pub struct Buckets {
     pending: VecDeque<(u64, u32)>,
     /// Buckets in state `PendingFree`.
     pending_count: usize,
-    /// Reclaim victims found by the last scan, best last, with `last_use` as seen then.
-    lru: Vec<(u32, u64)>,
-    /// GC victims found by the last scan, best (fewest live blocks) last.
-    gc: Vec<u32>,
-    /// After a scan that found nothing: the journal epoch before which none is repeated.
-    lru_rescan_epoch: u64,
-    gc_rescan_epoch: u64,
-    /// Scans of every bucket so far (reclaim and GC candidates).
-    scans: u64,
+    /// Reclaim victims (stamped with `last_use` as seen by the scan).
+    lru: Candidates,
+    /// GC victims.
+    gc: Candidates,
     open: [Option<u32>; 2],
     bpb: u32,
 }
@@ -75,6 +70,69 @@ fn candidates_max(nbuckets: usize) -> usize {
 /// per entry at most, and at once (any change) for caches under 128 buckets.
 fn rescan_pause(nbuckets: usize) -> u64 {
     (nbuckets as u64 / 64).max(1)
+}
+
+/// Victims found by the last scan, best last, each with a stamp that must still hold when it
+/// is taken; and the pacing of scans.
+#[derive(Default)]
+struct Candidates {
+    list: Vec<(u32, u64)>,
+    /// After a scan that found nothing: the journal epoch before which none is repeated.
+    rescan_epoch: u64,
+    scans: u64,
+}
+
+impl Candidates {
+    /// The best candidate that `still` holds for, scanning all buckets with `rank` (a key,
+    /// smallest best, and a stamp; `None` for a bucket that is no candidate) when the list runs
+    /// out and the pacing allows. One scan keeps the `candidates_max` best.
+    fn next<K: Ord>(
+        &mut self,
+        bk: &Buckets,
+        epoch: u64,
+        still: impl Fn(&Buckets, usize, u64) -> bool,
+        rank: impl Fn(&Buckets, usize) -> Option<(K, u64)>,
+    ) -> Option<u32> {
+        if let Some(b) = self.take(bk, &still) {
+            return Some(b);
+        }
+        if epoch < self.rescan_epoch {
+            return None;
+        }
+        self.scans += 1;
+        let n = bk.state.len();
+        let max = candidates_max(n);
+        // A max-heap whose top is the worst kept.
+        let mut best = BinaryHeap::with_capacity(max + 1);
+        for b in 0..n {
+            if let Some((key, stamp)) = rank(bk, b) {
+                best.push((key, b as u32, stamp));
+                if best.len() > max {
+                    best.pop();
+                }
+            }
+        }
+        // `into_sorted_vec` is best first; serve from the end.
+        self.list = best
+            .into_sorted_vec()
+            .into_iter()
+            .rev()
+            .map(|(_, b, stamp)| (b, stamp))
+            .collect();
+        if self.list.is_empty() {
+            self.rescan_epoch = epoch + rescan_pause(n);
+        }
+        self.take(bk, &still)
+    }
+
+    fn take(&mut self, bk: &Buckets, still: &impl Fn(&Buckets, usize, u64) -> bool) -> Option<u32> {
+        while let Some((b, stamp)) = self.list.pop() {
+            if still(bk, b as usize, stamp) {
+                return Some(b);
+            }
+        }
+        None
+    }
 }
 
 impl Buckets {
@@ -100,11 +158,8 @@ impl Buckets {
             free,
             pending: VecDeque::new(),
             pending_count: 0,
-            lru: Vec::new(),
-            gc: Vec::new(),
-            lru_rescan_epoch: 0,
-            gc_rescan_epoch: 0,
-            scans: 0,
+            lru: Candidates::default(),
+            gc: Candidates::default(),
             open: [None, None],
             bpb,
         }
@@ -194,82 +249,43 @@ impl Buckets {
     /// recently used (as of the last scan; see the module invariants). `epoch` is the journal's
     /// appended epoch, which paces scans that find nothing.
     pub fn reclaim_candidate(&mut self, live: &[u32], dirty: &[u32], epoch: u64) -> Option<u32> {
-        if let Some(b) = self.take_lru(dirty) {
-            return Some(b);
-        }
-        if epoch < self.lru_rescan_epoch {
-            return None;
-        }
-        // One scan keeps the `candidates_max` best: a max-heap whose top is the worst kept.
-        self.scans += 1;
-        let max = candidates_max(self.state.len());
-        let mut best: BinaryHeap<((bool, u64), u32)> = BinaryHeap::with_capacity(max + 1);
-        for b in (0..self.state.len()).filter(|&b| self.reclaimable(b, dirty)) {
-            best.push(((live[b] > 0, self.last_use[b]), b as u32));
-            if best.len() > max {
-                best.pop();
-            }
-        }
-        // `into_sorted_vec` is best first; serve from the end.
-        self.lru = best
-            .into_sorted_vec()
-            .into_iter()
-            .rev()
-            .map(|((_, used), b)| (b, used))
-            .collect();
-        if self.lru.is_empty() {
-            self.lru_rescan_epoch = epoch + rescan_pause(self.state.len());
-        }
-        self.take_lru(dirty)
-    }
-
-    fn take_lru(&mut self, dirty: &[u32]) -> Option<u32> {
-        while let Some((b, used)) = self.lru.pop() {
+        let mut lru = std::mem::take(&mut self.lru);
+        let victim = lru.next(
+            self,
+            epoch,
             // Used since the scan: warm again, not a victim now (the next scan reconsiders it).
-            if self.reclaimable(b as usize, dirty) && self.last_use[b as usize] == used {
-                return Some(b);
-            }
-        }
-        None
+            |bk, b, used| bk.reclaimable(b, dirty) && bk.last_use[b] == used,
+            |bk, b| {
+                let used = bk.last_use[b];
+                bk.reclaimable(b, dirty)
+                    .then_some(((live[b] > 0, used), used))
+            },
+        );
+        self.lru = lru;
+        victim
     }
 
     /// The GC victim: a closed, unpinned bucket with at most `max_live_pct` % live blocks,
     /// fewest first (as of the last scan). `epoch` as for `reclaim_candidate`.
     pub fn gc_candidate(&mut self, live: &[u32], max_live_pct: u32, epoch: u64) -> Option<u32> {
-        if let Some(b) = self.take_gc(live, max_live_pct) {
-            return Some(b);
-        }
-        if epoch < self.gc_rescan_epoch {
-            return None;
-        }
-        self.scans += 1;
-        let max = candidates_max(self.state.len());
-        let mut best: BinaryHeap<(u32, u32)> = BinaryHeap::with_capacity(max + 1);
-        for b in (0..self.state.len()).filter(|&b| self.collectable(b, live, max_live_pct)) {
-            best.push((live[b], b as u32));
-            if best.len() > max {
-                best.pop();
-            }
-        }
-        self.gc = best
-            .into_sorted_vec()
-            .into_iter()
-            .rev()
-            .map(|(_, b)| b)
-            .collect();
-        if self.gc.is_empty() {
-            self.gc_rescan_epoch = epoch + rescan_pause(self.state.len());
-        }
-        self.take_gc(live, max_live_pct)
+        let mut gc = std::mem::take(&mut self.gc);
+        let victim = gc.next(
+            self,
+            epoch,
+            |bk, b, _| bk.collectable(b, live, max_live_pct),
+            |bk, b| {
+                bk.collectable(b, live, max_live_pct)
+                    .then_some((live[b], 0))
+            },
+        );
+        self.gc = gc;
+        victim
     }
 
-    fn take_gc(&mut self, live: &[u32], max_live_pct: u32) -> Option<u32> {
-        while let Some(b) = self.gc.pop() {
-            if self.collectable(b as usize, live, max_live_pct) {
-                return Some(b);
-            }
-        }
-        None
+    /// Scans of every bucket so far (reclaim and GC candidates).
+    #[cfg(test)]
+    fn scans(&self) -> u64 {
+        self.lru.scans + self.gc.scans
     }
 
     /// Marks an emptied bucket: generation bumped, free once epoch `tag` is durable.
@@ -398,7 +414,7 @@ mod tests {
             let b = *got.last().unwrap();
             bk.retire(b, 1);
         }
-        assert_eq!(bk.scans, 1, "one scan serves {max} victims");
+        assert_eq!(bk.scans(), 1, "one scan serves {max} victims");
         // Least recently used first; bucket 1 was touched before the scan: not among them.
         assert_eq!(got[..4], [0, 2, 3, 4]);
         // A bucket touched after the scan is skipped when its turn comes.
@@ -417,12 +433,12 @@ mod tests {
         for e in 100..100 + rescan_pause(n) {
             assert_eq!(bk.reclaim_candidate(&live, &all_dirty, e), None);
         }
-        assert_eq!(bk.scans, 1);
+        assert_eq!(bk.scans(), 1);
         let clean = vec![0; n];
         assert!(bk
             .reclaim_candidate(&live, &clean, 100 + rescan_pause(n))
             .is_some());
-        assert_eq!(bk.scans, 2);
+        assert_eq!(bk.scans(), 2);
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! The index does no I/O; the journal records every change made to it so replay rebuilds it.
 
 use crate::types::DevId;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// One mapping: `len` backing blocks starting at the key map to cache blocks from `cache_block`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,8 +63,15 @@ pub struct Index {
     pub bucket_dirty: Vec<u32>,
     pub live_blocks: u64,
     pub dirty_blocks: u64,
-    dev_dirty: HashMap<u32, u64>,
-    dev_live: HashMap<u32, u64>,
+    /// Per device (indexed by device id, grown on demand): cached and dirty blocks.
+    dev_blocks: Vec<DevBlocks>,
+}
+
+/// Cached and dirty blocks of one device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct DevBlocks {
+    live: u64,
+    dirty: u64,
 }
 
 impl Index {
@@ -80,8 +87,7 @@ impl Index {
             bucket_dirty: vec![0; nbuckets as usize],
             live_blocks: 0,
             dirty_blocks: 0,
-            dev_dirty: HashMap::new(),
-            dev_live: HashMap::new(),
+            dev_blocks: Vec::new(),
         }
     }
 
@@ -117,12 +123,16 @@ impl Index {
         }
         self.bucket_live[bucket as usize] += ext.len;
         self.live_blocks += u64::from(ext.len);
-        *self.dev_live.entry(dev.0).or_default() += u64::from(ext.len);
+        let d = dev.0 as usize;
+        if self.dev_blocks.len() <= d {
+            self.dev_blocks.resize(d + 1, DevBlocks::default());
+        }
+        self.dev_blocks[d].live += u64::from(ext.len);
         if ext.dirty {
             self.bucket_dirty[bucket as usize] += ext.len;
             self.dirty_blocks += u64::from(ext.len);
             self.dirty_keys.insert((dev.0, start));
-            *self.dev_dirty.entry(dev.0).or_default() += u64::from(ext.len);
+            self.dev_blocks[d].dirty += u64::from(ext.len);
         }
         let prev = self.map.insert((dev.0, start), ext);
         assert!(prev.is_none(), "index entry inserted over an existing one");
@@ -139,18 +149,13 @@ impl Index {
         }
         self.bucket_live[bucket as usize] -= ext.len;
         self.live_blocks -= u64::from(ext.len);
-        *self
-            .dev_live
-            .get_mut(&dev.0)
-            .expect("live count of a cached device") -= u64::from(ext.len);
+        let counts = &mut self.dev_blocks[dev.0 as usize];
+        counts.live -= u64::from(ext.len);
         if ext.dirty {
             self.bucket_dirty[bucket as usize] -= ext.len;
             self.dirty_blocks -= u64::from(ext.len);
             self.dirty_keys.remove(&(dev.0, start));
-            *self
-                .dev_dirty
-                .get_mut(&dev.0)
-                .expect("dirty count of a dirty device") -= u64::from(ext.len);
+            counts.dirty -= u64::from(ext.len);
         }
         ext
     }
@@ -386,12 +391,12 @@ impl Index {
 
     /// Dirty blocks belonging to one device.
     pub fn dev_dirty_blocks(&self, dev: DevId) -> u64 {
-        self.dev_dirty.get(&dev.0).copied().unwrap_or(0)
+        self.dev_blocks.get(dev.0 as usize).map_or(0, |c| c.dirty)
     }
 
     /// Cached blocks belonging to one device (a counter: `status` costs no scan).
     pub fn dev_live_blocks(&self, dev: DevId) -> u64 {
-        self.dev_live.get(&dev.0).copied().unwrap_or(0)
+        self.dev_blocks.get(dev.0 as usize).map_or(0, |c| c.live)
     }
 
     /// Every entry, in key order (for checkpoints).
@@ -436,21 +441,17 @@ impl Index {
         if self.dirty_keys.len() != self.map.values().filter(|e| e.dirty).count() {
             return Err("dirty set has stray keys".into());
         }
-        let mut dev_live: HashMap<u32, u64> = HashMap::new();
-        let mut dev_dirty: HashMap<u32, u64> = HashMap::new();
+        let mut dev_blocks = vec![DevBlocks::default(); self.dev_blocks.len()];
         for (&(d, _), e) in &self.map {
-            *dev_live.entry(d).or_default() += u64::from(e.len);
+            let Some(c) = dev_blocks.get_mut(d as usize) else {
+                return Err(format!("device {d} has entries but no counters"));
+            };
+            c.live += u64::from(e.len);
             if e.dirty {
-                *dev_dirty.entry(d).or_default() += u64::from(e.len);
+                c.dirty += u64::from(e.len);
             }
         }
-        let nonzero = |m: &HashMap<u32, u64>| -> HashMap<u32, u64> {
-            m.iter()
-                .filter(|(_, &v)| v > 0)
-                .map(|(&k, &v)| (k, v))
-                .collect()
-        };
-        if dev_live != nonzero(&self.dev_live) || dev_dirty != nonzero(&self.dev_dirty) {
+        if dev_blocks != self.dev_blocks {
             return Err("per-device counters disagree with entries".into());
         }
         Ok(())
