@@ -129,6 +129,9 @@ struct State {
     pool_used: usize,
     held_bytes: usize,
     held_bytes_peak: usize,
+    /// Threads waiting in `acquire`: a release wakes them only if there are any (a wake is
+    /// a syscall, and releases happen once per request).
+    waiters: usize,
 }
 
 /// The bytes budget of one server.
@@ -237,10 +240,12 @@ impl Account {
             if let Some(permit) = self.take(&mut state, bytes) {
                 return permit;
             }
+            state.waiters += 1;
             state = budget
                 .released
                 .wait(state)
                 .unwrap_or_else(|p| p.into_inner());
+            state.waiters -= 1;
         }
     }
 
@@ -278,8 +283,11 @@ impl Drop for Permit {
             state.pool_used -= pool_before - pool_after;
             state.held_bytes -= self.bytes;
         }
+        let waiters = state.waiters > 0;
         drop(state);
-        budget.released.notify_all();
+        if waiters {
+            budget.released.notify_all();
+        }
     }
 }
 

@@ -409,7 +409,7 @@ fn show(path: &Path) -> Result<()> {
 
 fn check(path: &Path, data: bool) -> Result<ExitCode> {
     let dev = devices::open_spec(&path.to_string_lossy(), Access::Check)?;
-    let r = engine::check_device(&*dev, data)?;
+    let r = engine::check_device(&*dev, data).with_context(|| path.display().to_string())?;
     println!("{}: tiercache {} device", path.display(), r.kind);
     for (k, v) in &r.facts {
         println!("  {k}: {v}");
