@@ -165,6 +165,17 @@ impl Buckets {
         }
     }
 
+    /// Bytes of heap the bucket table holds (for the memory budget).
+    pub fn heap_bytes(&self) -> u64 {
+        (self.gen.capacity()
+            + self.state.capacity() * std::mem::size_of::<BucketState>()
+            + self.fill.capacity() * 4
+            + self.last_use.capacity() * 8
+            + self.pins.capacity() * 4
+            + (self.free.capacity() + self.pending.capacity()) * 12
+            + (self.lru.list.capacity() + self.gc.list.capacity()) * 16) as u64
+    }
+
     pub fn free_count(&self) -> usize {
         self.free.len()
     }

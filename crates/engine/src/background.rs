@@ -190,11 +190,9 @@ fn gc_one(inner: &Inner) -> Result<bool> {
                     let crcs: Vec<u32> = (0..n)
                         .map(|i| st.index.crc(e.cache_block + done + i))
                         .collect();
-                    let gen = st.buckets.gen[st.index.bucket_of(cb) as usize];
                     let ext = crate::index::Extent {
                         len: n,
                         cache_block: cb,
-                        gen,
                         dirty,
                     };
                     let now = inner.now_ns();
@@ -249,6 +247,59 @@ fn read_verified(
             let now = inner.now_ns();
             st.invalidate(dev, block, block + u64::from(e.len), now);
             Ok(None)
+        }
+    }
+}
+
+/// Dirty blocks collected for writeback, sorted by backing position: a pass takes the next
+/// ones in that order (an elevator sweep over what the pool holds), and an exhausted pool is
+/// refilled from the buckets holding dirty data, in cache order from where the last refill
+/// stopped. So a pass costs what it writes back plus, once per `WRITEBACK_POOL_BLOCKS`
+/// blocks, a refill that visits only dirty buckets: never a scan of the whole cache.
+#[derive(Default)]
+pub(crate) struct WritebackPool {
+    pool: Vec<(DevId, u64, crate::index::Extent)>,
+    pos: usize,
+    cursor: u32,
+}
+
+/// Most dirty blocks one refill of the writeback pool collects (bounded work under the state
+/// lock, bounded memory: 16K runs at most).
+const WRITEBACK_POOL_BLOCKS: u64 = 16 * 1024;
+
+impl WritebackPool {
+    /// The next runs of at most `budget` blocks in all, of device `only` if given and of
+    /// devices `wanted` accepts, that are still dirty where the pool found them.
+    pub fn next_batch(
+        &mut self,
+        index: &crate::index::Index,
+        budget: u64,
+        only: Option<DevId>,
+        wanted: impl Fn(DevId) -> bool,
+    ) -> Vec<(DevId, u64, crate::index::Extent)> {
+        let mut out = Vec::new();
+        let mut taken = 0u64;
+        let mut refilled = false;
+        loop {
+            while self.pos < self.pool.len() && taken < budget {
+                let (d, s, e) = self.pool[self.pos];
+                self.pos += 1;
+                if only.is_some_and(|o| o != d)
+                    || !wanted(d)
+                    || !index.dirty_at(d, s, e.len, e.cache_block)
+                {
+                    continue;
+                }
+                out.push((d, s, e));
+                taken += u64::from(e.len);
+            }
+            if taken >= budget || refilled {
+                return out;
+            }
+            self.pool = index.dirty_runs(&mut self.cursor, WRITEBACK_POOL_BLOCKS, only);
+            self.pool.sort_unstable_by_key(|(d, s, _)| (*d, *s));
+            self.pos = 0;
+            refilled = true;
         }
     }
 }
@@ -331,7 +382,7 @@ fn writeback_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<(u6
     let bs = inner.block_size();
     let backings: Vec<_> = inner.backings.read().values().cloned().collect();
     let (rates, entries) = {
-        let st = inner.state.lock();
+        let mut st = inner.state.lock();
         let rates = device_rates(inner, &st, &backings, force, only);
         let best = strongest(&rates);
         if best == WritebackRate::Idle {
@@ -342,18 +393,13 @@ fn writeback_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<(u6
         } else {
             WRITEBACK_SHARE_BYTES
         } / bs;
-        let start = only.map(|d| (d, 0)).unwrap_or(st.wb_cursor);
-        let entries: Vec<_> = st
-            .index
-            .dirty_from(start, budget)
-            .into_iter()
-            .filter(|(d, _, _)| rates.iter().any(|r| r.0 == *d))
-            .collect();
+        let st = &mut *st;
+        let entries = st
+            .writeback
+            .next_batch(&st.index, budget, only, |d| rates.iter().any(|r| r.0 == d));
         (rates, entries)
     };
     let best = strongest(&rates);
-    let mut entries = entries;
-    entries.sort_by_key(|(d, s, _)| (*d, *s));
     // Merge backing-contiguous neighbours into runs.
     let mut runs: Vec<Vec<(DevId, u64, crate::index::Extent)>> = Vec::new();
     for x in entries {
@@ -402,14 +448,7 @@ fn writeback_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<(u6
             let mut st = inner.state.lock();
             let live: Vec<_> = run
                 .into_iter()
-                .filter(|(d, s, e)| {
-                    st.index.maps_to(*d, *s, e.len, e.cache_block)
-                        && st
-                            .index
-                            .lookup(*d, *s, s + u64::from(e.len))
-                            .iter()
-                            .all(|x| x.ext.is_some_and(|x| x.dirty))
-                })
+                .filter(|(d, s, e)| st.index.dirty_at(*d, *s, e.len, e.cache_block))
                 .collect();
             for (_, _, e) in &live {
                 let b = st.index.bucket_of(e.cache_block);
@@ -493,7 +532,6 @@ fn writeback_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<(u6
             if let Some(b) = backings.iter().find(|b| b.id == *dev) {
                 Counters::add(&b.counters.writeback_bytes, n * bs);
             }
-            st.wb_cursor = (*dev, s + u64::from(e.len));
         }
     }
     Ok((blocks, best))

@@ -103,7 +103,7 @@ pub fn check_device(dev: &dyn BlockDevice, verify_data: bool) -> Result<CheckRep
     if verify_data {
         let mut bad = 0u64;
         let mut buf = Vec::new();
-        for (dev_id, block, e) in loaded.index.iter() {
+        for (dev_id, block, e) in loaded.index.runs() {
             buf.resize((u64::from(e.len) * bs) as usize, 0);
             dev.read_at(&mut buf, l.block_offset(e.cache_block))
                 .map_err(|err| crate::Error::io("reading cached data", err))?;

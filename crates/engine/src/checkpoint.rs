@@ -12,7 +12,7 @@
 
 use crate::codec::{frame, unframe, Reader, Writer};
 use crate::format::{Layout, Superblock, MAX_DEVS};
-use crate::index::{Extent, Index};
+use crate::index::{Extent, Index, BLOCK_LIMIT};
 use crate::journal::{self, Entry, Ring};
 use crate::types::{DevId, Error, IoContext, Result};
 use blockdev::BlockDevice;
@@ -35,18 +35,19 @@ pub fn encode(
     w.u64(ring.next_seq);
     w.u32(gens.len() as u32);
     w.u32(devs.len() as u32);
-    w.u64(index.entry_count() as u64);
+    let runs = index.runs();
+    w.u64(runs.len() as u64);
     for (d, u) in devs {
         w.u32(d.0);
         w.bytes(u.as_bytes());
     }
     w.bytes(gens);
-    for (dev, block, e) in index.iter() {
+    for (dev, block, e) in runs {
         w.u32(dev.0);
         w.u64(block);
         w.u32(e.len);
         w.u32(e.cache_block);
-        w.u8(e.gen);
+        w.u8(gens[index.bucket_of(e.cache_block) as usize]);
         w.u8(u8::from(e.dirty));
         for i in 0..e.len {
             w.u32(index.crc(e.cache_block + i));
@@ -78,7 +79,14 @@ fn corrupt(m: impl Into<String>) -> Error {
 }
 
 /// Checks an index entry from disk against the layout before it touches the index.
-fn check_extent(l: &Layout, gens: &[u8], dev: DevId, block: u64, e: &Extent) -> Result<bool> {
+fn check_extent(
+    l: &Layout,
+    gens: &[u8],
+    dev: DevId,
+    block: u64,
+    e: &Extent,
+    gen: u8,
+) -> Result<bool> {
     let bpb = l.blocks_per_bucket();
     let end = u64::from(e.cache_block) + u64::from(e.len);
     if e.len == 0
@@ -86,7 +94,7 @@ fn check_extent(l: &Layout, gens: &[u8], dev: DevId, block: u64, e: &Extent) -> 
         || e.cache_block / bpb != (end as u32 - 1) / bpb
         || block
             .checked_add(u64::from(e.len))
-            .is_none_or(|x| x >= 1 << 48)
+            .is_none_or(|x| x > BLOCK_LIMIT)
         || dev.0 >= MAX_DEVS as u32
     {
         return Err(corrupt(format!(
@@ -94,7 +102,7 @@ fn check_extent(l: &Layout, gens: &[u8], dev: DevId, block: u64, e: &Extent) -> 
             dev.0, e.len, e.cache_block
         )));
     }
-    Ok(gens[(e.cache_block / bpb) as usize] == e.gen)
+    Ok(gens[(e.cache_block / bpb) as usize] == gen)
 }
 
 /// Loads the newest state of a cache device: superblock, checkpoint, journal replay.
@@ -173,10 +181,9 @@ pub fn load(cache: &dyn BlockDevice) -> Result<Loaded> {
         let e = Extent {
             len,
             cache_block,
-            gen,
             dirty,
         };
-        let fresh = check_extent(&l, &gens, dev, block, &e)?;
+        let fresh = check_extent(&l, &gens, dev, block, &e, gen)?;
         let crcs = (0..len)
             .map(|_| r.u32())
             .collect::<Option<Vec<_>>>()
@@ -253,16 +260,15 @@ fn apply(
             let e = Extent {
                 len,
                 cache_block,
-                gen,
                 dirty,
             };
-            if check_extent(l, gens, dev, block, &e)? {
+            if check_extent(l, gens, dev, block, &e, gen)? {
                 index.insert_replayed(dev, block, e, &crcs);
             }
         }
         Entry::Invalidate { dev, block, len } => {
             known(devs, dev)?;
-            index.remove_range(dev, block, block.saturating_add(len).min(1 << 48));
+            index.remove_range(dev, block, block.saturating_add(len).min(BLOCK_LIMIT));
         }
         Entry::MarkClean {
             dev,
@@ -273,7 +279,7 @@ fn apply(
             known(devs, dev)?;
             if block
                 .checked_add(u64::from(len))
-                .is_none_or(|e| e >= 1 << 48)
+                .is_none_or(|e| e > BLOCK_LIMIT)
             {
                 return Err(corrupt("mark-clean range out of bounds"));
             }
@@ -294,7 +300,7 @@ fn apply(
         }
         Entry::DetachDev { dev } => {
             known(devs, dev)?;
-            index.remove_range(dev, 0, 1 << 48);
+            index.remove_range(dev, 0, BLOCK_LIMIT);
             devs.remove(&dev);
         }
     }

@@ -1,25 +1,44 @@
 //! The in-memory index: which backing blocks the cache holds, where, and whether dirty.
 //!
+//! One record per cache block, in flat arrays sized once for the cache (see the RAM budget in
+//! `docs/decisions.md`, about 15 bytes per cache block):
+//! - `owner[cb]` (6 bytes): the backing block that cache block `cb` holds, packed as
+//!   `1 + (dev << 40 | block)`, or 0 when it holds nothing;
+//! - `crc[cb]` (4 bytes): the crc32c of the data in `cb`;
+//! - `dirty` (1 bit per cache block);
+//! - `table` (`u32` slots, at most 7/8 full): an open-addressing hash table (Robin Hood
+//!   probing, backward-shift deletion) of `cb + 1` keyed by `owner[cb]`, so the key itself
+//!   lives only in `owner`.
+//!
 //! Invariants (checked by `check_invariants` in tests):
-//! - entries of one device never overlap; an entry never spans two buckets;
-//! - every cache block is referenced by at most one entry; `owner[cb]` names the backing block
-//!   that references `cb` (or `NO_OWNER`), so a bucket can be emptied without scanning the map;
-//! - `bucket_live`/`bucket_dirty`/`live_blocks`/`dirty_blocks` and the per-device live and
-//!   dirty counts always equal the sums over the entries (so nothing on a frequent path sums
-//!   them), and `dirty_keys` holds exactly the keys of dirty entries;
+//! - a backing block maps to at most one cache block and a cache block holds at most one
+//!   backing block: `table` holds `cb + 1` exactly for the cache blocks with an owner, once;
+//! - Robin Hood order: along a probe run, no slot is further from its home than the next one
+//!   is from its own plus one (so a lookup stops at the first slot closer to home than itself);
+//! - `bucket_live`/`bucket_dirty`/`live_blocks`/`dirty_blocks` and the per-device counts
+//!   equal the sums over the owned cache blocks, and `live_buckets`/`dirty_buckets` hold
+//!   exactly the buckets whose count is non-zero (so nothing on a frequent path sums them);
 //! - all mutation goes through `put`/`take`, which keep the above in step.
 //!
+//! Every array is allocated zeroed and never resized: the kernel maps the pages as they are
+//! first written, so an empty cache costs little and a full one never needs a rehash.
+//! Lookups cost O(blocks asked for); a range operation over more blocks than the cache holds
+//! walks the live buckets instead, so no operation costs more than the smaller of the two.
 //! The index does no I/O; the journal records every change made to it so replay rebuilds it.
 
+use crate::bitset::LevelBits;
 use crate::types::DevId;
-use std::collections::{BTreeMap, BTreeSet};
 
-/// One mapping: `len` backing blocks starting at the key map to cache blocks from `cache_block`.
+/// Backing blocks addressable per device (blocks `0..BLOCK_LIMIT`): 4 PiB of 4 KiB blocks.
+pub const BLOCK_LIMIT: u64 = (1 << 40) - 1;
+const DEV_SHIFT: u32 = 40;
+
+/// A run of cached blocks: `len` backing blocks map to cache blocks from `cache_block`, all
+/// in one bucket and all clean or all dirty.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
     pub len: u32,
     pub cache_block: u32,
-    pub gen: u8,
     pub dirty: bool,
 }
 
@@ -31,36 +50,40 @@ pub struct Seg {
     pub ext: Option<Extent>,
 }
 
-type Key = (u32, u64);
-/// An owner slot nobody references. Zero, so the owner table of a fresh index is zeroed
-/// memory the kernel maps lazily: its RAM follows the blocks in use, not the cache size.
-const NO_OWNER: u64 = 0;
-const DEV_SHIFT: u32 = 48;
-/// Set in every packed owner, so no owner packs to `NO_OWNER`.
-const OWNED: u64 = 1 << 63;
-
+/// The packed owner of a cache block (never 0).
 fn pack(dev: DevId, block: u64) -> u64 {
     assert!(
-        block < 1 << DEV_SHIFT && dev.0 < 1 << 15,
-        "block or device id out of range"
+        block < BLOCK_LIMIT && dev.0 < 256,
+        "block {block} or device id {} out of range",
+        dev.0
     );
-    OWNED | (u64::from(dev.0) << DEV_SHIFT) | block
+    1 + ((u64::from(dev.0) << DEV_SHIFT) | block)
 }
 
 fn unpack(v: u64) -> (DevId, u64) {
-    debug_assert!(v & OWNED != 0, "unpack of an empty owner slot");
-    let v = v & !OWNED;
+    debug_assert!(v != 0, "unpack of an empty owner slot");
+    let v = v - 1;
     (DevId((v >> DEV_SHIFT) as u32), v & ((1 << DEV_SHIFT) - 1))
 }
 
+/// Spreads a packed key over 64 bits (the splitmix64 finalizer).
+fn mix(k: u64) -> u64 {
+    let mut z = k;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 pub struct Index {
-    map: BTreeMap<Key, Extent>,
-    dirty_keys: BTreeSet<Key>,
-    owner: Vec<u64>,
+    owner: Vec<[u8; 6]>,
     crc: Vec<u32>,
+    dirty: Vec<u64>,
+    table: Vec<u32>,
     bpb: u32,
     pub bucket_live: Vec<u32>,
     pub bucket_dirty: Vec<u32>,
+    live_buckets: LevelBits,
+    dirty_buckets: LevelBits,
     pub live_blocks: u64,
     pub dirty_blocks: u64,
     /// Per device (indexed by device id, grown on demand): cached and dirty blocks.
@@ -76,23 +99,41 @@ struct DevBlocks {
 
 impl Index {
     pub fn new(nbuckets: u32, blocks_per_bucket: u32) -> Index {
-        let total = (nbuckets * blocks_per_bucket) as usize;
+        let total = nbuckets as usize * blocks_per_bucket as usize;
+        assert!(total < u32::MAX as usize, "cache blocks must fit a u32");
+        // At most 7/8 full even when every cache block is live.
+        let slots = total + total / 7 + 1;
         Index {
-            map: BTreeMap::new(),
-            dirty_keys: BTreeSet::new(),
-            owner: vec![NO_OWNER; total],
+            owner: vec![[0u8; 6]; total],
             crc: vec![0; total],
+            dirty: vec![0; total.div_ceil(64)],
+            table: vec![0; slots],
             bpb: blocks_per_bucket,
             bucket_live: vec![0; nbuckets as usize],
             bucket_dirty: vec![0; nbuckets as usize],
+            live_buckets: LevelBits::new(nbuckets as usize),
+            dirty_buckets: LevelBits::new(nbuckets as usize),
             live_blocks: 0,
             dirty_blocks: 0,
             dev_blocks: Vec::new(),
         }
     }
 
+    /// Bytes of heap this index holds (its arrays are allocated once, at their full size).
+    pub fn heap_bytes(&self) -> u64 {
+        (self.owner.capacity() * 6
+            + self.crc.capacity() * 4
+            + self.dirty.capacity() * 8
+            + self.table.capacity() * 4
+            + (self.bucket_live.capacity() + self.bucket_dirty.capacity()) * 4
+            + self.live_buckets.heap_bytes()
+            + self.dirty_buckets.heap_bytes()
+            + self.dev_blocks.capacity() * std::mem::size_of::<DevBlocks>()) as u64
+    }
+
+    /// Cached blocks (each one an entry).
     pub fn entry_count(&self) -> usize {
-        self.map.len()
+        self.live_blocks as usize
     }
 
     pub fn bucket_of(&self, cache_block: u32) -> u32 {
@@ -103,88 +144,221 @@ impl Index {
         self.crc[cache_block as usize]
     }
 
-    fn put(&mut self, dev: DevId, start: u64, ext: Extent) {
-        assert!(ext.len > 0);
-        let bucket = self.bucket_of(ext.cache_block);
-        assert_eq!(
-            bucket,
-            self.bucket_of(ext.cache_block + ext.len - 1),
-            "extent spans buckets"
-        );
-        for i in 0..ext.len {
-            let slot = &mut self.owner[(ext.cache_block + i) as usize];
-            assert_eq!(
-                *slot,
-                NO_OWNER,
-                "cache block {} referenced twice",
-                ext.cache_block + i
-            );
-            *slot = pack(dev, start + u64::from(i));
+    fn owner_of(&self, cb: u32) -> u64 {
+        let b = self.owner[cb as usize];
+        u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], 0, 0])
+    }
+
+    fn set_owner(&mut self, cb: u32, v: u64) {
+        debug_assert!(v < 1 << 48);
+        let b = v.to_le_bytes();
+        self.owner[cb as usize].copy_from_slice(&b[..6]);
+    }
+
+    fn is_dirty(&self, cb: u32) -> bool {
+        self.dirty[cb as usize / 64] & (1 << (cb % 64)) != 0
+    }
+
+    fn home(&self, key: u64) -> usize {
+        ((u128::from(mix(key)) * self.table.len() as u128) >> 64) as usize
+    }
+
+    /// How far slot `pos` is from the home of the key it holds.
+    fn displacement(&self, pos: usize) -> usize {
+        let cb = self.table[pos] - 1;
+        let home = self.home(self.owner_of(cb));
+        (pos + self.table.len() - home) % self.table.len()
+    }
+
+    fn next_slot(&self, pos: usize) -> usize {
+        if pos + 1 == self.table.len() {
+            0
+        } else {
+            pos + 1
         }
-        self.bucket_live[bucket as usize] += ext.len;
-        self.live_blocks += u64::from(ext.len);
+    }
+
+    /// The slot holding `key` and its cache block.
+    fn find(&self, key: u64) -> Option<(usize, u32)> {
+        let mut pos = self.home(key);
+        let mut dist = 0;
+        loop {
+            let s = self.table[pos];
+            if s == 0 {
+                return None;
+            }
+            if self.owner_of(s - 1) == key {
+                return Some((pos, s - 1));
+            }
+            if self.displacement(pos) < dist {
+                return None;
+            }
+            pos = self.next_slot(pos);
+            dist += 1;
+        }
+    }
+
+    /// Adds `cb` (whose owner is already set, and not in the table) to the table.
+    fn table_insert(&mut self, cb: u32) {
+        let mut carry = cb + 1;
+        let mut pos = self.home(self.owner_of(cb));
+        let mut dist = 0;
+        loop {
+            let s = self.table[pos];
+            if s == 0 {
+                self.table[pos] = carry;
+                return;
+            }
+            let theirs = self.displacement(pos);
+            if theirs < dist {
+                self.table[pos] = carry;
+                carry = s;
+                dist = theirs;
+            }
+            pos = self.next_slot(pos);
+            dist += 1;
+        }
+    }
+
+    /// Empties slot `pos`, shifting the rest of its probe run back.
+    fn table_remove(&mut self, mut pos: usize) {
+        loop {
+            let next = self.next_slot(pos);
+            let s = self.table[next];
+            if s == 0 || self.displacement(next) == 0 {
+                self.table[pos] = 0;
+                return;
+            }
+            self.table[pos] = s;
+            pos = next;
+        }
+    }
+
+    /// The cache block holding `(dev, block)`.
+    pub fn get(&self, dev: DevId, block: u64) -> Option<u32> {
+        if block >= BLOCK_LIMIT || dev.0 >= 256 {
+            return None;
+        }
+        self.find(pack(dev, block)).map(|(_, cb)| cb)
+    }
+
+    fn dev_counts(&mut self, dev: DevId) -> &mut DevBlocks {
         let d = dev.0 as usize;
         if self.dev_blocks.len() <= d {
             self.dev_blocks.resize(d + 1, DevBlocks::default());
         }
-        self.dev_blocks[d].live += u64::from(ext.len);
-        if ext.dirty {
-            self.bucket_dirty[bucket as usize] += ext.len;
-            self.dirty_blocks += u64::from(ext.len);
-            self.dirty_keys.insert((dev.0, start));
-            self.dev_blocks[d].dirty += u64::from(ext.len);
+        &mut self.dev_blocks[d]
+    }
+
+    fn set_dirty(&mut self, cb: u32, dev: DevId) {
+        debug_assert!(!self.is_dirty(cb));
+        self.dirty[cb as usize / 64] |= 1 << (cb % 64);
+        let bucket = self.bucket_of(cb) as usize;
+        self.bucket_dirty[bucket] += 1;
+        if self.bucket_dirty[bucket] == 1 {
+            self.dirty_buckets.set(bucket);
         }
-        let prev = self.map.insert((dev.0, start), ext);
-        assert!(prev.is_none(), "index entry inserted over an existing one");
+        self.dirty_blocks += 1;
+        self.dev_counts(dev).dirty += 1;
     }
 
-    fn take(&mut self, dev: DevId, start: u64) -> Extent {
-        let ext = self
-            .map
-            .remove(&(dev.0, start))
-            .expect("take of a missing entry");
-        let bucket = self.bucket_of(ext.cache_block);
-        for i in 0..ext.len {
-            self.owner[(ext.cache_block + i) as usize] = NO_OWNER;
+    fn clear_dirty(&mut self, cb: u32, dev: DevId) {
+        debug_assert!(self.is_dirty(cb));
+        self.dirty[cb as usize / 64] &= !(1 << (cb % 64));
+        let bucket = self.bucket_of(cb) as usize;
+        self.bucket_dirty[bucket] -= 1;
+        if self.bucket_dirty[bucket] == 0 {
+            self.dirty_buckets.clear(bucket);
         }
-        self.bucket_live[bucket as usize] -= ext.len;
-        self.live_blocks -= u64::from(ext.len);
-        let counts = &mut self.dev_blocks[dev.0 as usize];
-        counts.live -= u64::from(ext.len);
-        if ext.dirty {
-            self.bucket_dirty[bucket as usize] -= ext.len;
-            self.dirty_blocks -= u64::from(ext.len);
-            self.dirty_keys.remove(&(dev.0, start));
-            counts.dirty -= u64::from(ext.len);
+        self.dirty_blocks -= 1;
+        self.dev_blocks[dev.0 as usize].dirty -= 1;
+    }
+
+    /// Maps `(dev, block)` to the unreferenced cache block `cb`; the block must be unmapped.
+    fn put(&mut self, dev: DevId, block: u64, cb: u32, dirty: bool, crc: u32) {
+        assert_eq!(self.owner_of(cb), 0, "cache block {cb} referenced twice");
+        self.set_owner(cb, pack(dev, block));
+        self.table_insert(cb);
+        self.crc[cb as usize] = crc;
+        let bucket = self.bucket_of(cb) as usize;
+        self.bucket_live[bucket] += 1;
+        if self.bucket_live[bucket] == 1 {
+            self.live_buckets.set(bucket);
         }
-        ext
+        self.live_blocks += 1;
+        self.dev_counts(dev).live += 1;
+        if dirty {
+            self.set_dirty(cb, dev);
+        }
     }
 
-    /// Entries overlapping `[b0, b1)`, in order, without allocating.
-    fn overlapping_iter(
-        &self,
-        dev: DevId,
-        b0: u64,
-        b1: u64,
-    ) -> impl Iterator<Item = (u64, Extent)> + '_ {
-        let before = self
-            .map
-            .range(..(dev.0, b0))
-            .next_back()
-            .filter(|(&(d, s), e)| d == dev.0 && s + u64::from(e.len) > b0);
-        before
-            .into_iter()
-            .chain(self.map.range((dev.0, b0)..(dev.0, b1)))
-            .map(|(&(_, s), e)| (s, *e))
+    /// Unmaps the block in table slot `pos` (holding `cb`); returns whether it was dirty.
+    fn take(&mut self, pos: usize, cb: u32) -> bool {
+        let (dev, _) = unpack(self.owner_of(cb));
+        self.table_remove(pos);
+        self.set_owner(cb, 0);
+        let dirty = self.is_dirty(cb);
+        if dirty {
+            self.clear_dirty(cb, dev);
+        }
+        let bucket = self.bucket_of(cb) as usize;
+        self.bucket_live[bucket] -= 1;
+        if self.bucket_live[bucket] == 0 {
+            self.live_buckets.clear(bucket);
+        }
+        self.live_blocks -= 1;
+        self.dev_blocks[dev.0 as usize].live -= 1;
+        dirty
     }
 
-    /// Entries overlapping `[b0, b1)`, in order (collected, for callers that mutate).
-    fn overlapping(&self, dev: DevId, b0: u64, b1: u64) -> Vec<(u64, Extent)> {
-        self.overlapping_iter(dev, b0, b1).collect()
+    /// Unmaps `(dev, block)` if mapped; returns whether it was dirty.
+    fn take_key(&mut self, key: u64) -> Option<bool> {
+        let (pos, cb) = self.find(key)?;
+        Some(self.take(pos, cb))
     }
 
-    /// Whether any entry overlapping `[b0, b1)` satisfies `pred` (no allocation: this runs on
-    /// every write that goes around the cache).
+    /// The cache blocks holding blocks of `dev` in `[b0, b1)`, as `(block, cb)`, in no
+    /// particular order: by lookups when the range is no bigger than what is cached, else by
+    /// walking the live buckets (so the cost is the smaller of the two).
+    fn mapped_in(&self, dev: DevId, b0: u64, b1: u64) -> Vec<(u64, u32)> {
+        let b1 = b1.min(BLOCK_LIMIT);
+        let live = self.dev_blocks.get(dev.0 as usize).map_or(0, |c| c.live);
+        if b0 >= b1 || live == 0 {
+            return Vec::new();
+        }
+        if b1 - b0 <= self.live_blocks.max(64) {
+            (b0..b1)
+                .filter_map(|b| self.get(dev, b).map(|cb| (b, cb)))
+                .collect()
+        } else {
+            let mut out = Vec::new();
+            self.for_each_owned(|cb, d, b| {
+                if d == dev && (b0..b1).contains(&b) {
+                    out.push((b, cb));
+                }
+            });
+            out
+        }
+    }
+
+    /// Calls `f(cb, dev, block)` for every owned cache block, bucket by bucket (live buckets
+    /// only), in cache order.
+    fn for_each_owned(&self, mut f: impl FnMut(u32, DevId, u64)) {
+        let mut bucket = 0;
+        while let Some(b) = self.live_buckets.next_set(bucket) {
+            let first = b as u32 * self.bpb;
+            for cb in first..first + self.bpb {
+                let v = self.owner_of(cb);
+                if v != 0 {
+                    let (d, blk) = unpack(v);
+                    f(cb, d, blk);
+                }
+            }
+            bucket = b + 1;
+        }
+    }
+
+    /// Whether any block of `[b0, b1)` is cached and satisfies `pred`.
     pub fn any_overlapping(
         &self,
         dev: DevId,
@@ -192,41 +366,32 @@ impl Index {
         b1: u64,
         pred: impl Fn(&Extent) -> bool,
     ) -> bool {
-        self.overlapping_iter(dev, b0, b1).any(|(_, e)| pred(&e))
-    }
-
-    /// Splits entries so that `b` is an entry boundary (no entry strictly contains it).
-    fn split_at(&mut self, dev: DevId, b: u64) {
-        if let Some((&(d, s), &e)) = self.map.range(..(dev.0, b)).next_back() {
-            if d == dev.0 && s < b && s + u64::from(e.len) > b {
-                let left = (b - s) as u32;
-                self.take(dev, s);
-                self.put(dev, s, Extent { len: left, ..e });
-                self.put(
-                    dev,
-                    b,
-                    Extent {
-                        len: e.len - left,
-                        cache_block: e.cache_block + left,
-                        ..e
-                    },
-                );
-            }
+        let b1 = b1.min(BLOCK_LIMIT);
+        if b0 >= b1 || self.dev_live_blocks(dev) == 0 {
+            return false;
+        }
+        let test = |cb: u32| {
+            pred(&Extent {
+                len: 1,
+                cache_block: cb,
+                dirty: self.is_dirty(cb),
+            })
+        };
+        if b1 - b0 <= self.live_blocks.max(64) {
+            (b0..b1).any(|b| self.get(dev, b).is_some_and(test))
+        } else {
+            self.mapped_in(dev, b0, b1)
+                .into_iter()
+                .any(|(_, cb)| test(cb))
         }
     }
 
     /// Removes whatever is mapped in `[b0, b1)`; returns the number of dirty blocks dropped.
     pub fn remove_range(&mut self, dev: DevId, b0: u64, b1: u64) -> u64 {
-        if b0 >= b1 {
-            return 0;
-        }
-        self.split_at(dev, b0);
-        self.split_at(dev, b1);
         let mut dirty = 0;
-        for (s, _) in self.overlapping(dev, b0, b1) {
-            let e = self.take(dev, s);
-            if e.dirty {
-                dirty += u64::from(e.len);
+        for (b, _) in self.mapped_in(dev, b0, b1) {
+            if self.take_key(pack(dev, b)) == Some(true) {
+                dirty += 1;
             }
         }
         dirty
@@ -246,50 +411,57 @@ impl Index {
 
     fn insert_inner(&mut self, dev: DevId, block: u64, ext: Extent, crcs: &[u32], steal: bool) {
         assert_eq!(crcs.len(), ext.len as usize);
-        self.remove_range(dev, block, block + u64::from(ext.len));
-        for i in (0..ext.len).filter(|_| steal) {
-            let v = self.owner[(ext.cache_block + i) as usize];
-            if v != NO_OWNER {
-                let (d, b) = unpack(v);
-                self.remove_range(d, b, b + 1);
+        assert!(ext.len > 0);
+        assert_eq!(
+            self.bucket_of(ext.cache_block),
+            self.bucket_of(ext.cache_block + ext.len - 1),
+            "extent spans buckets"
+        );
+        for i in 0..ext.len {
+            let (b, cb) = (block + u64::from(i), ext.cache_block + i);
+            self.take_key(pack(dev, b));
+            if steal {
+                let v = self.owner_of(cb);
+                if v != 0 {
+                    self.take_key(v);
+                }
             }
+            self.put(dev, b, cb, ext.dirty, crcs[i as usize]);
         }
-        self.put(dev, block, ext);
-        self.crc[ext.cache_block as usize..(ext.cache_block + ext.len) as usize]
-            .copy_from_slice(crcs);
     }
 
-    /// Covers `[b0, b1)` with cached pieces and holes, in order.
+    /// Covers `[b0, b1)` with cached pieces and holes, in order. A cached piece is a run of
+    /// blocks in consecutive cache blocks of one bucket, all clean or all dirty.
     pub fn lookup(&self, dev: DevId, b0: u64, b1: u64) -> Vec<Seg> {
-        let mut out = Vec::new();
-        let mut at = b0;
-        for (s, e) in self.overlapping_iter(dev, b0, b1) {
-            let from = s.max(b0);
-            let to = (s + u64::from(e.len)).min(b1);
-            if from > at {
-                out.push(Seg {
-                    block: at,
-                    len: from - at,
-                    ext: None,
-                });
-            }
-            let skip = (from - s) as u32;
-            out.push(Seg {
-                block: from,
-                len: to - from,
-                ext: Some(Extent {
-                    len: (to - from) as u32,
-                    cache_block: e.cache_block + skip,
-                    ..e
-                }),
+        let mut out: Vec<Seg> = Vec::new();
+        for b in b0..b1 {
+            let ext = self.get(dev, b).map(|cb| Extent {
+                len: 1,
+                cache_block: cb,
+                dirty: self.is_dirty(cb),
             });
-            at = to;
-        }
-        if at < b1 {
+            if let Some(last) = out.last_mut() {
+                let joins = match (&mut last.ext, ext) {
+                    (None, None) => true,
+                    (Some(l), Some(e)) => {
+                        e.cache_block == l.cache_block + l.len
+                            && e.dirty == l.dirty
+                            && self.bucket_of(e.cache_block) == self.bucket_of(l.cache_block)
+                    }
+                    _ => false,
+                };
+                if joins {
+                    last.len += 1;
+                    if let Some(l) = &mut last.ext {
+                        l.len += 1;
+                    }
+                    continue;
+                }
+            }
             out.push(Seg {
-                block: at,
-                len: b1 - at,
-                ext: None,
+                block: b,
+                len: 1,
+                ext,
             });
         }
         out
@@ -297,26 +469,23 @@ impl Index {
 
     /// True if every block of `[b, b + len)` still maps to `cache_block + (x - b)`.
     pub fn maps_to(&self, dev: DevId, b: u64, len: u32, cache_block: u32) -> bool {
-        let segs = self.lookup(dev, b, b + u64::from(len));
-        segs.iter().all(|s| {
-            s.ext
-                .is_some_and(|e| u64::from(e.cache_block) == u64::from(cache_block) + (s.block - b))
-        })
+        (0..len).all(|i| self.get(dev, b + u64::from(i)) == Some(cache_block + i))
+    }
+
+    /// True if every block of `[b, b + len)` maps to `cache_block + (x - b)` and is dirty.
+    pub fn dirty_at(&self, dev: DevId, b: u64, len: u32, cache_block: u32) -> bool {
+        self.maps_to(dev, b, len, cache_block) && (0..len).all(|i| self.is_dirty(cache_block + i))
     }
 
     /// Marks clean the parts of `[b, b + len)` still mapped to `cache_block + (x - b)`.
     /// Returns the number of blocks that changed state.
     pub fn mark_clean(&mut self, dev: DevId, b: u64, len: u32, cache_block: u32) -> u64 {
-        let b1 = b + u64::from(len);
-        self.split_at(dev, b);
-        self.split_at(dev, b1);
         let mut cleaned = 0;
-        for (s, e) in self.overlapping(dev, b, b1) {
-            let matches = u64::from(e.cache_block) == u64::from(cache_block) + (s - b);
-            if e.dirty && matches {
-                self.take(dev, s);
-                self.put(dev, s, Extent { dirty: false, ..e });
-                cleaned += u64::from(e.len);
+        for i in 0..len {
+            let cb = cache_block + i;
+            if self.get(dev, b + u64::from(i)) == Some(cb) && self.is_dirty(cb) {
+                self.clear_dirty(cb, dev);
+                cleaned += 1;
             }
         }
         cleaned
@@ -327,64 +496,107 @@ impl Index {
         let mut dirty = 0;
         let first = bucket * self.bpb;
         for cb in first..first + self.bpb {
-            let v = self.owner[cb as usize];
-            if v == NO_OWNER {
-                continue;
-            }
-            let (dev, b) = unpack(v);
-            let (&(_, s), &e) = self
-                .map
-                .range(..=(dev.0, b))
-                .next_back()
-                .expect("owner names a block with no entry");
-            assert!(s + u64::from(e.len) > b && e.cache_block + (b - s) as u32 == cb);
-            let e = self.take(dev, s);
-            if e.dirty {
-                dirty += u64::from(e.len);
+            let v = self.owner_of(cb);
+            if v != 0 && self.take_key(v) == Some(true) {
+                dirty += 1;
             }
         }
         dirty
     }
 
-    /// Live entries in a bucket (for copying GC), in cache order.
+    /// Live entries in a bucket (for copying GC), in cache order, as runs of consecutive
+    /// backing blocks in consecutive cache blocks.
     pub fn entries_in_bucket(&self, bucket: u32) -> Vec<(DevId, u64, Extent)> {
-        let mut out = Vec::new();
+        let mut out: Vec<(DevId, u64, Extent)> = Vec::new();
         let first = bucket * self.bpb;
-        let mut cb = first;
-        while cb < first + self.bpb {
-            let v = self.owner[cb as usize];
-            if v == NO_OWNER {
-                cb += 1;
-                continue;
+        for cb in first..first + self.bpb {
+            let v = self.owner_of(cb);
+            if v != 0 {
+                self.push_run(&mut out, cb, v);
             }
-            let (dev, b) = unpack(v);
-            let (&(_, s), &e) = self
-                .map
-                .range(..=(dev.0, b))
-                .next_back()
-                .expect("owner without entry");
-            out.push((dev, s, e));
-            cb = e.cache_block + e.len;
         }
         out
     }
 
-    /// Up to `max_blocks` of dirty entries in backing order, starting at `from` (wrapping).
-    pub fn dirty_from(&self, from: (DevId, u64), max_blocks: u64) -> Vec<(DevId, u64, Extent)> {
+    /// Appends cache block `cb` (owner `v`) to `out`, extending the last run if it continues it.
+    fn push_run(&self, out: &mut Vec<(DevId, u64, Extent)>, cb: u32, v: u64) {
+        let (dev, block) = unpack(v);
+        let dirty = self.is_dirty(cb);
+        if let Some((d, s, e)) = out.last_mut() {
+            if *d == dev
+                && *s + u64::from(e.len) == block
+                && e.cache_block + e.len == cb
+                && e.dirty == dirty
+                && self.bucket_of(e.cache_block) == self.bucket_of(cb)
+            {
+                e.len += 1;
+                return;
+            }
+        }
+        out.push((
+            dev,
+            block,
+            Extent {
+                len: 1,
+                cache_block: cb,
+                dirty,
+            },
+        ));
+    }
+
+    /// Dirty blocks in cache order from bucket `*cursor` on (wrapping once), at most
+    /// `max_blocks`, of device `only` if given, as runs; `*cursor` moves past the last bucket
+    /// visited. Visits only buckets holding dirty data.
+    pub fn dirty_runs(
+        &self,
+        cursor: &mut u32,
+        max_blocks: u64,
+        only: Option<DevId>,
+    ) -> Vec<(DevId, u64, Extent)> {
         let mut out = Vec::new();
-        let mut total = 0;
-        let key = (from.0 .0, from.1);
-        for &(d, s) in self
-            .dirty_keys
-            .range(key..)
-            .chain(self.dirty_keys.range(..key))
-        {
-            if total >= max_blocks {
+        let nbuckets = self.bucket_dirty.len();
+        if self.dirty_blocks == 0 || nbuckets == 0 {
+            return out;
+        }
+        let start = (*cursor as usize).min(nbuckets - 1);
+        let mut at = start;
+        let mut wrapped = false;
+        let mut taken = 0u64;
+        loop {
+            let next = match self.dirty_buckets.next_set(at) {
+                Some(b) if !wrapped || b < start => b,
+                Some(_) => break,
+                None if !wrapped => {
+                    wrapped = true;
+                    at = 0;
+                    continue;
+                }
+                None => break,
+            };
+            let first = next as u32 * self.bpb;
+            for cb in first..first + self.bpb {
+                if !self.is_dirty(cb) {
+                    continue;
+                }
+                let v = self.owner_of(cb);
+                if only.is_some_and(|d| unpack(v).0 != d) {
+                    continue;
+                }
+                self.push_run(&mut out, cb, v);
+                taken += 1;
+            }
+            at = next + 1;
+            *cursor = (at % nbuckets) as u32;
+            if taken >= max_blocks {
                 break;
             }
-            let e = self.map[&(d, s)];
-            total += u64::from(e.len);
-            out.push((DevId(d), s, e));
+            if at >= nbuckets {
+                if wrapped {
+                    break;
+                }
+                wrapped = true;
+                at = 0;
+            }
         }
         out
     }
@@ -399,56 +611,96 @@ impl Index {
         self.dev_blocks.get(dev.0 as usize).map_or(0, |c| c.live)
     }
 
-    /// Every entry, in key order (for checkpoints).
-    pub fn iter(&self) -> impl Iterator<Item = (DevId, u64, &Extent)> + '_ {
-        self.map.iter().map(|(&(d, s), e)| (DevId(d), s, e))
+    /// The owned cache blocks of `bucket` as `(offset in bucket, dev, block, crc, dirty)`.
+    pub fn bucket_blocks(
+        &self,
+        bucket: u32,
+    ) -> impl Iterator<Item = (u32, DevId, u64, u32, bool)> + '_ {
+        let first = bucket * self.bpb;
+        (0..self.bpb).filter_map(move |i| {
+            let cb = first + i;
+            let v = self.owner_of(cb);
+            (v != 0).then(|| {
+                let (d, b) = unpack(v);
+                (i, d, b, self.crc[cb as usize], self.is_dirty(cb))
+            })
+        })
     }
 
-    /// Recomputes every derived field from the entries and compares (test and `check` use).
+    /// The next bucket at or after `from` that holds live blocks.
+    pub fn next_live_bucket(&self, from: u32) -> Option<u32> {
+        self.live_buckets.next_set(from as usize).map(|b| b as u32)
+    }
+
+    /// Every entry as runs, in cache order (for `check`).
+    pub fn runs(&self) -> Vec<(DevId, u64, Extent)> {
+        let mut out = Vec::new();
+        self.for_each_owned(|cb, d, b| {
+            let v = pack(d, b);
+            self.push_run(&mut out, cb, v);
+        });
+        out
+    }
+
+    /// Recomputes every derived field from the owners and compares (test and `check` use).
     pub fn check_invariants(&self) -> Result<(), String> {
-        let mut live = vec![0u32; self.bucket_live.len()];
-        let mut dirty = vec![0u32; self.bucket_live.len()];
-        let mut last: Option<(u32, u64)> = None;
-        let mut owners = 0usize;
-        for (&(d, s), e) in &self.map {
-            if let Some((ld, lend)) = last {
-                if ld == d && lend > s {
-                    return Err(format!("entries overlap at dev {d} block {s}"));
+        let nb = self.bucket_live.len();
+        let mut live = vec![0u32; nb];
+        let mut dirty = vec![0u32; nb];
+        let mut dev_blocks = vec![DevBlocks::default(); self.dev_blocks.len()];
+        let mut owned = 0u64;
+        for cb in 0..self.owner.len() as u32 {
+            let v = self.owner_of(cb);
+            if v == 0 {
+                if self.is_dirty(cb) {
+                    return Err(format!("cache block {cb} is dirty but holds nothing"));
                 }
+                continue;
             }
-            last = Some((d, s + u64::from(e.len)));
-            let b = self.bucket_of(e.cache_block) as usize;
-            live[b] += e.len;
-            if e.dirty {
-                dirty[b] += e.len;
-                if !self.dirty_keys.contains(&(d, s)) {
-                    return Err("dirty entry missing from dirty set".into());
-                }
+            owned += 1;
+            let (d, _) = unpack(v);
+            match self.find(v) {
+                Some((_, found)) if found == cb => {}
+                other => return Err(format!("cache block {cb}: its owner looks up to {other:?}")),
             }
-            for i in 0..e.len {
-                if self.owner[(e.cache_block + i) as usize] != pack(DevId(d), s + u64::from(i)) {
-                    return Err(format!("owner of cache block {} wrong", e.cache_block + i));
-                }
+            let b = self.bucket_of(cb) as usize;
+            live[b] += 1;
+            let Some(c) = dev_blocks.get_mut(d.0 as usize) else {
+                return Err(format!("device {} has entries but no counters", d.0));
+            };
+            c.live += 1;
+            if self.is_dirty(cb) {
+                dirty[b] += 1;
+                c.dirty += 1;
             }
-            owners += e.len as usize;
         }
-        if owners != self.owner.iter().filter(|&&o| o != NO_OWNER).count() {
-            return Err("stray owner entries".into());
+        let in_table = self.table.iter().filter(|&&s| s != 0).count() as u64;
+        if in_table != owned || owned != self.live_blocks {
+            return Err(format!(
+                "{in_table} table slots, {owned} owned blocks, {} counted",
+                self.live_blocks
+            ));
+        }
+        for pos in 0..self.table.len() {
+            let next = self.next_slot(pos);
+            if self.table[pos] != 0
+                && self.table[next] != 0
+                && self.displacement(next) > self.displacement(pos) + 1
+            {
+                return Err(format!("table slot {next} breaks Robin Hood order"));
+            }
         }
         if live != self.bucket_live || dirty != self.bucket_dirty {
             return Err("bucket counters disagree with entries".into());
         }
-        if self.dirty_keys.len() != self.map.values().filter(|e| e.dirty).count() {
-            return Err("dirty set has stray keys".into());
+        if dirty.iter().map(|&x| u64::from(x)).sum::<u64>() != self.dirty_blocks {
+            return Err("dirty block count disagrees with entries".into());
         }
-        let mut dev_blocks = vec![DevBlocks::default(); self.dev_blocks.len()];
-        for (&(d, _), e) in &self.map {
-            let Some(c) = dev_blocks.get_mut(d as usize) else {
-                return Err(format!("device {d} has entries but no counters"));
-            };
-            c.live += u64::from(e.len);
-            if e.dirty {
-                c.dirty += u64::from(e.len);
+        for b in 0..nb {
+            if self.live_buckets.get(b) != (live[b] > 0)
+                || self.dirty_buckets.get(b) != (dirty[b] > 0)
+            {
+                return Err(format!("bucket {b}: summary bits disagree with counts"));
             }
         }
         if dev_blocks != self.dev_blocks {
@@ -461,12 +713,13 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::{Rng, SeedableRng};
+    use std::collections::BTreeMap;
 
     fn ext(len: u32, cb: u32, dirty: bool) -> Extent {
         Extent {
             len,
             cache_block: cb,
-            gen: 0,
             dirty,
         }
     }
@@ -506,5 +759,94 @@ mod tests {
         assert!(!ix.maps_to(d, 0, 4, 0));
         assert!(ix.maps_to(d, 2, 2, 2));
         ix.check_invariants().unwrap();
+    }
+
+    /// Random inserts, overwrites, range removals, cleans and bucket drops on a nearly full
+    /// index, against a plain map; checks every invariant as it goes.
+    #[test]
+    fn random_operations_match_a_plain_map() {
+        let seed = crate::test_seed("random_operations_match_a_plain_map");
+        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+        let (nb, bpb) = (32u32, 8u32);
+        let mut ix = Index::new(nb, bpb);
+        let mut model: BTreeMap<(u32, u64), (u32, bool)> = BTreeMap::new();
+        let mut next_cb = 0u32;
+        for step in 0..4000 {
+            let dev = DevId(r.gen_range(0..3));
+            let b = r.gen_range(0..400u64);
+            match r.gen_range(0..10) {
+                0..=5 => {
+                    // Insert a run into fresh cache blocks of one bucket (recycle by dropping
+                    // the bucket first, as the allocator would).
+                    let len = r.gen_range(1..=4u32).min(bpb - next_cb % bpb);
+                    let bucket = ix.bucket_of(next_cb);
+                    if next_cb.is_multiple_of(bpb) {
+                        ix.drop_bucket(bucket);
+                        model.retain(|_, (cb, _)| *cb / bpb != bucket);
+                    }
+                    let dirty = r.gen_bool(0.5);
+                    ix.insert(dev, b, ext(len, next_cb, dirty), &vec![7; len as usize]);
+                    for i in 0..len {
+                        model.insert((dev.0, b + u64::from(i)), (next_cb + i, dirty));
+                    }
+                    next_cb = (next_cb + len) % (nb * bpb);
+                }
+                6 | 7 => {
+                    let len = r.gen_range(1..50u64);
+                    let want = model
+                        .range((dev.0, b)..(dev.0, b + len))
+                        .filter(|(_, v)| v.1)
+                        .count() as u64;
+                    assert_eq!(ix.remove_range(dev, b, b + len), want);
+                    model.retain(|k, _| !(k.0 == dev.0 && (b..b + len).contains(&k.1)));
+                }
+                8 => {
+                    if let Some((&(d, s), &(cb, _))) = model.range((dev.0, b)..).next() {
+                        ix.mark_clean(DevId(d), s, 1, cb);
+                        model.insert((d, s), (cb, false));
+                    }
+                }
+                _ => {
+                    let bucket = r.gen_range(0..nb);
+                    ix.drop_bucket(bucket);
+                    model.retain(|_, (cb, _)| *cb / bpb != bucket);
+                }
+            }
+            if step % 97 == 0 {
+                ix.check_invariants()
+                    .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+            }
+            for (&(d, s), &(cb, dirty)) in model.range((dev.0, b)..).take(3) {
+                assert_eq!(ix.get(DevId(d), s), Some(cb), "seed {seed} step {step}");
+                assert_eq!(ix.is_dirty(cb), dirty, "seed {seed} step {step}");
+            }
+        }
+        ix.check_invariants().unwrap();
+        assert_eq!(ix.live_blocks, model.len() as u64);
+        // A whole-device removal takes the bucket walk.
+        for d in 0..3 {
+            ix.remove_range(DevId(d), 0, BLOCK_LIMIT);
+        }
+        assert_eq!(ix.live_blocks, 0);
+        ix.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn dirty_runs_visit_dirty_buckets_from_the_cursor_and_wrap() {
+        let mut ix = Index::new(8, 4);
+        let d = DevId(0);
+        ix.insert(d, 100, ext(2, 4, true), &[0; 2]); // bucket 1
+        ix.insert(d, 50, ext(1, 20, true), &[0]); // bucket 5
+        ix.insert(d, 7, ext(1, 28, false), &[0]); // bucket 7, clean
+        let mut cursor = 3;
+        let runs = ix.dirty_runs(&mut cursor, 1, None);
+        assert_eq!(runs, vec![(d, 50, ext(1, 20, true))]);
+        assert_eq!(cursor, 6);
+        let runs = ix.dirty_runs(&mut cursor, 100, None);
+        assert_eq!(
+            runs,
+            vec![(d, 100, ext(2, 4, true)), (d, 50, ext(1, 20, true))]
+        );
+        assert!(ix.dirty_runs(&mut cursor, 100, Some(DevId(1))).is_empty());
     }
 }

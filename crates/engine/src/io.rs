@@ -809,11 +809,9 @@ impl Volume {
             }
             let dev = self.backing.id;
             let b = block + done;
-            let gen = st.buckets.gen[st.index.bucket_of(cb) as usize];
             let ext = crate::index::Extent {
                 len: n,
                 cache_block: cb,
-                gen,
                 dirty,
             };
             st.collide(dev, b, b + u64::from(n));

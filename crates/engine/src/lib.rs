@@ -12,6 +12,7 @@
 
 mod alloc;
 mod background;
+mod bitset;
 mod check;
 mod checkpoint;
 pub mod clock;
@@ -41,3 +42,19 @@ pub use set::{
     RecoveryReport,
 };
 pub use types::{CacheMode, DevId, Error, Result};
+
+/// The seed of a randomized unit test: `TIERCACHE_SEED` if set, else the clock; printed so a
+/// failure can be replayed.
+#[cfg(test)]
+pub(crate) fn test_seed(test: &str) -> u64 {
+    let seed = std::env::var("TIERCACHE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    eprintln!("{test}: seed={seed} (replay with TIERCACHE_SEED={seed})");
+    seed
+}

@@ -126,7 +126,7 @@ pub(crate) struct State {
     pub devs: BTreeMap<DevId, Uuid>,
     pub promotions: HashMap<u64, Promotion>,
     pub next_promotion: u64,
-    pub wb_cursor: (DevId, u64),
+    pub writeback: crate::background::WritebackPool,
 }
 
 impl State {
@@ -163,13 +163,14 @@ impl State {
                 .index
                 .any_overlapping(dev, block, block + u64::from(ext.len), |e| e.dirty);
         self.index.insert(dev, block, ext, &crcs);
+        let gen = self.buckets.gen[self.index.bucket_of(ext.cache_block) as usize];
         self.log(
             &Entry::Insert {
                 dev,
                 block,
                 len: ext.len,
                 cache_block: ext.cache_block,
-                gen: ext.gen,
+                gen,
                 dirty: ext.dirty,
                 crcs,
             },
@@ -686,7 +687,7 @@ impl CacheSet {
             devs,
             promotions: HashMap::new(),
             next_promotion: 0,
-            wb_cursor: (DevId(0), 0),
+            writeback: Default::default(),
         };
         let inner = Arc::new(Inner {
             cache,
@@ -748,6 +749,15 @@ impl CacheSet {
             log::warn!("{n}");
         }
         let set_uuid = self.set_uuid();
+        let blocks = header.data_size.div_ceil(inner.block_size());
+        if blocks > crate::index::BLOCK_LIMIT {
+            return Err(Error::Invalid(format!(
+                "backing device of {} bytes is too big for this cache: at most {} blocks of {} bytes",
+                header.data_size,
+                crate::index::BLOCK_LIMIT,
+                inner.block_size()
+            )));
+        }
         if inner
             .backings
             .read()
@@ -878,7 +888,7 @@ impl CacheSet {
             {
                 let mut st = inner.state.lock();
                 let now = inner.now_ns();
-                st.invalidate(b.id, 0, 1 << 48, now);
+                st.invalidate(b.id, 0, crate::index::BLOCK_LIMIT, now);
                 st.devs.remove(&b.id);
                 st.log(&Entry::DetachDev { dev: b.id }, now);
             }
@@ -926,12 +936,10 @@ impl CacheSet {
     /// Index entries and the bytes of RAM the index uses (approximate, for reports).
     pub fn index_memory(&self) -> (usize, u64) {
         let st = self.inner.state.lock();
-        let entries = st.index.entry_count();
-        // BTreeMap node share per entry, measured with `examples/index_memory.rs` (about 62
-        // bytes); plus the per-cache-block owner (8 B) and checksum (4 B) arrays.
-        let per_entry = 64;
-        let fixed = u64::from(self.inner.layout.total_blocks()) * 12;
-        (entries, entries as u64 * per_entry + fixed)
+        (
+            st.index.entry_count(),
+            st.index.heap_bytes() + st.buckets.heap_bytes(),
+        )
     }
 
     /// Makes everything durable, writes a checkpoint, marks clean backing devices clean, and
