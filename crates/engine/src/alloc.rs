@@ -23,15 +23,15 @@
 
 use std::collections::{BinaryHeap, VecDeque};
 
+/// One byte per bucket: the per-bucket tables are part of the RAM budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
 pub enum BucketState {
     Free,
     Open,
     Closed,
-    /// Emptied; free once the journal epoch `tag` is durable and no pins remain.
-    PendingFree {
-        tag: u64,
-    },
+    /// Emptied; free once the journal epoch in `last_use` is durable and no pins remain.
+    PendingFree,
 }
 
 /// Where a write's data goes: clean data (promotions, writethrough) or dirty data.
@@ -44,9 +44,10 @@ pub enum WritePoint {
 pub struct Buckets {
     pub gen: Vec<u8>,
     pub state: Vec<BucketState>,
-    pub fill: Vec<u32>,
-    pub last_use: Vec<u64>,
-    pub pins: Vec<u32>,
+    /// The tick of the last use; for a `PendingFree` bucket, the journal epoch (tag) that
+    /// must be durable before it is free.
+    last_use: Vec<u64>,
+    pins: Vec<u16>,
     free: VecDeque<u32>,
     /// Retired buckets in retirement order (tags never decrease). An entry whose bucket is no
     /// longer `PendingFree` with that tag (freed by its last unpin) is skipped when popped.
@@ -57,7 +58,9 @@ pub struct Buckets {
     lru: Candidates,
     /// GC victims.
     gc: Candidates,
-    open: [Option<u32>; 2],
+    /// The open bucket of each write point and how many of its blocks are handed out (a
+    /// closed bucket is full, a free one empty: only open buckets need a fill pointer).
+    open: [Option<(u32, u32)>; 2],
     bpb: u32,
 }
 
@@ -151,8 +154,6 @@ impl Buckets {
         Buckets {
             gen: gens,
             state,
-            // A closed bucket is full: after a restart nothing more is appended to it.
-            fill: live.iter().map(|&l| if l > 0 { bpb } else { 0 }).collect(),
             last_use: vec![0; n],
             pins: vec![0; n],
             free,
@@ -169,11 +170,12 @@ impl Buckets {
     pub fn heap_bytes(&self) -> u64 {
         (self.gen.capacity()
             + self.state.capacity() * std::mem::size_of::<BucketState>()
-            + self.fill.capacity() * 4
             + self.last_use.capacity() * 8
-            + self.pins.capacity() * 4
-            + (self.free.capacity() + self.pending.capacity()) * 12
-            + (self.lru.list.capacity() + self.gc.list.capacity()) * 16) as u64
+            + self.pins.capacity() * 2
+            + self.free.capacity() * 4
+            + self.pending.capacity() * std::mem::size_of::<(u64, u32)>()
+            + (self.lru.list.capacity() + self.gc.list.capacity())
+                * std::mem::size_of::<(u32, u64)>()) as u64
     }
 
     pub fn free_count(&self) -> usize {
@@ -196,8 +198,8 @@ impl Buckets {
     pub fn alloc(&mut self, point: WritePoint, want: u32, tick: u64) -> Option<(u32, u32)> {
         assert!(want > 0);
         let p = point as usize;
-        if let Some(b) = self.open[p] {
-            if self.fill[b as usize] >= self.bpb {
+        if let Some((b, fill)) = self.open[p] {
+            if fill >= self.bpb {
                 self.state[b as usize] = BucketState::Closed;
                 self.open[p] = None;
             }
@@ -206,20 +208,23 @@ impl Buckets {
             let b = self.free.pop_front()?;
             debug_assert_eq!(self.state[b as usize], BucketState::Free);
             self.state[b as usize] = BucketState::Open;
-            self.fill[b as usize] = 0;
-            self.open[p] = Some(b);
+            self.open[p] = Some((b, 0));
         }
-        let b = self.open[p].unwrap() as usize;
-        let n = want.min(self.bpb - self.fill[b]);
-        let first = b as u32 * self.bpb + self.fill[b];
-        self.fill[b] += n;
-        self.last_use[b] = tick;
-        self.pins[b] += 1;
+        let (b, fill) = self.open[p].as_mut().expect("an open bucket");
+        let n = want.min(self.bpb - *fill);
+        let first = *b * self.bpb + *fill;
+        *fill += n;
+        let b = *b;
+        self.last_use[b as usize] = tick;
+        self.pin(b);
         Some((first, n))
     }
 
     pub fn pin(&mut self, b: u32) {
-        self.pins[b as usize] += 1;
+        let p = &mut self.pins[b as usize];
+        *p = p
+            .checked_add(1)
+            .expect("more than 65535 concurrent pins on one bucket");
     }
 
     /// Drops a pin; a retired bucket whose last pin goes may become free.
@@ -227,20 +232,16 @@ impl Buckets {
         let i = b as usize;
         assert!(self.pins[i] > 0, "unpin of an unpinned bucket");
         self.pins[i] -= 1;
-        if self.pins[i] == 0 {
-            if let BucketState::PendingFree { tag } = self.state[i] {
-                if tag <= durable_epoch {
-                    self.free_bucket(b);
-                }
-            }
+        if self.pins[i] == 0
+            && self.state[i] == BucketState::PendingFree
+            && self.last_use[i] <= durable_epoch
+        {
+            self.free_bucket(b);
         }
     }
 
     fn free_bucket(&mut self, b: u32) {
-        debug_assert!(matches!(
-            self.state[b as usize],
-            BucketState::PendingFree { .. }
-        ));
+        debug_assert_eq!(self.state[b as usize], BucketState::PendingFree);
         self.state[b as usize] = BucketState::Free;
         self.free.push_back(b);
         self.pending_count -= 1;
@@ -308,7 +309,8 @@ impl Buckets {
             "retirement tags must not decrease"
         );
         self.gen[i] = self.gen[i].wrapping_add(1);
-        self.state[i] = BucketState::PendingFree { tag };
+        self.state[i] = BucketState::PendingFree;
+        self.last_use[i] = tag;
         self.pending.push_back((tag, b));
         self.pending_count += 1;
         self.gen[i]
@@ -322,7 +324,8 @@ impl Buckets {
                 break;
             }
             self.pending.pop_front();
-            if self.state[b as usize] == (BucketState::PendingFree { tag })
+            if self.state[b as usize] == BucketState::PendingFree
+                && self.last_use[b as usize] == tag
                 && self.pins[b as usize] == 0
             {
                 self.free_bucket(b);
@@ -335,7 +338,7 @@ impl Buckets {
         let pending = self
             .state
             .iter()
-            .filter(|s| matches!(s, BucketState::PendingFree { .. }))
+            .filter(|&&s| s == BucketState::PendingFree)
             .count();
         if pending != self.pending_count {
             return Err(format!(
@@ -361,7 +364,8 @@ impl Buckets {
         }
         // Every pending bucket can still be found by `release`, or is waiting for its pins.
         for (b, s) in self.state.iter().enumerate() {
-            if let BucketState::PendingFree { tag } = *s {
+            if *s == BucketState::PendingFree {
+                let tag = self.last_use[b];
                 if self.pins[b] == 0 && !self.pending.contains(&(tag, b as u32)) {
                     return Err(format!("pending bucket {b} (tag {tag}) is in no queue"));
                 }
@@ -372,7 +376,9 @@ impl Buckets {
 
     /// Records a use of the bucket (reads and writes keep it warm for LRU reclaim).
     pub fn touch(&mut self, b: u32, tick: u64) {
-        self.last_use[b as usize] = tick;
+        if self.state[b as usize] != BucketState::PendingFree {
+            self.last_use[b as usize] = tick;
+        }
     }
 }
 

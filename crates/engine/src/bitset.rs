@@ -73,7 +73,8 @@ impl LevelBits {
 
     /// Heap bytes used (for the memory budget).
     pub fn heap_bytes(&self) -> usize {
-        self.levels.iter().map(|l| l.capacity() * 8).sum()
+        self.levels.capacity() * std::mem::size_of::<Vec<u64>>()
+            + self.levels.iter().map(|l| l.capacity() * 8).sum::<usize>()
     }
 }
 

@@ -6,7 +6,7 @@
 //!   `1 + (dev << 40 | block)`, or 0 when it holds nothing;
 //! - `crc[cb]` (4 bytes): the crc32c of the data in `cb`;
 //! - `dirty` (1 bit per cache block);
-//! - `table` (`u32` slots, at most 7/8 full): an open-addressing hash table (Robin Hood
+//! - `table` (`u32` slots, at most 90 % full): an open-addressing hash table (Robin Hood
 //!   probing, backward-shift deletion) of `cb + 1` keyed by `owner[cb]`, so the key itself
 //!   lives only in `owner`.
 //!
@@ -101,8 +101,8 @@ impl Index {
     pub fn new(nbuckets: u32, blocks_per_bucket: u32) -> Index {
         let total = nbuckets as usize * blocks_per_bucket as usize;
         assert!(total < u32::MAX as usize, "cache blocks must fit a u32");
-        // At most 7/8 full even when every cache block is live.
-        let slots = total + total / 7 + 1;
+        // At most 90 % full even when every cache block is live.
+        let slots = total + total / 9 + 1;
         Index {
             owner: vec![[0u8; 6]; total],
             crc: vec![0; total],

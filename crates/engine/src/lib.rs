@@ -13,6 +13,8 @@
 mod alloc;
 mod background;
 mod bitset;
+#[cfg(test)]
+mod budget_test;
 mod check;
 mod checkpoint;
 pub mod clock;
