@@ -2,8 +2,8 @@
 //! are well formed (results.json parses and has a row for every configuration × workload that
 //! ran, including W2's sequential steps, W3 on ext4 when root, both W4 jobs and the
 //! `+memlimit` variants when root; results.md has the tables; every plot is a non-empty SVG;
-//! no mount or loop device is left behind), and bad options fail with a clear message. It
-//! asserts no timing.
+//! no mount or loop device is left behind), that `--workloads hits` fills its two tables from a
+//! fully cached region, and that bad options fail with a clear message. It asserts no timing.
 //!
 //! Needs fio; W3 needs root, nbdfuse, losetup, mkfs.ext4, mount and fusermount3; the
 //! `+memlimit` run uses nbdkit. Under `CI=true` (which runs as root) anything missing fails the
@@ -78,6 +78,7 @@ fn bench_rejects_bad_options() {
             "unknown configuration",
         ),
         (&["--workloads", "W9"][..], "unknown workload"),
+        (&["--workloads", "hits,W1"][..], "runs alone"),
         (&["--mem-limit", "8"][..], "--mem-limit 8"),
         (
             &["--mem-limit", "0", "--configs", "nbdkit-cache+memlimit"][..],
@@ -194,4 +195,70 @@ fn bench_tiny_writes_well_formed_results() {
             );
         }
     }
+}
+
+#[test]
+fn bench_hits_tiny_fills_both_tables() {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    for tool in ["fio", "nbdkit"] {
+        if !have(tool) {
+            assert!(!ci, "{tool} is required under CI=true");
+            println!("SKIP: {tool} is not installed");
+            return;
+        }
+    }
+    let out = tempfile::tempdir().expect("tempdir");
+    let status = Command::new(env!("CARGO_BIN_EXE_tiercache"))
+        .args(["bench", "--scale", "tiny", "--workloads", "hits", "--out"])
+        .arg(out.path())
+        .status()
+        .expect("running tiercache bench");
+    assert!(status.success(), "tiercache bench --workloads hits failed");
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.path().join("hits.json")).expect("hits.json"),
+    )
+    .expect("hits.json parses");
+    let md = std::fs::read_to_string(out.path().join("hits.md")).expect("hits.md");
+    let reads = json["reads"].as_array().expect("reads");
+    assert_eq!(reads.len(), 3, "{json}");
+    for r in reads {
+        for server in ["tiercache", "nbdkit", "raw"] {
+            assert!(r[server]["iops"].as_f64().is_some_and(|v| v > 0.0), "{r}");
+            assert!(r[server]["command"]
+                .as_str()
+                .is_some_and(|c| c.starts_with("fio ")));
+        }
+        // The region was verified cached before the runs, and every read of it hit.
+        assert_eq!(r["tiercache_misses"], 0, "{r}");
+        assert_eq!(r["tiercache_hit_pct"].as_f64(), Some(100.0), "{r}");
+        assert!(r["tiercache"]["server_cpu_us_per_io"].is_number(), "{r}");
+        assert!(r["raw"]["server_cpu_us_per_io"].is_null(), "{r}");
+        assert!(
+            r["ratio_nbdkit"].is_number() && r["ratio_raw"].is_number(),
+            "{r}"
+        );
+    }
+    let writes = json["writes"].as_array().expect("writes");
+    assert_eq!(writes.len(), 4, "{json}");
+    assert_eq!(writes[0]["server"], "tiercache writearound");
+    for w in &writes[1..] {
+        assert!(w["tiercache_minus_us"].is_number(), "{w}");
+    }
+    for w in writes {
+        assert!(
+            w["point"]["mean_lat_us"].as_f64().is_some_and(|v| v > 0.0),
+            "{w}"
+        );
+    }
+    for heading in [
+        "## Cached 4 KiB random reads",
+        "## Passthrough",
+        "--workloads W4",
+    ] {
+        assert!(md.contains(heading), "hits.md lacks {heading}");
+    }
+    assert!(
+        !out.path().join("hits-scratch").exists(),
+        "scratch left behind"
+    );
 }

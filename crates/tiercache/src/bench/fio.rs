@@ -15,6 +15,8 @@ pub enum Target {
     Nbd(String),
     /// Files in a directory (a mounted filesystem), through the `psync` engine.
     Files(PathBuf),
+    /// One file straight, no NBD: `libaio` with O_DIRECT (`--iodepth` is the queue depth).
+    Raw(PathBuf),
 }
 
 impl Target {
@@ -24,6 +26,11 @@ impl Target {
             Target::Files(dir) => vec![
                 "--ioengine=psync".into(),
                 format!("--directory={}", dir.display()),
+            ],
+            Target::Raw(file) => vec![
+                "--ioengine=libaio".into(),
+                "--direct=1".into(),
+                format!("--filename={}", file.display()),
             ],
         }
     }
@@ -45,11 +52,7 @@ pub struct Measured {
 /// the per-second IOPS log prefix when wanted.
 pub fn run(target: &Target, args: &[String], iops_log: Option<&Path>) -> Result<Measured> {
     let mut c = Command::new("fio");
-    c.arg("--name=bench")
-        .args(target.args())
-        .arg("--group_reporting")
-        .arg("--output-format=json")
-        .args(args);
+    c.args(argv(target, args));
     if let Some(p) = iops_log {
         c.arg(format!("--write_iops_log={}", p.display()))
             .arg("--log_avg_msec=1000");
@@ -67,6 +70,20 @@ pub fn run(target: &Target, args: &[String], iops_log: Option<&Path>) -> Result<
     let start = stdout.find('{').context("fio printed no JSON")?;
     let v: Value = serde_json::from_str(&stdout[start..]).context("parsing fio's JSON output")?;
     parse(&v)
+}
+
+/// fio's arguments for `target` and the job options `args` (no IOPS log).
+fn argv(target: &Target, args: &[String]) -> Vec<String> {
+    let mut v = vec!["--name=bench".to_string()];
+    v.extend(target.args());
+    v.extend(["--group_reporting".into(), "--output-format=json".into()]);
+    v.extend_from_slice(args);
+    v
+}
+
+/// The command line [`run`] executes (without an IOPS log), for reports.
+pub fn command_line(target: &Target, args: &[String]) -> String {
+    format!("fio {}", argv(target, args).join(" "))
 }
 
 fn parse(v: &Value) -> Result<Measured> {

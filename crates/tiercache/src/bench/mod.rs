@@ -10,11 +10,14 @@
 //! notice and the run goes on, but the command then exits with an error.
 //!
 //! `--workloads scale` runs instead the engine-at-real-size measurements of [`scale`] (make,
-//! start, RSS, restart after kill -9, CPU per write on big sparse caches), on their own.
+//! start, RSS, restart after kill -9, CPU per write on big sparse caches), on their own;
+//! `--workloads hits` runs [`hits`] (cached reads and passthrough writes against nbdkit's file
+//! plugin and fio on the file itself), on its own.
 
 mod cgroup;
 mod fio;
 mod fs;
+mod hits;
 mod procs;
 mod report;
 mod scale;
@@ -46,7 +49,9 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value = "quick")]
     scale: Scale,
     /// Workloads to run, comma separated (W1..W7; default all), or `scale` alone: the engine
-    /// at real size (the --scale-* options; writes scale.md and scale.json).
+    /// at real size (the --scale-* options; writes scale.md and scale.json), or `hits` alone:
+    /// cached reads and passthrough writes against nbdkit and fio on the file (sized by
+    /// --scale; writes hits.md and hits.json).
     #[arg(long, value_delimiter = ',')]
     workloads: Vec<String>,
     /// Configurations, comma separated, each run on every selected workload (default: hdd,
@@ -378,6 +383,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         }
         return scale::run(&args.scale_workload, &args.out);
     }
+    if args
+        .workloads
+        .iter()
+        .any(|w| w.eq_ignore_ascii_case("hits"))
+    {
+        if args.workloads.len() > 1 || !args.configs.is_empty() {
+            bail!("the hits workload runs alone: no other workload and no --configs");
+        }
+        return hits::run(args.scale, &args.out);
+    }
     let mut p = params(args.scale);
     p.mem_limit_bytes = cgroup::limit_bytes(args.mem_limit, p.cache_bytes)?;
     let workloads: Vec<String> = if args.workloads.is_empty() {
@@ -387,7 +402,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     };
     for (i, w) in workloads.iter().enumerate() {
         if !WORKLOADS.iter().any(|k| k.0 == w) {
-            bail!("unknown workload '{w}' (known: W1..W7, or scale alone)");
+            bail!("unknown workload '{w}' (known: W1..W7, or scale or hits alone)");
         }
         if workloads[..i].contains(w) {
             bail!("workload '{w}' given twice");
@@ -590,6 +605,7 @@ fn run_pair(ctx: &Ctx, w: &str, c: &str, progress: &Progress) -> Result<PairOut>
     Ok(out)
 }
 
+/// A counter of tiercache's `stats` (first device, totals); 0 when absent.
 fn stat(v: &Option<serde_json::Value>, key: &str) -> u64 {
     v.as_ref()
         .and_then(|v| v["devices"][0]["stats_total"][key].as_u64())

@@ -151,7 +151,8 @@ pub fn on_path(tool: &str) -> bool {
     })
 }
 
-fn wait_for(path: &Path, what: &str) -> Result<()> {
+/// Waits (up to 30 s) until `path` exists: a server's socket once it listens.
+pub fn wait_for(path: &Path, what: &str) -> Result<()> {
     let t = Instant::now();
     while !path.exists() {
         if t.elapsed() > Duration::from_secs(30) {
@@ -159,6 +160,33 @@ fn wait_for(path: &Path, what: &str) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    Ok(())
+}
+
+/// utime + stime of a process (all its threads), in seconds.
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let ticks = stat_ticks(&stat)?;
+    // SAFETY: sysconf(3) has no preconditions and touches no memory.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| ticks as f64 / hz as f64)
+}
+
+/// utime + stime (fields 14 and 15) of a `/proc/PID/stat` line, in clock ticks. The command
+/// name (field 2) may hold spaces and parentheses, so fields are counted after its last ')'.
+fn stat_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+/// Changes a knob of tiercache's device `device` through its admin socket.
+pub fn set_knob(admin: &Path, device: &str, knob: &str, value: &str) -> Result<()> {
+    crate::admin::request(
+        admin,
+        &serde_json::json!({"cmd": "set", "device": device, "knob": knob, "value": value}),
+        &mut |_| {},
+    )?;
     Ok(())
 }
 
@@ -171,7 +199,7 @@ pub fn tiercache() -> Result<Command> {
 
 /// Creates `path` with `bytes` of non-zero data on disk (no holes, no unwritten extents),
 /// synced, so reads of it cost real I/O.
-fn write_whole_file(path: &Path, bytes: u64) -> Result<()> {
+pub fn write_whole_file(path: &Path, bytes: u64) -> Result<()> {
     use std::io::Write;
     let mut f =
         std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
@@ -361,14 +389,10 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes, limit: Option<&Limiter>) ->
 impl Running {
     /// Changes a tiercache knob (no-op for peers).
     pub fn set(&self, knob: &str, value: &str) -> Result<()> {
-        if let Some(admin) = &self.admin {
-            crate::admin::request(
-                admin,
-                &serde_json::json!({"cmd": "set", "device": "data", "knob": knob, "value": value}),
-                &mut |_| {},
-            )?;
+        match &self.admin {
+            Some(admin) => set_knob(admin, "data", knob, value),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Stops every server process at once with SIGKILL, once the pair's measurements are done
@@ -393,5 +417,17 @@ impl Running {
     pub fn stats(&self) -> Option<serde_json::Value> {
         let admin = self.admin.as_ref()?;
         crate::admin::request(admin, &serde_json::json!({"cmd": "stats"}), &mut |_| {}).ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_fields_parse() {
+        let stat = "4242 (tier cache) (x)) S 1 2 3 4 5 6 7 8 9 10 150 25 0 0 20 0 9";
+        assert_eq!(stat_ticks(stat), Some(175));
+        assert_eq!(stat_ticks("garbage"), None);
     }
 }

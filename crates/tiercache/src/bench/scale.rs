@@ -61,6 +61,8 @@ pub struct ScaleArgs {
 }
 
 const BLOCK: u64 = 4096;
+/// The label (export name) of the device `Devices::make` formats.
+const LABEL: &str = "scale";
 const MIN_BACKING: u64 = 16 << 30;
 /// The bucket size of the size rows (`make`'s default).
 const SIZE_ROW_BUCKET: u64 = 512 << 10;
@@ -226,16 +228,16 @@ fn backing_for(cache: u64) -> u64 {
 }
 
 /// A cache file and a backing file (both sparse) in a scratch directory deleted on drop, and
-/// the sockets of the server over them.
-struct Devices {
+/// the sockets of the server over them. Also used by the `hits` workload.
+pub(super) struct Devices {
     dir: PathBuf,
-    cache: PathBuf,
-    backing: PathBuf,
+    pub(super) cache: PathBuf,
+    pub(super) backing: PathBuf,
     socket: PathBuf,
 }
 
 impl Devices {
-    fn create(dir: &Path, cache_bytes: u64, backing_bytes: u64) -> Result<Devices> {
+    pub(super) fn create(dir: &Path, cache_bytes: u64, backing_bytes: u64) -> Result<Devices> {
         let _ = std::fs::remove_dir_all(dir);
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let d = Devices {
@@ -252,18 +254,18 @@ impl Devices {
         Ok(d)
     }
 
-    fn uri(&self) -> String {
-        format!("nbd+unix:///scale?socket={}", self.socket.display())
+    pub(super) fn uri(&self) -> String {
+        format!("nbd+unix:///{LABEL}?socket={}", self.socket.display())
     }
 
-    fn admin(&self) -> PathBuf {
+    pub(super) fn admin(&self) -> PathBuf {
         crate::serve::admin_for(&self.socket)
     }
 
     /// `tiercache make ... --writeback` with `bucket` bytes per bucket; its wall time.
-    fn make(&self, bucket: u64, limit: Duration) -> Result<f64> {
+    pub(super) fn make(&self, bucket: u64, limit: Duration) -> Result<f64> {
         let mut c = procs::tiercache()?;
-        c.args(["make", "--label", "scale", "--writeback", "--bucket-size"])
+        c.args(["make", "--label", LABEL, "--writeback", "--bucket-size"])
             .arg(bucket.to_string())
             .arg("--backing")
             .arg(&self.backing)
@@ -275,9 +277,14 @@ impl Devices {
         }
     }
 
+    /// Changes a knob of the device (`sequential_cutoff`, `cache_mode`, ...).
+    pub(super) fn set(&self, knob: &str, value: &str) -> Result<()> {
+        procs::set_knob(&self.admin(), LABEL, knob, value)
+    }
+
     /// Spawns `tiercache serve` and waits until an NBD client completes its handshake.
     /// Returns the server and the wall time from spawn to the answer.
-    fn serve(&self, limit: Duration) -> Result<(Proc, f64)> {
+    pub(super) fn serve(&self, limit: Duration) -> Result<(Proc, f64)> {
         // A killed server leaves its sockets behind.
         let _ = std::fs::remove_file(&self.socket);
         let _ = std::fs::remove_file(self.admin());
@@ -392,25 +399,8 @@ fn memory_floor() -> u64 {
     (total / 20).max(1 << 30)
 }
 
-/// utime + stime of a process, in seconds.
-fn cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let ticks = stat_ticks(&stat)?;
-    // SAFETY: sysconf(3) has no preconditions and touches no memory.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    (hz > 0).then(|| ticks as f64 / hz as f64)
-}
-
-/// utime + stime (fields 14 and 15) of a `/proc/PID/stat` line, in clock ticks. The command
-/// name (field 2) may hold spaces and parentheses, so fields are counted after its last ')'.
-fn stat_ticks(stat: &str) -> Option<u64> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-}
-
 /// The server's admin `stats`.
-fn stats(dev: &Devices) -> Result<serde_json::Value> {
+pub(super) fn stats(dev: &Devices) -> Result<serde_json::Value> {
     crate::admin::request(
         &dev.admin(),
         &serde_json::json!({"cmd": "stats"}),
@@ -418,7 +408,7 @@ fn stats(dev: &Devices) -> Result<serde_json::Value> {
     )
 }
 
-fn cached_bytes(dev: &Devices) -> Result<u64> {
+pub(super) fn cached_bytes(dev: &Devices) -> Result<u64> {
     stats(dev)?["devices"][0]["cached_bytes"]
         .as_u64()
         .context("stats have no devices[0].cached_bytes")
@@ -532,7 +522,7 @@ fn cpu_row(row: &mut CpuRow, dir: &Path, window_s: u64, limit: Duration) -> Resu
 
     eprintln!("    measured window of {window_s} s");
     let pid = server.pid();
-    let cpu0 = cpu_seconds(pid).context("reading the server's CPU time")?;
+    let cpu0 = procs::cpu_seconds(pid).context("reading the server's CPU time")?;
     let m = randwrite(
         &dev,
         &[
@@ -542,7 +532,7 @@ fn cpu_row(row: &mut CpuRow, dir: &Path, window_s: u64, limit: Duration) -> Resu
             format!("--runtime={window_s}"),
         ],
     )?;
-    let cpu = cpu_seconds(pid).context("reading the server's CPU time")? - cpu0;
+    let cpu = procs::cpu_seconds(pid).context("reading the server's CPU time")? - cpu0;
     row.in_use_pct_after = Some(in_use_pct(&dev)?);
     row.window_s = Some(m.runtime_s);
     row.writes = Some(m.ios);
@@ -659,10 +649,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn proc_fields_parse() {
-        let stat = "4242 (tier cache) (x)) S 1 2 3 4 5 6 7 8 9 10 150 25 0 0 20 0 9";
-        assert_eq!(stat_ticks(stat), Some(175));
-        assert_eq!(stat_ticks("garbage"), None);
+    fn status_fields_parse() {
         let status = "Name:\tt\nVmHWM:\t  169388 kB\nVmRSS:\t   13236 kB\n";
         assert_eq!(kib_field(status, "VmHWM:"), Some(169388 * 1024));
         assert_eq!(kib_field(status, "VmRSS:"), Some(13236 * 1024));
