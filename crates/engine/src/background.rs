@@ -570,8 +570,8 @@ pub fn drain_dirty(inner: &Inner, dev: DevId, progress: &mut dyn FnMut(u64, u64)
             )));
         }
     }
-    let _c = inner.commit_lock.lock();
-    inner.commit_locked()
+    let mut c = inner.commit_lock.lock();
+    inner.commit_locked(&mut c)
 }
 
 fn sleep(inner: &Inner, d: Duration) {
@@ -613,7 +613,8 @@ pub fn writeback_thread(inner: &Arc<Inner>) {
     }
 }
 
-/// Maintenance loop: commits journal entries older than `journal_delay_ms`, keeps free
+/// Maintenance loop: commits journal entries older than `journal_delay_ms`, checkpoints when
+/// the journal ring is half full (a committer wakes it), keeps free
 /// buckets in reserve, records statistics history.
 pub fn maintenance_thread(inner: &Arc<Inner>) {
     while !inner.stop.load(Ordering::SeqCst) {
@@ -628,6 +629,7 @@ pub fn maintenance_thread(inner: &Arc<Inner>) {
             if due {
                 inner.commit_to(u64::MAX)?;
             }
+            inner.checkpoint_if_due()?;
             make_space(inner, inner.reserve_buckets)?;
             Ok(())
         });

@@ -17,7 +17,11 @@ use crate::types::{CacheMode, Error, IoContext, Result};
 use blockdev::BlockDevice;
 use uuid::Uuid;
 
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of the cache device format (superblock, checkpoints). Format 2 replaced the
+/// whole-index checkpoint with per-bucket chunks; a format 1 device is refused.
+pub const FORMAT_VERSION: u32 = 2;
+/// Version of the backing device header (unchanged by cache format 2).
+pub const BACKING_VERSION: u32 = 1;
 pub const SB_MAGIC: &[u8; 8] = b"TCCACHE1";
 pub const BACKING_MAGIC: &[u8; 8] = b"TCBACKNG";
 pub const META_BLOCK: u64 = 4096;
@@ -27,8 +31,14 @@ pub const BACKING_DATA_OFFSET: u64 = 8192;
 pub const LABEL_BYTES: usize = 64;
 /// Most backing devices one cache set tracks.
 pub const MAX_DEVS: usize = 256;
-/// Bytes per index entry in a checkpoint (without its per-block checksums).
-pub const CKPT_ENTRY_BYTES: u64 = 22;
+/// Bytes per cached block in a checkpoint body: offset in bucket (4), device (1), backing
+/// block (5), crc (4), dirty (1).
+pub const CKPT_BLOCK_BYTES: u64 = 15;
+/// Bytes per live bucket in a checkpoint body: bucket (4), generation (1), count (4).
+pub const CKPT_BUCKET_BYTES: u64 = 9;
+/// Payload bytes after which a checkpoint body chunk is closed (it may exceed this by one
+/// bucket's records).
+pub const CKPT_CHUNK_BYTES: u64 = 1 << 20;
 /// Fixed part of a checkpoint payload: counts plus the device table.
 pub const CKPT_FIXED_BYTES: u64 = 64 + MAX_DEVS as u64 * 20;
 pub const MIN_BUCKETS: u32 = 8;
@@ -115,15 +125,26 @@ impl Layout {
         }
     }
 
-    /// Space one checkpoint slot needs for `nbuckets` buckets of `bpb` blocks: every cache
-    /// block can be referenced by at most one index entry, so entries <= blocks.
-    fn ckpt_len_for(nbuckets: u32, bpb: u64) -> u64 {
-        let blocks = u64::from(nbuckets) * bpb;
+    /// Bytes at the start of a checkpoint slot reserved for its header frame (counts, device
+    /// table, one generation byte per bucket).
+    pub fn ckpt_header_len(nbuckets: u32) -> u64 {
         round_up(
-            crate::codec::FRAME_HEADER_BYTES as u64
-                + CKPT_FIXED_BYTES
-                + u64::from(nbuckets)
-                + blocks * (CKPT_ENTRY_BYTES + 4),
+            crate::codec::FRAME_HEADER_BYTES as u64 + CKPT_FIXED_BYTES + u64::from(nbuckets),
+            META_BLOCK,
+        )
+    }
+
+    /// Space one checkpoint slot needs for `nbuckets` buckets of `bpb` blocks when every
+    /// cache block is live: the header, then body chunks of whole 4 KiB blocks. A chunk is
+    /// closed once it passes `CKPT_CHUNK_BYTES`, so each but the last holds at least that much
+    /// and there are at most `body / CKPT_CHUNK_BYTES + 1` of them.
+    fn ckpt_len_for(nbuckets: u32, bpb: u64) -> u64 {
+        let body = u64::from(nbuckets) * (CKPT_BUCKET_BYTES + bpb * CKPT_BLOCK_BYTES);
+        let chunks = body / CKPT_CHUNK_BYTES + 1;
+        round_up(
+            Self::ckpt_header_len(nbuckets)
+                + body
+                + chunks * (crate::codec::FRAME_HEADER_BYTES as u64 + META_BLOCK),
             META_BLOCK,
         )
     }
@@ -291,10 +312,19 @@ impl Superblock {
         let mut best: Option<Superblock> = None;
         let mut notes = Vec::new();
         let mut magic_seen = false;
+        let mut older: Option<u32> = None;
         let mut buf = vec![0u8; META_BLOCK as usize];
         dev.read_at(&mut buf, SB_OFFSET)
             .ctx(|| "reading superblock copy 0".into())?;
         magic_seen |= frame_header(SB_MAGIC, &buf).is_some();
+        let mut note_version = |buf: &[u8]| {
+            if let Some(h) = frame_header(SB_MAGIC, buf) {
+                if h.version < FORMAT_VERSION {
+                    older = Some(h.version);
+                }
+            }
+        };
+        note_version(&buf);
         let first = Superblock::decode(&buf);
         // The second copy's location is recorded in the first; if the first is damaged, it is
         // in the last 4 KiB of the device.
@@ -312,6 +342,7 @@ impl Superblock {
                         dev.read_at(&mut buf, off)
                             .ctx(|| "reading superblock copy 1".into())?;
                         magic_seen |= frame_header(SB_MAGIC, &buf).is_some();
+                        note_version(&buf);
                         Superblock::decode(&buf)
                     }
                 }
@@ -336,6 +367,10 @@ impl Superblock {
                 }
                 Ok((sb, notes))
             }
+            None if older.is_some() => Err(Error::State(format!(
+                "this cache device is in tiercache format {} and this version reads format {FORMAT_VERSION}: write back its dirty data and detach its backing devices with the tiercache that made it, then format it again with `tiercache make`",
+                older.unwrap_or(0)
+            ))),
             None if !magic_seen => Err(Error::Unformatted(
                 "not a tiercache cache device (no superblock found; format it with `tiercache make`)"
                     .into(),
@@ -401,13 +436,13 @@ impl BackingHeader {
         w.u32(t.writeback_percent);
         w.u64(t.writeback_delay_secs);
         w.u8(u8::from(t.writeback_running));
-        let mut out = frame(BACKING_MAGIC, FORMAT_VERSION, self.seq, &w.buf);
+        let mut out = frame(BACKING_MAGIC, BACKING_VERSION, self.seq, &w.buf);
         out.resize(META_BLOCK as usize, 0);
         out
     }
 
     pub fn decode(data: &[u8]) -> Result<BackingHeader, String> {
-        let (seq, payload) = unframe(BACKING_MAGIC, FORMAT_VERSION, data)?;
+        let (seq, payload) = unframe(BACKING_MAGIC, BACKING_VERSION, data)?;
         let mut r = Reader::new(payload);
         let short = || "backing header payload too short".to_string();
         let dev_uuid = Uuid::from_bytes(r.array().ok_or_else(short)?);

@@ -239,6 +239,10 @@ impl Ring {
 pub struct Replay {
     pub records: Vec<(u64, Vec<Entry>)>,
     pub ring: Ring,
+    /// `(sequence, position)` of a last record dropped because the data it points to is not
+    /// there. The opener must erase it before writing a new record: a new record with the same
+    /// sequence may go elsewhere (to the ring start), and this one must not be found instead.
+    pub dropped_last: Option<(u64, u64)>,
 }
 
 /// Tries to parse a record with sequence `seq` at `pos` in either mirror half.
@@ -269,7 +273,18 @@ fn record_in(ring: &[u8], set: &Uuid, pos: u64, seq: u64) -> Option<(Vec<Entry>,
 }
 
 /// Replays the journal region (both mirror halves) from the checkpoint's position and sequence.
-pub fn replay(region: &[u8], set: &Uuid, start_pos: u64, start_seq: u64) -> Result<Replay> {
+/// `last_ok` is asked about the last record of the chain: a commit writes its record and
+/// flushes the data and the record together, so after a crash the last record can be on the
+/// device while data it points to is not; that commit never returned, and when `last_ok`
+/// says so the record is dropped as if torn (only the last: every earlier record was followed
+/// by a completed flush before the next one was written).
+pub fn replay(
+    region: &[u8],
+    set: &Uuid,
+    start_pos: u64,
+    start_seq: u64,
+    last_ok: &mut dyn FnMut(&[Entry]) -> Result<bool>,
+) -> Result<Replay> {
     let len = region.len() as u64 / 2;
     if start_pos >= len || !start_pos.is_multiple_of(META_BLOCK) {
         return Err(Error::Corrupt(format!(
@@ -283,6 +298,8 @@ pub fn replay(region: &[u8], set: &Uuid, start_pos: u64, start_seq: u64) -> Resu
         next_seq: start_seq,
     };
     let mut records = Vec::new();
+    let mut before_last = ring.clone();
+    let mut last_pos = 0;
     loop {
         let seq = ring.next_seq;
         let found = record_at(region, set, ring.head, seq)
@@ -303,15 +320,25 @@ pub fn replay(region: &[u8], set: &Uuid, start_pos: u64, start_seq: u64) -> Resu
         if ring.used + cost > len {
             return Err(Error::Corrupt("journal records overlap themselves".into()));
         }
+        before_last = ring.clone();
+        last_pos = pos;
         ring.advance(pos, size, cost);
         records.push((seq, entries));
+    }
+    let mut dropped_last = None;
+    if let Some((seq, entries)) = records.last() {
+        if !last_ok(entries)? {
+            dropped_last = Some((*seq, last_pos));
+            records.pop();
+            ring = before_last;
+        }
     }
     // A valid record beyond the end of the chain means the chain was cut by damage.
     for (copy, half) in region.chunks(len as usize).enumerate() {
         let mut pos = 0;
         while pos + FRAME_HEADER_BYTES as u64 <= len {
             if let Some((seq, _, _)) = valid_record(half, set, pos) {
-                if seq >= ring.next_seq {
+                if seq >= ring.next_seq && dropped_last != Some((seq, pos)) {
                     return Err(Error::Corrupt(format!(
                         "journal damaged: record {} is unreadable but record {seq} exists at offset {pos} of copy {copy}",
                         ring.next_seq
@@ -321,7 +348,11 @@ pub fn replay(region: &[u8], set: &Uuid, start_pos: u64, start_seq: u64) -> Resu
             pos += META_BLOCK;
         }
     }
-    Ok(Replay { records, ring })
+    Ok(Replay {
+        records,
+        ring,
+        dropped_last,
+    })
 }
 
 #[cfg(test)]
@@ -401,14 +432,14 @@ mod tests {
             region[m..m + rec.len()].copy_from_slice(&rec);
             ring.advance(pos, rec.len() as u64, cost);
         }
-        let r = replay(&region, &set, 12 * META_BLOCK, 10).unwrap();
+        let r = replay(&region, &set, 12 * META_BLOCK, 10, &mut |_| Ok(true)).unwrap();
         assert_eq!(r.records.len(), 4);
         assert_eq!(r.ring.head, ring.head);
         // Damage one copy of the last record: the mirror copy is used.
         let last = (ring.head - 2 * META_BLOCK) as usize;
         region[last + 100] ^= 1;
         assert_eq!(
-            replay(&region, &set, 12 * META_BLOCK, 10)
+            replay(&region, &set, 12 * META_BLOCK, 10, &mut |_| Ok(true))
                 .unwrap()
                 .records
                 .len(),
@@ -417,7 +448,7 @@ mod tests {
         // Tear both copies of the last record: replay ends before it, without reporting damage.
         region[len as usize + last + 100] ^= 1;
         assert_eq!(
-            replay(&region, &set, 12 * META_BLOCK, 10)
+            replay(&region, &set, 12 * META_BLOCK, 10, &mut |_| Ok(true))
                 .unwrap()
                 .records
                 .len(),
@@ -429,11 +460,15 @@ mod tests {
         for base in [0, len as usize] {
             region[base + (12 * META_BLOCK) as usize + 50] ^= 1;
         }
-        assert!(replay(&region, &set, 12 * META_BLOCK, 10).is_err());
+        assert!(replay(&region, &set, 12 * META_BLOCK, 10, &mut |_| Ok(true)).is_err());
         // Records of another cache set (an earlier format) are not ours.
-        assert!(replay(&region, &Uuid::new_v4(), 12 * META_BLOCK, 10)
+        assert!(
+            replay(&region, &Uuid::new_v4(), 12 * META_BLOCK, 10, &mut |_| Ok(
+                true
+            ))
             .unwrap()
             .records
-            .is_empty());
+            .is_empty()
+        );
     }
 }

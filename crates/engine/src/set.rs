@@ -33,7 +33,7 @@ use crate::rangelock::RangeLocks;
 use crate::stats::{Counters, History, Snapshot, Windows};
 use crate::types::{CacheMode, DevId, Error, IoContext, Result};
 use blockdev::BlockDevice;
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -71,6 +71,9 @@ pub struct Config {
     pub dirty_max_pct: u32,
     /// Background commit interval for journal entries no client flush has committed.
     pub journal_delay_ms: u64,
+    /// Most buckets a checkpoint encodes per hold of the state lock (at most one chunk's
+    /// worth in any case). Tests set 1 so checkpoints of small caches are fuzzy too.
+    pub checkpoint_buckets_per_lock: u32,
     pub clock: Arc<dyn Clock>,
 }
 
@@ -81,6 +84,7 @@ impl Default for Config {
             gc_live_pct: 50,
             dirty_max_pct: 90,
             journal_delay_ms: 100,
+            checkpoint_buckets_per_lock: u32::MAX,
             clock: Arc::new(SystemClock::default()),
         }
     }
@@ -303,6 +307,9 @@ pub(crate) struct Inner {
     pub sb: Mutex<Superblock>,
     pub state: Mutex<State>,
     pub commit_lock: Mutex<()>,
+    /// Serializes checkpoints. Lock order: `ckpt_lock` before `commit_lock`; a committer that
+    /// holds `commit_lock` only ever try-locks it, or waits for it with `commit_lock` released.
+    pub ckpt_lock: Mutex<()>,
     pub ranges: RangeLocks,
     pub backings: RwLock<HashMap<DevId, Arc<Backing>>>,
     pub config: Config,
@@ -390,30 +397,65 @@ impl Inner {
 
     /// Makes every journal entry appended up to `target` durable (group commit).
     pub fn commit_to(&self, target: u64) -> Result<()> {
-        let _c = self.commit_lock.lock();
+        let mut c = self.commit_lock.lock();
         if self.state.lock().journal.durable_epoch >= target {
             return Ok(());
         }
-        self.commit_locked()
+        self.commit_locked(&mut c)
     }
 
     /// Commits all pending entries (at least those appended before the call). Caller holds
-    /// `commit_lock`. A backing device that fails the flush owed before the record fails
+    /// `commit_lock` (passed in: a full journal ring waits for a running checkpoint with the
+    /// lock released). A backing device that fails the flush owed before the record fails
     /// this commit only (nothing is written; the next commit tries again), not the set.
-    pub fn commit_locked(&self) -> Result<()> {
+    pub fn commit_locked(&self, commit: &mut MutexGuard<'_, ()>) -> Result<()> {
         self.check_failed()?;
-        let (len, epoch, owed) = {
-            let st = self.state.lock();
-            let j = &st.journal;
-            let owed: Vec<DevId> = j.flush_backing_first.keys().copied().collect();
-            (j.buf.buf.len(), j.appended_epoch, owed)
-        };
-        self.flush_backings(&owed)?;
-        let res = self.commit_inner(len, epoch);
-        if let Err(e) = &res {
-            self.fail(e);
+        loop {
+            match self.write_record() {
+                Ok(true) => break,
+                Ok(false) => {
+                    // The ring is full: a checkpoint frees it. One that is running finishes
+                    // (it needs no commit lock until its end); else write one now, whole.
+                    match self.ckpt_lock.try_lock() {
+                        Some(_k) => {
+                            static LOG: crate::guard::Throttled = crate::guard::Throttled::new();
+                            LOG.log(
+                                log::Level::Warn,
+                                format_args!(
+                                    "journal full: writing a whole checkpoint with requests held (writes are outpacing checkpoints)"
+                                ),
+                            );
+                            let res = self.checkpoint_whole();
+                            if let Err(e) = &res {
+                                self.fail(e);
+                            }
+                            res?;
+                        }
+                        None => MutexGuard::unlocked(commit, || drop(self.ckpt_lock.lock())),
+                    }
+                    self.check_failed()?;
+                }
+                Err(e @ Error::Io { .. }) if matches!(&e, Error::Io { context, .. } if context == BACKING_FLUSH) => {
+                    return Err(e)
+                }
+                Err(e) => {
+                    self.fail(&e);
+                    return Err(e);
+                }
+            }
         }
-        res
+        let half_full = {
+            let st = self.state.lock();
+            st.journal.ring.used * 2 > st.journal.ring.len
+        };
+        if half_full {
+            if self.config.background {
+                self.wake_background();
+            } else if let Some(_k) = self.ckpt_lock.try_lock() {
+                self.checkpoint_fuzzy(commit, &mut || {})?;
+            }
+        }
+        Ok(())
     }
 
     /// Flushes the given backing devices (those still attached).
@@ -428,35 +470,43 @@ impl Inner {
         backings.iter().try_for_each(|b| b.flush_now())
     }
 
-    /// Writes the first `len` bytes of pending entries (up to `epoch`) as one record; every
-    /// backing device they owe a flush to was flushed after they were appended.
-    fn commit_inner(&self, len: usize, epoch: u64) -> Result<()> {
-        let (payload, pos, cost, seq) = {
+    /// Writes every pending entry as one record (caller holds `commit_lock`): first flushes
+    /// the backing devices the entries owe a flush, then writes the record (both mirror
+    /// copies) and flushes the cache device once, which makes the data the record points to
+    /// and the record durable together (recovery checks the last record's data; see
+    /// `journal::replay`). `Ok(false)`: the ring has no room, nothing was written.
+    fn write_record(&self) -> Result<bool> {
+        let (len, epoch, owed) = {
+            let st = self.state.lock();
+            let j = &st.journal;
+            let owed: Vec<DevId> = j.flush_backing_first.keys().copied().collect();
+            (j.buf.buf.len(), j.appended_epoch, owed)
+        };
+        self.flush_backings(&owed)
+            .map_err(|e| Error::io(BACKING_FLUSH, std::io::Error::other(e.to_string())))?;
+        let (payload, pos, seq) = {
             let mut st = self.state.lock();
+            let st = &mut *st;
             let j = &mut st.journal;
             if len == 0 {
                 j.durable_epoch = j.durable_epoch.max(epoch);
-                return Ok(());
+                st.buckets.release(j.durable_epoch);
+                return Ok(true);
             }
+            // Only what was appended before the backing flush above goes in this record.
             let rec_len = encode_record_len(len);
-            match j.ring.reserve(rec_len) {
-                None => {
-                    drop(st);
-                    return self.checkpoint_inner();
-                }
-                Some((pos, cost)) => {
-                    let payload: Vec<u8> = j.buf.buf.drain(..len).collect();
-                    if j.buf.buf.is_empty() {
-                        j.oldest_pending_ns = None;
-                    }
-                    j.flush_backing_first.retain(|_, e| *e > epoch);
-                    (payload, pos, cost, j.ring.next_seq)
-                }
+            let Some((pos, cost)) = j.ring.reserve(rec_len) else {
+                return Ok(false);
+            };
+            let payload: Vec<u8> = j.buf.buf.drain(..len).collect();
+            if j.buf.buf.is_empty() {
+                j.oldest_pending_ns = None;
             }
+            j.flush_backing_first.retain(|_, e| *e > epoch);
+            let seq = j.ring.next_seq;
+            j.ring.advance(pos, rec_len, cost);
+            (payload, pos, seq)
         };
-        self.cache
-            .flush()
-            .ctx(|| "flushing cache device before journal write".into())?;
         let rec = encode_record(seq, &self.sb.lock().set_uuid, &payload);
         let half = self.layout.journal_len / 2;
         for copy in [0, half] {
@@ -467,62 +517,201 @@ impl Inner {
         self.cache
             .flush()
             .ctx(|| "flushing journal record".into())?;
-        let half_full = {
-            let mut st = self.state.lock();
-            st.journal.ring.advance(pos, rec.len() as u64, cost);
-            st.journal.durable_epoch = epoch;
-            st.buckets.release(epoch);
-            st.journal.ring.used * 2 > st.journal.ring.len
-        };
-        if half_full {
-            self.checkpoint_inner()?;
-        }
-        Ok(())
+        let mut st = self.state.lock();
+        st.journal.durable_epoch = st.journal.durable_epoch.max(epoch);
+        st.buckets.release(epoch);
+        Ok(true)
     }
 
-    /// Writes a checkpoint (caller holds `commit_lock`).
-    pub fn checkpoint_locked(&self) -> Result<()> {
+    /// Writes a checkpoint if the journal ring is more than half full (the background
+    /// thread's duty; without background threads the committer does it).
+    pub fn checkpoint_if_due(&self) -> Result<()> {
+        let due = |inner: &Inner| {
+            let st = inner.state.lock();
+            st.journal.ring.used * 2 > st.journal.ring.len
+        };
+        if !due(self) {
+            return Ok(());
+        }
+        let _k = self.ckpt_lock.lock();
+        let mut c = self.commit_lock.lock();
+        if !due(self) {
+            return Ok(());
+        }
         self.check_failed()?;
-        let res = self.checkpoint_inner();
+        self.checkpoint_fuzzy(&mut c, &mut || {})
+    }
+
+    /// Writes a checkpoint now (callers outside the commit path).
+    /// `between` runs after each chunk is written, with no engine lock held (tests use it to
+    /// interleave requests with a checkpoint deterministically).
+    pub fn checkpoint_now(&self, between: &mut dyn FnMut()) -> Result<()> {
+        let _k = self.ckpt_lock.lock();
+        let mut c = self.commit_lock.lock();
+        self.check_failed()?;
+        self.checkpoint_fuzzy(&mut c, between)
+    }
+
+    /// Writes a fuzzy checkpoint (see `checkpoint.rs`). The caller holds `ckpt_lock` and
+    /// `commit_lock`; the commit lock is released while the chunks are encoded and written, so
+    /// client flushes go on, and the state lock is taken once per chunk.
+    fn checkpoint_fuzzy(
+        &self,
+        commit: &mut MutexGuard<'_, ()>,
+        between: &mut dyn FnMut(),
+    ) -> Result<()> {
+        let res = self.checkpoint_fuzzy_inner(commit, between);
         if let Err(e) = &res {
             self.fail(e);
         }
         res
     }
 
-    fn checkpoint_inner(&self) -> Result<()> {
-        let owed = self.state.lock().journal.flush_backing_first.clone();
-        self.flush_backings(&owed.keys().copied().collect::<Vec<_>>())?;
-        let (image, epoch, slot, seq) = {
-            let mut st = self.state.lock();
-            let st = &mut *st;
-            // Drops appended since the flush above: their devices are flushed under the lock
-            // (rare: a checkpoint racing a write over dirty data).
-            let late: Vec<DevId> = st
-                .journal
-                .flush_backing_first
-                .iter()
-                .filter(|(d, e)| owed.get(d) != Some(e))
-                .map(|(d, _)| *d)
-                .collect();
-            self.flush_backings(&late)?;
-            st.journal.flush_backing_first.clear();
-            let j = &mut st.journal;
-            let seq = j.ckpt_seq + 1;
-            let image = checkpoint::encode(seq, &j.ring, &st.devs, &st.buckets.gen, &st.index);
-            j.buf.buf.clear();
-            j.oldest_pending_ns = None;
-            (image, j.appended_epoch, 1 - j.ckpt_slot, seq)
+    fn checkpoint_fuzzy_inner(
+        &self,
+        commit: &mut MutexGuard<'_, ()>,
+        between: &mut dyn FnMut(),
+    ) -> Result<()> {
+        // No record is being written (we hold the commit lock): the journal from the head on
+        // holds every entry not yet reflected in the state.
+        let (jpos, jseq, used_before, slot, seq) = {
+            let st = self.state.lock();
+            let j = &st.journal;
+            (
+                j.ring.head,
+                j.ring.next_seq,
+                j.ring.used,
+                1 - j.ckpt_slot,
+                j.ckpt_seq + 1,
+            )
         };
+        let (chunks, body_bytes) =
+            MutexGuard::unlocked(commit, || self.write_chunks(slot, seq, between))?;
+        // Every entry reflected in a chunk becomes durable before the checkpoint counts.
+        if !self.write_record()? {
+            // The ring filled while the chunks were written: write the whole thing at once.
+            return self.checkpoint_whole();
+        }
+        self.install(slot, seq, jpos, jseq, chunks, body_bytes, |ring| {
+            ring.used -= used_before;
+        })
+    }
+
+    /// Writes a checkpoint with the state lock held throughout, so it covers every entry and
+    /// the pending ones are dropped (the fallback when the journal ring is full). The caller
+    /// holds `ckpt_lock` and `commit_lock`.
+    fn checkpoint_whole(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        let owed: Vec<DevId> = st.journal.flush_backing_first.keys().copied().collect();
+        self.flush_backings(&owed)?;
+        let (slot, seq) = (1 - st.journal.ckpt_slot, st.journal.ckpt_seq + 1);
+        let (jpos, jseq) = (st.journal.ring.head, st.journal.ring.next_seq);
+        let mut body = Body::default();
+        let mut enc = checkpoint::ChunkEncoder::default();
+        loop {
+            let more = enc.add_next(&st.index, &st.buckets.gen, &mut body.cursor);
+            if enc.full() || (!more && !enc.is_empty()) {
+                self.write_chunk(&mut enc, slot, seq, &mut body)?;
+            }
+            if !more {
+                break;
+            }
+        }
+        let (chunks, body_bytes) = (body.chunks, body.bytes);
+        let epoch = st.journal.appended_epoch;
+        st.journal.buf.buf.clear();
+        st.journal.oldest_pending_ns = None;
+        st.journal.flush_backing_first.clear();
+        drop(st);
+        self.install(slot, seq, jpos, jseq, chunks, body_bytes, |ring| {
+            ring.checkpointed()
+        })?;
+        let mut st = self.state.lock();
+        st.journal.durable_epoch = epoch;
+        st.buckets.release(epoch);
+        Ok(())
+    }
+
+    /// Encodes and writes the body chunks of checkpoint `seq` into `slot`, taking the state
+    /// lock per chunk. Returns the number of chunks and body bytes.
+    fn write_chunks(&self, slot: u32, seq: u64, between: &mut dyn FnMut()) -> Result<(u64, u64)> {
+        let mut body = Body::default();
+        let mut enc = checkpoint::ChunkEncoder::default();
+        loop {
+            let mut more = true;
+            {
+                let st = self.state.lock();
+                for _ in 0..self.config.checkpoint_buckets_per_lock.max(1) {
+                    more = enc.add_next(&st.index, &st.buckets.gen, &mut body.cursor);
+                    if !more || enc.full() {
+                        break;
+                    }
+                }
+            }
+            if enc.full() || (!more && !enc.is_empty()) {
+                self.write_chunk(&mut enc, slot, seq, &mut body)?;
+            }
+            if !more {
+                return Ok((body.chunks, body.bytes));
+            }
+            between();
+        }
+    }
+
+    /// Writes the encoder's chunk after the ones already written.
+    fn write_chunk(
+        &self,
+        enc: &mut checkpoint::ChunkEncoder,
+        slot: u32,
+        seq: u64,
+        body: &mut Body,
+    ) -> Result<()> {
+        let chunk = enc.finish(seq);
+        let at = self.layout.ckpt_offsets[slot as usize]
+            + Layout::ckpt_header_len(self.layout.nbuckets)
+            + body.bytes;
         assert!(
-            image.len() as u64 <= self.layout.ckpt_len,
+            at + chunk.len() as u64
+                <= self.layout.ckpt_offsets[slot as usize] + self.layout.ckpt_len,
             "checkpoint exceeds its slot"
         );
         self.cache
-            .flush()
-            .ctx(|| "flushing cache device before checkpoint".into())?;
+            .write_at(&chunk, at)
+            .ctx(|| format!("writing checkpoint {seq}"))?;
+        body.chunks += 1;
+        body.bytes += chunk.len() as u64;
+        Ok(())
+    }
+
+    /// Writes the header of checkpoint `seq` (generations and devices as of now), flushes,
+    /// and switches the superblock to it; `ring` then adjusts the journal's used space.
+    #[allow(clippy::too_many_arguments)]
+    fn install(
+        &self,
+        slot: u32,
+        seq: u64,
+        jpos: u64,
+        jseq: u64,
+        chunks: u64,
+        body_bytes: u64,
+        ring: impl FnOnce(&mut Ring),
+    ) -> Result<()> {
+        let header = {
+            let st = self.state.lock();
+            checkpoint::encode_header(
+                seq,
+                &checkpoint::Header {
+                    journal_pos: jpos,
+                    journal_seq: jseq,
+                    devs: &st.devs,
+                    gens: &st.buckets.gen,
+                    chunks,
+                    body_bytes,
+                },
+            )
+        };
         self.cache
-            .write_at(&image, self.layout.ckpt_offsets[slot as usize])
+            .write_at(&header, self.layout.ckpt_offsets[slot as usize])
             .ctx(|| format!("writing checkpoint {seq}"))?;
         self.cache.flush().ctx(|| "flushing checkpoint".into())?;
         {
@@ -537,9 +726,7 @@ impl Inner {
         let mut st = self.state.lock();
         st.journal.ckpt_slot = slot;
         st.journal.ckpt_seq = seq;
-        st.journal.ring.checkpointed();
-        st.journal.durable_epoch = epoch;
-        st.buckets.release(epoch);
+        ring(&mut st.journal.ring);
         Ok(())
     }
 
@@ -547,6 +734,18 @@ impl Inner {
         self.wake.1.notify_all();
     }
 }
+
+/// Where a checkpoint's body chunks stand while they are written.
+#[derive(Default)]
+struct Body {
+    cursor: u32,
+    chunks: u64,
+    bytes: u64,
+}
+
+/// Context of the error a commit returns when a backing device fails its owed flush (that
+/// fails the commit, not the set).
+const BACKING_FLUSH: &str = "flushing a backing device before a journal record";
 
 fn encode_record_len(payload_len: usize) -> u64 {
     crate::codec::round_up(
@@ -625,9 +824,18 @@ impl CacheSet {
             used: 0,
             next_seq: 1,
         };
-        let index = Index::new(layout.nbuckets, layout.blocks_per_bucket());
         let gens = vec![0u8; layout.nbuckets as usize];
-        let image = checkpoint::encode(1, &ring, &BTreeMap::new(), &gens, &index);
+        let image = checkpoint::encode_header(
+            1,
+            &checkpoint::Header {
+                journal_pos: ring.head,
+                journal_seq: ring.next_seq,
+                devs: &BTreeMap::new(),
+                gens: &gens,
+                chunks: 0,
+                body_bytes: 0,
+            },
+        );
         // Wipe the old journal's first block and the other checkpoint slot so nothing from a
         // previous format can be mistaken for ours.
         let zero = vec![0u8; 4096];
@@ -659,7 +867,19 @@ impl CacheSet {
             notes,
             records_replayed,
             entries_replayed,
+            dropped_record_at,
         } = checkpoint::load(&*cache)?;
+        if let Some(pos) = dropped_record_at {
+            // Erase the dropped record (both copies) so a new record with its sequence can
+            // never be mistaken for it; see `journal::replay`.
+            let zero = vec![0u8; crate::format::META_BLOCK as usize];
+            for copy in [0, sb.layout.journal_len / 2] {
+                cache
+                    .write_at(&zero, sb.layout.journal_off + copy + pos)
+                    .ctx(|| "erasing a dropped journal record".into())?;
+            }
+            cache.flush().ctx(|| "flushing cache device".into())?;
+        }
         let layout = sb.layout.clone();
         let buckets = Buckets::new(gens, &index.bucket_live, layout.blocks_per_bucket());
         let report = RecoveryReport {
@@ -695,6 +915,7 @@ impl CacheSet {
             sb: Mutex::new(sb),
             state: Mutex::new(state),
             commit_lock: Mutex::new(()),
+            ckpt_lock: Mutex::new(()),
             ranges: RangeLocks::default(),
             backings: RwLock::new(HashMap::new()),
             config,
@@ -810,8 +1031,8 @@ impl CacheSet {
                     );
                     id
                 };
-                let _c = inner.commit_lock.lock();
-                inner.commit_locked()?;
+                let mut c = inner.commit_lock.lock();
+                inner.commit_locked(&mut c)?;
                 header.set_uuid = set_uuid;
                 header.state = BackingState::Clean;
                 header.write(&*dev)?;
@@ -893,8 +1114,8 @@ impl CacheSet {
                 st.log(&Entry::DetachDev { dev: b.id }, now);
             }
             {
-                let _c = inner.commit_lock.lock();
-                inner.commit_locked()?;
+                let mut c = inner.commit_lock.lock();
+                inner.commit_locked(&mut c)?;
             }
             b.update_header(|h| {
                 h.set_uuid = Uuid::nil();
@@ -933,7 +1154,7 @@ impl CacheSet {
         })
     }
 
-    /// Index entries and the bytes of RAM the index uses (approximate, for reports).
+    /// Cached blocks and the heap bytes of the index and bucket tables (for reports).
     pub fn index_memory(&self) -> (usize, u64) {
         let st = self.inner.state.lock();
         (
@@ -952,10 +1173,7 @@ impl CacheSet {
         for b in inner.backings.read().values() {
             b.flush_if_written()?;
         }
-        {
-            let _c = inner.commit_lock.lock();
-            inner.checkpoint_locked()?;
-        }
+        inner.checkpoint_now(&mut || {})?;
         for b in inner.backings.read().values() {
             let dirty = inner.state.lock().index.dev_dirty_blocks(b.id);
             b.set_state(if dirty > 0 {
@@ -1010,14 +1228,19 @@ impl CacheSet {
 
     /// Commits pending journal entries now.
     pub fn commit(&self) -> Result<()> {
-        let _c = self.inner.commit_lock.lock();
-        self.inner.commit_locked()
+        let mut c = self.inner.commit_lock.lock();
+        self.inner.commit_locked(&mut c)
     }
 
     /// Writes a checkpoint now.
     pub fn checkpoint(&self) -> Result<()> {
-        let _c = self.inner.commit_lock.lock();
-        self.inner.checkpoint_locked()
+        self.inner.checkpoint_now(&mut || {})
+    }
+
+    /// Writes a checkpoint, calling `between` after each chunk with no engine lock held
+    /// (tests interleave requests with checkpoints through it; see `Config::checkpoint_chunk_bytes`).
+    pub fn checkpoint_interleaved(&self, between: &mut dyn FnMut()) -> Result<()> {
+        self.inner.checkpoint_now(between)
     }
 
     /// Verifies the in-memory index invariants (tests).

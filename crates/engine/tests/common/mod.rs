@@ -133,9 +133,14 @@ impl Default for Geometry {
 }
 
 /// A configuration without background threads (tests drive writeback and commits).
+/// Most ops one `Op::Checkpoint` runs between its chunks.
+pub const INTERLEAVED_MAX: usize = 8;
+
 pub fn no_threads() -> Config {
     Config {
         background: false,
+        // One bucket per hold of the state lock: every checkpoint of a small cache is fuzzy.
+        checkpoint_buckets_per_lock: 1,
         ..Config::default()
     }
 }
@@ -275,7 +280,11 @@ pub enum Op {
     Mode(CacheMode),
     Writeback,
     Maintenance,
-    Checkpoint,
+    /// A checkpoint with up to `INTERLEAVED_MAX` ops (drawn from `interleave`) run between its
+    /// chunks, so the fuzzy checkpoint meets writes, discards, writeback and GC mid-way.
+    Checkpoint {
+        interleave: u32,
+    },
     Tick,
     /// 16 consecutive reads of `n` sectors from `sector` (a sequential stream); with
     /// `write`, the stream's 7th chunk is overwritten after the 5th is read (readahead must
@@ -327,8 +336,8 @@ pub fn op_from(kind: u8, a: u32, b: u32, c: u32, sectors: usize) -> Op {
         },
         84..=86 => Op::Mode(CacheMode::ALL[(a % 4) as usize]),
         87..=91 => Op::Writeback,
-        92..=95 => Op::Maintenance,
-        96 => Op::Checkpoint,
+        92..=93 => Op::Maintenance,
+        94..=96 => Op::Checkpoint { interleave: a ^ c },
         97..=98 => {
             let n = len.min(sectors / 16);
             Op::Stream {
@@ -401,7 +410,29 @@ pub fn apply(
         Op::Mode(m) => vol.set_mode(m),
         Op::Writeback => rig.set().writeback_step(true).map(|_| ()),
         Op::Maintenance => rig.set().maintenance_step().map(|_| ()),
-        Op::Checkpoint => rig.set().checkpoint(),
+        Op::Checkpoint { interleave } => {
+            let sectors = (vol.size_bytes() / SECTOR as u64) as usize;
+            let mut r = rng(u64::from(interleave));
+            let mut left = INTERLEAVED_MAX;
+            let mut failure: Option<String> = None;
+            let res = rig.set().checkpoint_interleaved(&mut || {
+                if left == 0 || failure.is_some() || r.gen_bool(0.3) {
+                    return;
+                }
+                left -= 1;
+                let op = random_op(&mut r, sectors);
+                if matches!(op, Op::Checkpoint { .. }) {
+                    return;
+                }
+                if let Err(e) = apply(rig, model, &op, next_id) {
+                    failure = Some(format!("{op:?} during a checkpoint: {e}"));
+                }
+            });
+            if let Some(f) = failure {
+                return Err(f);
+            }
+            res
+        }
         Op::Tick => {
             rig.clock.advance_ns(2_000_000_000);
             Ok(())
