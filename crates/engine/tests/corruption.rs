@@ -208,3 +208,32 @@ fn damaged_cached_data_is_repaired_when_clean_and_an_error_when_dirty() {
         }
     }
 }
+
+/// A cache device whose superblocks are in format 1 (the version before per-bucket
+/// checkpoints) is refused with one line that says so, not reported as damage.
+#[test]
+fn an_older_format_is_refused_with_one_line() {
+    let dev = blockdev::MemDevice::new(16 << 20);
+    CacheSet::format(&dev, &engine::FormatOptions::default(), false).unwrap();
+    let (sb, _) = engine::format::Superblock::read(&dev).unwrap();
+    for off in sb.layout.sb_offsets {
+        let mut frame = vec![0u8; 4096];
+        dev.read_at(&mut frame, off).unwrap();
+        // Version 1, checksum recomputed over the frame with its checksum field zeroed.
+        frame[8..12].copy_from_slice(&1u32.to_le_bytes());
+        let len = 32 + u64::from_le_bytes(frame[24..32].try_into().unwrap()) as usize;
+        frame[12..16].fill(0);
+        let crc = crc32c::crc32c(&frame[..len]);
+        frame[12..16].copy_from_slice(&crc.to_le_bytes());
+        dev.write_at(&frame, off).unwrap();
+    }
+    let dev: Arc<dyn BlockDevice> = Arc::new(dev);
+    let err = match CacheSet::open(dev, no_threads()) {
+        Ok(_) => panic!("a format 1 device was opened"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("format 1") && err.contains("format 2") && !err.contains('\n'),
+        "unexpected refusal: {err}"
+    );
+}
