@@ -343,25 +343,42 @@ fn load_chunk(
 /// Whether the data every insert of the journal's last record points to is on the cache
 /// device (a commit writes its record and flushes once, so after a crash the last record may
 /// be there while data it points to is not; then that commit never returned and the whole
-/// record is dropped, exactly like a torn record). Reads one block at a time.
+/// record is dropped, exactly like a torn record). An insert into a bucket that a later entry
+/// of the same record retires (`BucketGen`) is not checked: once the record was durable the
+/// bucket could be reused and its blocks rewritten, and the insert is void on replay anyway.
+/// Reads one block at a time.
 fn last_record_data_ok(cache: &dyn BlockDevice, l: &Layout, entries: &[Entry]) -> Result<bool> {
+    let bpb = l.blocks_per_bucket();
+    // The last `BucketGen` of each bucket in the record.
+    let retired: std::collections::HashMap<u32, usize> = entries
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| match e {
+            Entry::BucketGen { bucket, .. } => Some((*bucket, i)),
+            _ => None,
+        })
+        .collect();
     let mut buf = vec![0u8; l.block_size as usize];
-    for e in entries {
-        if let Entry::Insert {
+    for (i, e) in entries.iter().enumerate() {
+        let Entry::Insert {
             cache_block, crcs, ..
         } = e
-        {
-            for (i, &want) in crcs.iter().enumerate() {
-                let cb = u64::from(*cache_block) + i as u64;
-                if cb >= u64::from(l.total_blocks()) {
-                    return Ok(false);
-                }
-                cache
-                    .read_at(&mut buf, l.block_offset(cb as u32))
-                    .ctx(|| "reading data of the last journal record".into())?;
-                if crc32c::crc32c(&buf) != want {
-                    return Ok(false);
-                }
+        else {
+            continue;
+        };
+        if retired.get(&(cache_block / bpb)).is_some_and(|&at| at > i) {
+            continue;
+        }
+        for (k, &want) in crcs.iter().enumerate() {
+            let cb = u64::from(*cache_block) + k as u64;
+            if cb >= u64::from(l.total_blocks()) {
+                return Ok(false);
+            }
+            cache
+                .read_at(&mut buf, l.block_offset(cb as u32))
+                .ctx(|| "reading data of the last journal record".into())?;
+            if crc32c::crc32c(&buf) != want {
+                return Ok(false);
             }
         }
     }

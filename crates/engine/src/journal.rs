@@ -182,8 +182,16 @@ pub fn encode_record(seq: u64, set_uuid: &Uuid, entries: &[u8]) -> Vec<u8> {
     payload.extend_from_slice(set_uuid.as_bytes());
     payload.extend_from_slice(entries);
     let mut rec = frame(JOURNAL_MAGIC, JOURNAL_VERSION, seq, &payload);
-    rec.resize(round_up(rec.len() as u64, META_BLOCK) as usize, 0);
+    let len = record_len(entries.len()) as usize;
+    assert!(rec.len() <= len, "a record outgrew its reserved size");
+    rec.resize(len, 0);
     rec
+}
+
+/// The size of the record `encode_record` makes of `entries_len` bytes of entries (ring
+/// space is reserved with it before the record is encoded).
+pub fn record_len(entries_len: usize) -> u64 {
+    round_up((FRAME_HEADER_BYTES + 16 + entries_len) as u64, META_BLOCK)
 }
 
 /// Decodes the entries of a record payload; `None` if any entry is malformed.
@@ -397,6 +405,19 @@ mod tests {
         let mut w = Writer::default();
         entries.iter().for_each(|e| e.encode(&mut w));
         w.buf
+    }
+
+    #[test]
+    fn record_len_is_the_encoded_size() {
+        let set = Uuid::new_v4();
+        for n in (0..3 * META_BLOCK as usize).chain([4064, 4065, 4080, 4081, 8128, 8160]) {
+            // `encode_record` refuses a frame longer than `record_len`; the padded record
+            // parses back whole.
+            let rec = encode_record(1, &set, &vec![0; n]);
+            assert_eq!(rec.len() as u64, record_len(n), "{n} bytes of entries");
+            let (_, entries, size) = valid_record(&rec, &set, 0).expect("valid record");
+            assert_eq!((entries.len(), size), (n, record_len(n)));
+        }
     }
 
     #[test]

@@ -494,7 +494,7 @@ impl Inner {
                 return Ok(true);
             }
             // Only what was appended before the backing flush above goes in this record.
-            let rec_len = encode_record_len(len);
+            let rec_len = crate::journal::record_len(len);
             let Some((pos, cost)) = j.ring.reserve(rec_len) else {
                 return Ok(false);
             };
@@ -508,6 +508,7 @@ impl Inner {
             (payload, pos, seq)
         };
         let rec = encode_record(seq, &self.sb.lock().set_uuid, &payload);
+        debug_assert_eq!(rec.len() as u64, crate::journal::record_len(payload.len()));
         let half = self.layout.journal_len / 2;
         for copy in [0, half] {
             self.cache
@@ -746,13 +747,6 @@ struct Body {
 /// Context of the error a commit returns when a backing device fails its owed flush (that
 /// fails the commit, not the set).
 const BACKING_FLUSH: &str = "flushing a backing device before a journal record";
-
-fn encode_record_len(payload_len: usize) -> u64 {
-    crate::codec::round_up(
-        (crate::codec::FRAME_HEADER_BYTES + payload_len) as u64,
-        crate::format::META_BLOCK,
-    )
-}
 
 /// Writes a fresh backing device header (the device is not yet part of any cache set).
 pub fn format_backing(

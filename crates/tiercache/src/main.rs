@@ -337,7 +337,12 @@ fn show(path: &Path) -> Result<()> {
     // Headers only, without a lock: `show` works beside a running server (what it prints may
     // be about to change).
     let dev = devices::open_spec(&path.to_string_lossy(), Access::Inspect)?;
-    if let Ok((sb, notes)) = engine::format::Superblock::read(&*dev) {
+    let read = engine::format::Superblock::read(&*dev);
+    if let Err(e @ engine::Error::State(_)) = &read {
+        // A cache device in a format this version does not read: say so, not "unknown".
+        bail!("{}: {e}", path.display());
+    }
+    if let Ok((sb, notes)) = read {
         let l = &sb.layout;
         println!("type            cache device");
         println!("sb.seq          {}", sb.seq);
