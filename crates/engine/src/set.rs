@@ -1008,12 +1008,20 @@ impl CacheSet {
                 }
                 let id = {
                     let mut st = inner.state.lock();
-                    let id = (0..MAX_DEVS as u32)
-                        .map(DevId)
-                        .find(|d| !st.devs.contains_key(d))
-                        .ok_or_else(|| {
-                            Error::State("too many backing devices in this cache set".into())
-                        })?;
+                    // Known to the set but its header names no set: an attach stopped (a
+                    // crash) between the AttachDev commit and the header write, so nothing was
+                    // ever cached for it. It joins under that id again: a second id for the
+                    // same uuid would leave `known` finding the stale one after the next
+                    // restart, hiding everything cached under the new one.
+                    let id = match known {
+                        Some(id) => id,
+                        None => (0..MAX_DEVS as u32)
+                            .map(DevId)
+                            .find(|d| !st.devs.contains_key(d))
+                            .ok_or_else(|| {
+                                Error::State("too many backing devices in this cache set".into())
+                            })?,
+                    };
                     st.devs.insert(id, header.dev_uuid);
                     let now = inner.now_ns();
                     st.log(
@@ -1100,6 +1108,11 @@ impl CacheSet {
         let res = (|| {
             crate::background::drain_dirty(inner, b.id, progress)?;
             vol.flush()?;
+            // Clean before the DetachDev record can be durable: a crash between that record
+            // and the header write below would otherwise leave a header saying dirty for a set
+            // with no record of the device, which attach refuses (its data is all written
+            // back). Writes bypass the cache while detaching, so nothing makes it dirty again.
+            b.set_state(BackingState::Clean)?;
             {
                 let mut st = inner.state.lock();
                 let now = inner.now_ns();

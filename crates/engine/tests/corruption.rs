@@ -1,6 +1,9 @@
 //! Metadata and data corruption: flip bytes in every metadata region (both superblock copies,
 //! both checkpoint slots, both journal mirrors, both backing header copies) and in cached data.
-//! Open must either recover or refuse with a clear error; it never serves wrong data. A clean
+//! Open must either recover or refuse with a clear error; it never serves wrong data. The
+//! images hold two backing devices and the metadata of attach, detach and close: attach and
+//! detach journal records after the checkpoint, the checkpoint's device table, and the
+//! header of a second device that is attached or detached. A clean
 //! cached block that fails its checksum is re-read from the backing device; a dirty one is an
 //! I/O error.
 
@@ -13,42 +16,79 @@ use engine::{CacheMode, CacheSet};
 use rand::Rng;
 use std::sync::Arc;
 
-/// Builds a set with clean and dirty data, a checkpoint, and journal records after it.
-/// Returns the durable images and the model of what they hold.
-fn prepared(seed: u64) -> (Vec<u8>, Vec<u8>, Model) {
-    let mut rig = Rig::new(seed, Geometry::default(), CacheMode::Writeback);
-    let sectors = (rig.vol().size_bytes() / SECTOR as u64) as usize;
-    let mut model = Model::new(sectors);
-    let mut id = 0;
+/// Durable images of the cache device, the backing device and the second backing device.
+#[derive(Clone)]
+struct Images {
+    cache: Vec<u8>,
+    backing: Vec<u8>,
+    second: Vec<u8>,
+}
+
+/// Builds a set with clean and dirty data on two backing devices, a checkpoint, and journal
+/// records after it, with the second device's lifecycle in both: attached, detached and
+/// attached again freshly formatted before the checkpoint (which holds its new id), detached
+/// and attached again after it (journal records). With `detached`, the second device ends
+/// detached. Returns the durable images and the models of what they hold.
+fn prepared(seed: u64, detached: bool) -> (Images, Vec<Model>) {
+    let rig = Rig::with_second(
+        seed,
+        Geometry::default(),
+        CacheMode::Writeback,
+        SECOND_BYTES,
+    );
+    let mut w = World::new(rig);
+    let sectors = w.models[0].live.len();
     let mut r = rng(seed);
+    let step = |w: &mut World, op: Op| {
+        w.apply(&op)
+            .unwrap_or_else(|e| panic!("seed {seed}: {op:?}: {e}"))
+            .unwrap_or_else(|e| panic!("seed {seed}: {op:?}: {e}"))
+    };
+    step(&mut w, Op::Attach { fresh: false });
     for round in 0..3 {
-        for _ in 0..60 {
+        for i in 0..60 {
             let op = random_op(&mut r, sectors);
             if matches!(op, Op::Mode(_)) {
                 continue;
             }
-            apply(&rig, &mut model, &op, &mut id).unwrap().unwrap();
+            step(&mut w, op);
+            if i % 20 == 0 {
+                let other = 1 - w.target;
+                step(&mut w, Op::Target(other));
+            }
         }
-        rig.vol().flush().unwrap();
-        model.flush();
-        if round == 1 {
-            rig.close_and_reopen().unwrap();
+        w.flush_all().unwrap();
+        match round {
+            0 => {
+                step(&mut w, Op::Detach);
+                step(&mut w, Op::Attach { fresh: true });
+            }
+            1 => {
+                w.close_and_reopen().unwrap();
+                step(&mut w, Op::Detach);
+                step(&mut w, Op::Attach { fresh: false });
+            }
+            _ if detached => step(&mut w, Op::Detach),
+            _ => {}
         }
     }
+    w.verify().unwrap();
     // Everything was flushed, so the durable images hold all of it.
-    (
-        rig.cache.durable_image(),
-        rig.backing.durable_image(),
-        model,
-    )
+    let images = Images {
+        cache: w.rig.cache.durable_image(),
+        backing: w.rig.backing.durable_image(),
+        second: w.rig.second.as_ref().unwrap().durable_image(),
+    };
+    (images, w.models)
 }
 
-/// Opens images and reads everything: Ok(true) if served (all reads correct or errors),
-/// Ok(false) if refused, Err on wrong data.
-fn open_and_check(cache_img: Vec<u8>, backing_img: Vec<u8>, model: &Model) -> Result<bool, String> {
+/// Opens images, attaches both backing devices and reads everything: Ok(true) if served (all
+/// reads correct or errors), Ok(false) if refused, Err on wrong data.
+fn open_and_check(img: Images, models: &[Model]) -> Result<bool, String> {
     let ctrl = FaultController::new(0);
-    let cache = Arc::new(SimDevice::from_image("cache", cache_img, ctrl.clone()));
-    let backing = Arc::new(SimDevice::from_image("backing", backing_img, ctrl));
+    let cache = Arc::new(SimDevice::from_image("cache", img.cache, ctrl.clone()));
+    let backing = Arc::new(SimDevice::from_image("backing", img.backing, ctrl.clone()));
+    let second = Arc::new(SimDevice::from_image("second", img.second, ctrl));
     let clock = Arc::new(engine::clock::ManualClock::default());
     let set = match CacheSet::open(cache as Arc<dyn BlockDevice>, test_config(clock)) {
         Ok((s, _)) => s,
@@ -58,66 +98,115 @@ fn open_and_check(cache_img: Vec<u8>, backing_img: Vec<u8>, model: &Model) -> Re
             return Ok(false);
         }
     };
-    let vol = match set.attach(backing as Arc<dyn BlockDevice>) {
-        Ok(v) => v,
-        Err(e) => {
-            assert!(e.to_string().len() > 10);
-            return Ok(false);
-        }
-    };
-    let mut buf = vec![0u8; 4096];
-    for at in (0..vol.size_bytes()).step_by(4096) {
-        if vol.read(at, &mut buf).is_ok() {
-            model.check((at / 512) as usize, &buf)?;
+    for (i, dev) in [backing, second].into_iter().enumerate() {
+        let vol = match set.attach(dev as Arc<dyn BlockDevice>) {
+            Ok(v) => v,
+            Err(e) => {
+                assert!(e.to_string().len() > 10);
+                return Ok(false);
+            }
+        };
+        let mut buf = vec![0u8; 4096];
+        for at in (0..vol.size_bytes()).step_by(4096) {
+            if vol.read(at, &mut buf).is_ok() {
+                models[i]
+                    .check((at / 512) as usize, &buf)
+                    .map_err(|e| format!("device {i}: {e}"))?;
+            }
         }
     }
     Ok(true)
 }
 
+/// The journal records written since the current checkpoint, in the first mirror: offset
+/// and length on the cache device (the part after the ring's wrap if it wrapped).
+fn records_since_checkpoint(cache_img: &[u8]) -> (u64, u64) {
+    let probe = SimDevice::from_image("probe", cache_img.to_vec(), FaultController::new(0));
+    let loaded = engine::load_metadata(&probe).unwrap();
+    let (l, ring) = (&loaded.sb.layout, &loaded.ring);
+    let (start, len) = if ring.head >= ring.used {
+        (ring.head - ring.used, ring.used)
+    } else if ring.head > 0 {
+        (0, ring.head)
+    } else {
+        (ring.len - ring.used, ring.used)
+    };
+    (l.journal_off + start, len)
+}
+
 #[test]
 fn flipped_metadata_never_serves_wrong_data() {
     let seed = seed_from_env("flipped_metadata_never_serves_wrong_data");
-    let (cache_img, backing_img, model) = prepared(seed);
-    // Untouched images open and read back correctly.
-    assert!(open_and_check(cache_img.clone(), backing_img.clone(), &model).unwrap());
-    let ctrl = FaultController::new(0);
-    let probe = SimDevice::from_image("probe", cache_img.clone(), ctrl);
-    let sb = engine::format::Superblock::read(&probe).unwrap().0;
-    let l = &sb.layout;
-    let cache_regions: Vec<(&str, u64, u64)> = vec![
-        ("superblock copy 0", l.sb_offsets[0], 4096),
-        ("superblock copy 1", l.sb_offsets[1], 4096),
-        ("checkpoint slot 0", l.ckpt_offsets[0], 8192),
-        ("checkpoint slot 1", l.ckpt_offsets[1], 8192),
-        ("journal copy 0", l.journal_off, 16384),
-        ("journal copy 1", l.journal_off + l.journal_len / 2, 16384),
-    ];
     let mut r = rng(seed);
     let (mut served, mut refused) = (0, 0);
-    for (name, off, len) in &cache_regions {
-        for _ in 0..12 {
-            let mut img = cache_img.clone();
-            let at = (off + r.gen_range(0..*len)) as usize;
+    // The second device ends attached (its header names the set, the journal holds its
+    // detach and attach), then detached (its header names no set, the cache forgot it).
+    for detached in [false, true] {
+        let (img, models) = prepared(seed, detached);
+        // Untouched images open and read back correctly.
+        assert!(open_and_check(img.clone(), &models).unwrap());
+        let ctrl = FaultController::new(0);
+        let probe = SimDevice::from_image("probe", img.cache.clone(), ctrl);
+        let sb = engine::format::Superblock::read(&probe).unwrap().0;
+        let l = &sb.layout;
+        let half = l.journal_len / 2;
+        let (recs, recs_len) = records_since_checkpoint(&img.cache);
+        assert!(
+            recs_len > 0,
+            "seed {seed}: no journal records after the checkpoint"
+        );
+        let cache_regions: Vec<(&str, u64, u64)> = vec![
+            ("superblock copy 0", l.sb_offsets[0], 4096),
+            ("superblock copy 1", l.sb_offsets[1], 4096),
+            ("checkpoint slot 0", l.ckpt_offsets[0], 8192),
+            ("checkpoint slot 1", l.ckpt_offsets[1], 8192),
+            ("journal copy 0", l.journal_off, 16384),
+            ("journal copy 1", l.journal_off + half, 16384),
+            ("records since the checkpoint, copy 0", recs, recs_len),
+            (
+                "records since the checkpoint, copy 1",
+                recs + half,
+                recs_len,
+            ),
+        ];
+        let flip = |r: &mut rand_chacha::ChaCha8Rng, img: &mut Vec<u8>, off: u64, len: u64| {
+            let at = (off + r.gen_range(0..len)) as usize;
             img[at] ^= r.gen_range(1..=255u8);
-            match open_and_check(img, backing_img.clone(), &model) {
-                Ok(true) => served += 1,
-                Ok(false) => refused += 1,
-                Err(e) => panic!("seed {seed}: flip in {name} at {at}: wrong data served: {e}"),
+            at
+        };
+        let mut tally = |what: String, res: Result<bool, String>| match res {
+            Ok(true) => served += 1,
+            Ok(false) => refused += 1,
+            Err(e) => panic!("seed {seed}: {what}: wrong data served: {e}"),
+        };
+        for (name, off, len) in &cache_regions {
+            for _ in 0..12 {
+                let mut i = img.clone();
+                let at = flip(&mut r, &mut i.cache, *off, *len);
+                tally(
+                    format!("flip in {name} at {at} (detached {detached})"),
+                    open_and_check(i, &models),
+                );
             }
         }
-    }
-    for (name, off) in [
-        ("backing header copy 0", 0u64),
-        ("backing header copy 1", 4096),
-    ] {
-        for _ in 0..12 {
-            let mut img = backing_img.clone();
-            let at = (off + r.gen_range(0..200)) as usize;
-            img[at] ^= r.gen_range(1..=255u8);
-            match open_and_check(cache_img.clone(), img, &model) {
-                Ok(true) => served += 1,
-                Ok(false) => refused += 1,
-                Err(e) => panic!("seed {seed}: flip in {name} at {at}: wrong data served: {e}"),
+        for (name, off) in [("header copy 0", 0u64), ("header copy 1", 4096)] {
+            for second in [false, true] {
+                for _ in 0..12 {
+                    let mut i = img.clone();
+                    let dev = if second {
+                        &mut i.second
+                    } else {
+                        &mut i.backing
+                    };
+                    let at = flip(&mut r, dev, off, 200);
+                    tally(
+                        format!(
+                            "flip in {} {name} at {at} (detached {detached})",
+                            if second { "second" } else { "backing" }
+                        ),
+                        open_and_check(i, &models),
+                    );
+                }
             }
         }
     }
@@ -132,34 +221,48 @@ fn flipped_metadata_never_serves_wrong_data() {
 #[test]
 fn one_damaged_copy_of_mirrored_metadata_is_survived() {
     let seed = seed_from_env("one_damaged_copy_of_mirrored_metadata_is_survived");
-    let (cache_img, backing_img, model) = prepared(seed);
-    let ctrl = FaultController::new(0);
-    let sb = engine::format::Superblock::read(&SimDevice::from_image("p", cache_img.clone(), ctrl))
-        .unwrap()
-        .0;
-    let l = sb.layout.clone();
-    for (off, len) in [
-        (l.sb_offsets[0], 4096u64),
-        (l.sb_offsets[1], 4096),
-        (l.journal_off, l.journal_len / 2),
-    ] {
-        let mut img = cache_img.clone();
-        img[off as usize..(off + len) as usize].fill(0xA5);
-        assert!(
-            open_and_check(img, backing_img.clone(), &model).unwrap(),
-            "wiping {off}+{len} was not survived"
-        );
+    for detached in [false, true] {
+        let (img, models) = prepared(seed, detached);
+        let ctrl = FaultController::new(0);
+        let sb =
+            engine::format::Superblock::read(&SimDevice::from_image("p", img.cache.clone(), ctrl))
+                .unwrap()
+                .0;
+        let l = sb.layout.clone();
+        for (off, len) in [
+            (l.sb_offsets[0], 4096u64),
+            (l.sb_offsets[1], 4096),
+            (l.journal_off, l.journal_len / 2),
+            (l.journal_off + l.journal_len / 2, l.journal_len / 2),
+        ] {
+            let mut i = img.clone();
+            i.cache[off as usize..(off + len) as usize].fill(0xA5);
+            assert!(
+                open_and_check(i, &models).unwrap(),
+                "seed {seed}: wiping {off}+{len} was not survived (detached {detached})"
+            );
+        }
+        for off in [0usize, 4096] {
+            for second in [false, true] {
+                let mut i = img.clone();
+                let dev = if second {
+                    &mut i.second
+                } else {
+                    &mut i.backing
+                };
+                dev[off..off + 4096].fill(0x5A);
+                assert!(
+                    open_and_check(i, &models).unwrap(),
+                    "seed {seed}: wiping header copy at {off} (second {second}, detached {detached}) was not survived"
+                );
+            }
+        }
+        // The current checkpoint slot is not mirrored: damage is refused, never guessed around.
+        let mut i = img.clone();
+        let slot = l.ckpt_offsets[sb.ckpt_slot as usize] as usize;
+        i.cache[slot + 40] ^= 1;
+        assert!(!open_and_check(i, &models).unwrap());
     }
-    for off in [0usize, 4096] {
-        let mut img = backing_img.clone();
-        img[off..off + 4096].fill(0x5A);
-        assert!(open_and_check(cache_img.clone(), img, &model).unwrap());
-    }
-    // The current checkpoint slot is not mirrored: damage is refused, never guessed around.
-    let mut img = cache_img.clone();
-    let slot = l.ckpt_offsets[sb.ckpt_slot as usize] as usize;
-    img[slot + 40] ^= 1;
-    assert!(!open_and_check(img, backing_img, &model).unwrap());
 }
 
 #[test]

@@ -1,6 +1,9 @@
 //! Model-based property tests: random sequences of read / write / FUA write / flush /
 //! discard / write-zeroes / mode switch / writeback / GC / checkpoint / close+reopen /
-//! crash+reopen against the in-memory model; every read must be one the model allows.
+//! crash+reopen, switching between two backing devices and detaching and attaching the second
+//! one (again, or freshly formatted), against the in-memory models; every read must be one
+//! the model allows, a completed detach must leave the device holding everything, and a
+//! crash must leave it attached or cleanly detached (see `World`).
 
 mod common;
 
@@ -11,19 +14,18 @@ use proptest::prelude::*;
 #[derive(Clone, Debug)]
 enum Step {
     Op(Op),
-    Reopen,
     Crash,
 }
 
 fn run(seed: u64, steps: &[Step], mode: CacheMode) -> Result<(), String> {
-    let mut rig = Rig::new(seed, Geometry::default(), mode);
-    rig.short_cutoff_for_some_seeds(seed);
-    let sectors = (rig.vol().size_bytes() / SECTOR as u64) as usize;
-    let mut model = Model::new(sectors);
-    let mut id = 0;
+    let rig = Rig::with_second(seed, Geometry::default(), mode, SECOND_BYTES);
+    let mut w = World::new(rig);
+    w.rig.short_cutoff_for_some_seeds(seed);
+    let sectors = w.models[0].live.len();
     for (i, step) in steps.iter().enumerate() {
         let ctx = |e: String| format!("step {i} ({step:?}): {e}");
         match step {
+            Step::Op(Op::Close) => w.close_and_reopen().map_err(ctx)?,
             Step::Op(op) => {
                 if let Op::Write { sector, n, .. }
                 | Op::Read { sector, n }
@@ -32,23 +34,14 @@ fn run(seed: u64, steps: &[Step], mode: CacheMode) -> Result<(), String> {
                 {
                     assert!(sector + n <= sectors);
                 }
-                apply(&rig, &mut model, op, &mut id)
+                w.apply(op)
                     .map_err(ctx)?
                     .map_err(|e| ctx(format!("engine error: {e}")))?;
             }
-            Step::Reopen => {
-                rig.close_and_reopen().map_err(|e| ctx(e.to_string()))?;
-                model.flush();
-                verify_all(&rig, &model).map_err(ctx)?;
-            }
-            Step::Crash => {
-                rig.crash_and_reopen().map_err(|e| ctx(e.to_string()))?;
-                model.crashed();
-                verify_all(&rig, &model).map_err(ctx)?;
-            }
+            Step::Crash => w.crash_and_reopen().map_err(ctx)?,
         }
     }
-    verify_all(&rig, &model)
+    w.verify()
 }
 
 fn step_strategy() -> impl Strategy<Value = Step> {
@@ -56,8 +49,11 @@ fn step_strategy() -> impl Strategy<Value = Step> {
     prop_oneof![
         50 => (any::<u8>(), any::<u32>(), any::<u32>(), any::<u32>())
             .prop_map(move |(k, a, b, c)| Step::Op(op_from(k, a, b, c, sectors))),
-        1 => Just(Step::Reopen),
+        1 => Just(Step::Op(Op::Close)),
         1 => Just(Step::Crash),
+        2 => (0usize..2).prop_map(|t| Step::Op(Op::Target(t))),
+        1 => Just(Step::Op(Op::Detach)),
+        1 => any::<bool>().prop_map(|fresh| Step::Op(Op::Attach { fresh })),
     ]
 }
 
@@ -79,12 +75,17 @@ fn long_random_run_matches_model() {
     let sectors = (2 << 20) / SECTOR;
     let steps: Vec<Step> = (0..4000)
         .map(|_| match rand::Rng::gen_range(&mut r, 0..200) {
-            0 => Step::Reopen,
+            0 => Step::Op(Op::Close),
             1 => Step::Crash,
+            2..=4 => Step::Op(Op::Target(rand::Rng::gen_range(&mut r, 0..2))),
+            5 => Step::Op(Op::Detach),
+            6 => Step::Op(Op::Attach {
+                fresh: rand::Rng::gen_bool(&mut r, 0.3),
+            }),
             _ => Step::Op(random_op(&mut r, sectors)),
         })
         .collect();
     if let Err(e) = run(seed, &steps, CacheMode::Writeback) {
-        panic!("seed {seed}: {e}");
+        panic!("seed {seed}: {e}\nreplay: TIERCACHE_SEED={seed} cargo test -p engine --test model long_random_run -- --nocapture");
     }
 }
