@@ -184,19 +184,22 @@ fn gc_one(inner: &Inner) -> Result<bool> {
                 let mut st = inner.state.lock();
                 let from = s + u64::from(done);
                 if st.index.maps_to(dev, from, n, e.cache_block + done) {
-                    let dirty = st.index.lookup(dev, from, from + 1)[0]
-                        .ext
-                        .is_some_and(|x| x.dirty);
-                    let crcs: Vec<u32> = (0..n)
-                        .map(|i| st.index.crc(e.cache_block + done + i))
-                        .collect();
-                    let ext = crate::index::Extent {
-                        len: n,
-                        cache_block: cb,
-                        dirty,
-                    };
+                    // Writeback may have cleaned part of the run since it was collected: each
+                    // piece keeps its own state (a dirty block moved as clean would be lost).
                     let now = inner.now_ns();
-                    st.insert_extent(dev, from, ext, crcs, now);
+                    for seg in st.index.lookup(dev, from, from + u64::from(n)) {
+                        let old = seg.ext.expect("maps_to: every block is cached");
+                        let at = (seg.block - from) as u32;
+                        let crcs: Vec<u32> = (0..old.len)
+                            .map(|i| st.index.crc(old.cache_block + i))
+                            .collect();
+                        let ext = crate::index::Extent {
+                            len: old.len,
+                            cache_block: cb + at,
+                            dirty: old.dirty,
+                        };
+                        st.insert_extent(dev, seg.block, ext, crcs, now);
+                    }
                 }
                 done += n;
             }
@@ -300,6 +303,23 @@ impl WritebackPool {
             self.pool.sort_unstable_by_key(|(d, s, _)| (*d, *s));
             self.pos = 0;
             refilled = true;
+        }
+    }
+}
+
+/// Cache blocks whose buckets a writeback pass pinned; unpinned when dropped.
+struct Pins<'a>(Vec<u32>, &'a Inner);
+
+impl Drop for Pins<'_> {
+    fn drop(&mut self) {
+        if self.0.is_empty() {
+            return;
+        }
+        let mut st = self.1.state.lock();
+        let durable = st.journal.durable_epoch;
+        for &cb in &self.0 {
+            let b = st.index.bucket_of(cb);
+            st.buckets.unpin(b, durable);
         }
     }
 }
@@ -419,6 +439,7 @@ fn writeback_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<(u6
     }
     let mut written = Vec::new();
     let mut touched = BTreeSet::new();
+    let mut pins = Pins(Vec::new(), inner);
     let pass_start = inner.now_ns();
     for (i, run) in runs.into_iter().enumerate() {
         // A full-speed pass ends early once a client needs the disk (the next pass runs at
@@ -490,14 +511,11 @@ fn writeback_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<(u6
         if let Some((at, buf)) = pending.take() {
             result = result.and(write_backing(backing, at, &buf));
         }
-        {
-            let mut st = inner.state.lock();
-            let durable = st.journal.durable_epoch;
-            for (_, _, e) in &live {
-                let b = st.index.bucket_of(e.cache_block);
-                st.buckets.unpin(b, durable);
-            }
-        }
+        // The pins stay until the pieces are marked clean (`pins` is released at the end of
+        // the pass): a bucket emptied and reused meanwhile could map the same block to the
+        // same cache block again with new dirty data, which `mark_clean` would then take for
+        // what was written back (an ABA the full-cache test caught as a stale read).
+        pins.0.extend(live.iter().map(|(_, _, e)| e.cache_block));
         result?;
         touched.insert(dev);
         written.extend(ok_pieces);

@@ -141,6 +141,16 @@ impl State {
         self.journal.oldest_pending_ns.get_or_insert(now_ns);
     }
 
+    /// Whether the journal since the last checkpoint calls for a new one: when it fills half
+    /// the ring, or when replaying it would read more than the checkpoint itself (at least
+    /// `CHECKPOINT_JOURNAL_MIN`). So a restart replays at most about as much journal as it
+    /// loads checkpoint, and checkpoints cost at most about one byte per journal byte.
+    pub fn checkpoint_due(&self) -> bool {
+        let r = &self.journal.ring;
+        let body = self.index.live_blocks * crate::format::CKPT_BLOCK_BYTES;
+        r.used * 2 > r.len || r.used > body.max(CHECKPOINT_JOURNAL_MIN)
+    }
+
     /// Marks every in-flight promotion overlapping the range as collided.
     pub fn collide(&mut self, dev: DevId, b0: u64, b1: u64) {
         for p in self.promotions.values_mut() {
@@ -444,11 +454,7 @@ impl Inner {
                 }
             }
         }
-        let half_full = {
-            let st = self.state.lock();
-            st.journal.ring.used * 2 > st.journal.ring.len
-        };
-        if half_full {
+        if self.state.lock().checkpoint_due() {
             if self.config.background {
                 self.wake_background();
             } else if let Some(_k) = self.ckpt_lock.try_lock() {
@@ -524,13 +530,10 @@ impl Inner {
         Ok(true)
     }
 
-    /// Writes a checkpoint if the journal ring is more than half full (the background
+    /// Writes a checkpoint if one is due (see `State::checkpoint_due`; the background
     /// thread's duty; without background threads the committer does it).
     pub fn checkpoint_if_due(&self) -> Result<()> {
-        let due = |inner: &Inner| {
-            let st = inner.state.lock();
-            st.journal.ring.used * 2 > st.journal.ring.len
-        };
+        let due = |inner: &Inner| inner.state.lock().checkpoint_due();
         if !due(self) {
             return Ok(());
         }
@@ -735,6 +738,9 @@ impl Inner {
         self.wake.1.notify_all();
     }
 }
+
+/// Journal bytes since the last checkpoint below which none is written for replay's sake.
+const CHECKPOINT_JOURNAL_MIN: u64 = 16 << 20;
 
 /// Where a checkpoint's body chunks stand while they are written.
 #[derive(Default)]

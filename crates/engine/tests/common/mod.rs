@@ -554,7 +554,7 @@ pub fn apply_to(
                 if matches!(op, Op::Checkpoint { .. }) {
                     return;
                 }
-                if let Err(e) = apply(rig, model, &op, next_id) {
+                if let Err(e) = apply_to(rig, vol, model, &op, next_id) {
                     failure = Some(format!("{op:?} during a checkpoint: {e}"));
                 }
             });
