@@ -322,11 +322,10 @@ impl Index {
     /// walking the live buckets (so the cost is the smaller of the two).
     fn mapped_in(&self, dev: DevId, b0: u64, b1: u64) -> Vec<(u64, u32)> {
         let b1 = b1.min(BLOCK_LIMIT);
-        let live = self.dev_blocks.get(dev.0 as usize).map_or(0, |c| c.live);
-        if b0 >= b1 || live == 0 {
+        if b0 >= b1 || self.dev_live_blocks(dev) == 0 {
             return Vec::new();
         }
-        if b1 - b0 <= self.live_blocks.max(64) {
+        if self.lookups_cheaper(b0, b1) {
             (b0..b1)
                 .filter_map(|b| self.get(dev, b).map(|cb| (b, cb)))
                 .collect()
@@ -339,6 +338,11 @@ impl Index {
             });
             out
         }
+    }
+
+    /// Whether looking up each block of `[b0, b1)` costs less than walking the live buckets.
+    fn lookups_cheaper(&self, b0: u64, b1: u64) -> bool {
+        b1 - b0 <= self.live_blocks.max(64)
     }
 
     /// Calls `f(cb, dev, block)` for every owned cache block, bucket by bucket (live buckets
@@ -377,7 +381,7 @@ impl Index {
                 dirty: self.is_dirty(cb),
             })
         };
-        if b1 - b0 <= self.live_blocks.max(64) {
+        if self.lookups_cheaper(b0, b1) {
             (b0..b1).any(|b| self.get(dev, b).is_some_and(test))
         } else {
             self.mapped_in(dev, b0, b1)

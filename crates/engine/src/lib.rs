@@ -45,10 +45,10 @@ pub use set::{
 };
 pub use types::{CacheMode, DevId, Error, Result};
 
-/// The seed of a randomized unit test: `TIERCACHE_SEED` if set, else the clock; printed so a
-/// failure can be replayed.
-#[cfg(test)]
-pub(crate) fn test_seed(test: &str) -> u64 {
+/// The seed of a randomized test: `TIERCACHE_SEED` if set, else the clock; printed so a
+/// failure can be replayed. Shared by the unit tests and `tests/common` (hence public, hidden).
+#[doc(hidden)]
+pub fn test_seed(test: &str) -> u64 {
     let seed = std::env::var("TIERCACHE_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -422,8 +422,9 @@ impl Inner {
         self.check_failed()?;
         loop {
             match self.write_record() {
-                Ok(true) => break,
-                Ok(false) => {
+                Ok(Record::Written) => break,
+                Ok(Record::BackingFailed(e)) => return Err(e),
+                Ok(Record::RingFull) => {
                     // The ring is full: a checkpoint frees it. One that is running finishes
                     // (it needs no commit lock until its end); else write one now, whole.
                     match self.ckpt_lock.try_lock() {
@@ -444,9 +445,6 @@ impl Inner {
                         None => MutexGuard::unlocked(commit, || drop(self.ckpt_lock.lock())),
                     }
                     self.check_failed()?;
-                }
-                Err(e @ Error::Io { .. }) if matches!(&e, Error::Io { context, .. } if context == BACKING_FLUSH) => {
-                    return Err(e)
                 }
                 Err(e) => {
                     self.fail(&e);
@@ -480,16 +478,17 @@ impl Inner {
     /// the backing devices the entries owe a flush, then writes the record (both mirror
     /// copies) and flushes the cache device once, which makes the data the record points to
     /// and the record durable together (recovery checks the last record's data; see
-    /// `journal::replay`). `Ok(false)`: the ring has no room, nothing was written.
-    fn write_record(&self) -> Result<bool> {
+    /// `journal::replay`). A failed backing flush or a full ring writes nothing.
+    fn write_record(&self) -> Result<Record> {
         let (len, epoch, owed) = {
             let st = self.state.lock();
             let j = &st.journal;
             let owed: Vec<DevId> = j.flush_backing_first.keys().copied().collect();
             (j.buf.buf.len(), j.appended_epoch, owed)
         };
-        self.flush_backings(&owed)
-            .map_err(|e| Error::io(BACKING_FLUSH, std::io::Error::other(e.to_string())))?;
+        if let Err(e) = self.flush_backings(&owed) {
+            return Ok(Record::BackingFailed(e));
+        }
         let (payload, pos, seq) = {
             let mut st = self.state.lock();
             let st = &mut *st;
@@ -497,12 +496,12 @@ impl Inner {
             if len == 0 {
                 j.durable_epoch = j.durable_epoch.max(epoch);
                 st.buckets.release(j.durable_epoch);
-                return Ok(true);
+                return Ok(Record::Written);
             }
             // Only what was appended before the backing flush above goes in this record.
             let rec_len = crate::journal::record_len(len);
             let Some((pos, cost)) = j.ring.reserve(rec_len) else {
-                return Ok(false);
+                return Ok(Record::RingFull);
             };
             let payload: Vec<u8> = j.buf.buf.drain(..len).collect();
             if j.buf.buf.is_empty() {
@@ -527,7 +526,7 @@ impl Inner {
         let mut st = self.state.lock();
         st.journal.durable_epoch = st.journal.durable_epoch.max(epoch);
         st.buckets.release(epoch);
-        Ok(true)
+        Ok(Record::Written)
     }
 
     /// Writes a checkpoint if one is due (see `State::checkpoint_due`; the background
@@ -592,9 +591,11 @@ impl Inner {
         let (chunks, body_bytes) =
             MutexGuard::unlocked(commit, || self.write_chunks(slot, seq, between))?;
         // Every entry reflected in a chunk becomes durable before the checkpoint counts.
-        if !self.write_record()? {
+        match self.write_record()? {
+            Record::Written => {}
             // The ring filled while the chunks were written: write the whole thing at once.
-            return self.checkpoint_whole();
+            Record::RingFull => return self.checkpoint_whole(),
+            Record::BackingFailed(e) => return Err(e),
         }
         self.install(slot, seq, jpos, jseq, chunks, body_bytes, |ring| {
             ring.used -= used_before;
@@ -750,9 +751,15 @@ struct Body {
     bytes: u64,
 }
 
-/// Context of the error a commit returns when a backing device fails its owed flush (that
-/// fails the commit, not the set).
-const BACKING_FLUSH: &str = "flushing a backing device before a journal record";
+/// What `write_record` did.
+enum Record {
+    Written,
+    /// The journal ring has no room; a checkpoint frees it.
+    RingFull,
+    /// A backing device failed the flush its dropped dirty data owes: this commit fails, not
+    /// the set (nothing was written; the next commit tries again).
+    BackingFailed(Error),
+}
 
 /// Writes a fresh backing device header (the device is not yet part of any cache set).
 pub fn format_backing(

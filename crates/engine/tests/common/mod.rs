@@ -844,17 +844,7 @@ pub fn rng(seed: u64) -> ChaCha8Rng {
 
 /// The seed for a randomized test: `TIERCACHE_SEED` if set, else from the clock. Printed.
 pub fn seed_from_env(test: &str) -> u64 {
-    let seed = std::env::var("TIERCACHE_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    eprintln!("{test}: seed={seed} (replay with TIERCACHE_SEED={seed})");
-    seed
+    engine::test_seed(test)
 }
 
 /// Formats `cache` (64 KiB buckets) and `backing`, opens the set and attaches the volume.

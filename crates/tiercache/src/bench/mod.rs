@@ -373,25 +373,18 @@ struct Ctx {
 
 /// Runs the selected workloads on the selected configurations.
 pub fn run(args: &BenchArgs) -> Result<()> {
-    if args
-        .workloads
-        .iter()
-        .any(|w| w.eq_ignore_ascii_case("scale"))
-    {
-        if args.workloads.len() > 1 || !args.configs.is_empty() {
-            bail!("the scale workload runs alone: no other workload and no --configs");
+    // Workloads that run alone (their own measurements, no configurations).
+    for alone in ["scale", "hits"] {
+        if !args.workloads.iter().any(|w| w.eq_ignore_ascii_case(alone)) {
+            continue;
         }
-        return scale::run(&args.scale_workload, &args.out);
-    }
-    if args
-        .workloads
-        .iter()
-        .any(|w| w.eq_ignore_ascii_case("hits"))
-    {
         if args.workloads.len() > 1 || !args.configs.is_empty() {
-            bail!("the hits workload runs alone: no other workload and no --configs");
+            bail!("the {alone} workload runs alone: no other workload and no --configs");
         }
-        return hits::run(args.scale, &args.out);
+        return match alone {
+            "scale" => scale::run(&args.scale_workload, &args.out),
+            _ => hits::run(args.scale, &args.out),
+        };
     }
     let mut p = params(args.scale);
     p.mem_limit_bytes = cgroup::limit_bytes(args.mem_limit, p.cache_bytes)?;
