@@ -20,8 +20,31 @@
 //!   is skipped, as warm), and after a scan that found nothing, the next one waits until the
 //!   journal has grown by `rescan_pause` entries, so a cache full of dirty data does not
 //!   rescan per request.
+//!
+//! Pins ([`Pins`]) are atomic and shared outside the state lock, so a reader can drop its pin
+//! without the lock every request shares. The rules and why they are enough:
+//! - a pin is *taken* only under the state lock, in the critical section whose lookup found
+//!   the bucket (or that allocates from it); every decision to reuse a bucket (reclaim and GC
+//!   candidates, `release`, the freeing on a last unpin) is also made under that lock, so it
+//!   sees every pin taken before it (the mutex orders them), and a bucket that is retired
+//!   (`PendingFree`) is in no index entry and no open bucket, so nobody pins it again;
+//! - a pin is *dropped* with a `Release` decrement and every check for "no pins" is an
+//!   `Acquire` load, so a reader's cache read happens before the bucket is freed, and so
+//!   before anything is written to it again;
+//! - `retire` sets [`RETIRED`] in the same atomic, under the lock. The decrement that takes
+//!   the count of a retired bucket to zero sees the flag (one read-modify-write returns both),
+//!   and only that unpin takes the state lock, to free the bucket if its tag is durable. If
+//!   the decrement came first in the atomic's order, it saw no flag and does nothing, but then
+//!   `release` (under the lock, later) sees the count at zero and frees the bucket. A
+//!   decrement that saw the flag read a value written inside `retire`'s critical section, so
+//!   the lock it then takes is acquired after that section ended and sees `PendingFree`.
+//!   Either way exactly one of them frees it (`free_bucket` requires `PendingFree`), and a
+//!   bucket freed meanwhile by the other is left alone;
+//! - the flag is cleared when the bucket is freed (under the lock, with no pins left).
 
 use std::collections::{BinaryHeap, VecDeque};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::Arc;
 
 /// One byte per bucket: the per-bucket tables are part of the RAM budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,13 +64,55 @@ pub enum WritePoint {
     Dirty = 1,
 }
 
+/// The pin-count bit of a `Pins` slot that says the bucket is `PendingFree`.
+const RETIRED: u16 = 1 << 15;
+
+/// Per-bucket pin counts (the low 15 bits) and the [`RETIRED`] flag, readable and droppable
+/// without the state lock (see the module header for the protocol). Clones share them.
+#[derive(Clone)]
+pub struct Pins(Arc<[AtomicU16]>);
+
+impl Pins {
+    fn new(n: usize) -> Pins {
+        Pins((0..n).map(|_| AtomicU16::new(0)).collect())
+    }
+
+    /// Heap bytes: the counts and the `Arc`'s two reference counts.
+    fn heap_bytes(&self) -> usize {
+        std::mem::size_of_val(&*self.0) + 2 * std::mem::size_of::<usize>()
+    }
+
+    /// Pins on bucket `b` (an `Acquire` load: the reads of the dropped pins are done).
+    fn count(&self, b: usize) -> u16 {
+        self.0[b].load(Ordering::Acquire) & !RETIRED
+    }
+
+    /// Takes a pin. Call only under the state lock (see the module header).
+    fn pin(&self, b: u32) {
+        let prev = self.0[b as usize].fetch_add(1, Ordering::Relaxed);
+        assert!(
+            prev & !RETIRED < RETIRED - 1,
+            "more than 32766 concurrent pins on one bucket"
+        );
+    }
+
+    /// Drops a pin; needs no lock. `true`: it was the last pin on a retired bucket, and the
+    /// caller must call [`Buckets::free_unpinned`] under the state lock.
+    #[must_use]
+    pub fn unpin(&self, b: u32) -> bool {
+        let prev = self.0[b as usize].fetch_sub(1, Ordering::Release);
+        assert!(prev & !RETIRED > 0, "unpin of an unpinned bucket");
+        prev == RETIRED | 1
+    }
+}
+
 pub struct Buckets {
     pub gen: Vec<u8>,
     pub state: Vec<BucketState>,
     /// The tick of the last use; for a `PendingFree` bucket, the journal epoch (tag) that
     /// must be durable before it is free.
     last_use: Vec<u64>,
-    pins: Vec<u16>,
+    pins: Pins,
     free: VecDeque<u32>,
     /// Retired buckets in retirement order (tags never decrease). An entry whose bucket is no
     /// longer `PendingFree` with that tag (freed by its last unpin) is skipped when popped.
@@ -155,7 +220,7 @@ impl Buckets {
             gen: gens,
             state,
             last_use: vec![0; n],
-            pins: vec![0; n],
+            pins: Pins::new(n),
             free,
             pending: VecDeque::new(),
             pending_count: 0,
@@ -171,11 +236,16 @@ impl Buckets {
         (self.gen.capacity()
             + self.state.capacity() * std::mem::size_of::<BucketState>()
             + self.last_use.capacity() * 8
-            + self.pins.capacity() * 2
+            + self.pins.heap_bytes()
             + self.free.capacity() * 4
             + self.pending.capacity() * std::mem::size_of::<(u64, u32)>()
             + (self.lru.list.capacity() + self.gc.list.capacity())
                 * std::mem::size_of::<(u32, u64)>()) as u64
+    }
+
+    /// The pin counts, to drop pins without the state lock.
+    pub fn pins(&self) -> Pins {
+        self.pins.clone()
     }
 
     pub fn free_count(&self) -> usize {
@@ -220,21 +290,25 @@ impl Buckets {
         Some((first, n))
     }
 
+    /// Takes a pin (the caller holds the state lock: `&mut`).
     pub fn pin(&mut self, b: u32) {
-        let p = &mut self.pins[b as usize];
-        *p = p
-            .checked_add(1)
-            .expect("more than 65535 concurrent pins on one bucket");
+        self.pins.pin(b);
     }
 
-    /// Drops a pin; a retired bucket whose last pin goes may become free.
+    /// Drops a pin under the state lock; a retired bucket whose last pin goes may become free.
     pub fn unpin(&mut self, b: u32, durable_epoch: u64) {
+        if self.pins.unpin(b) {
+            self.free_unpinned(b, durable_epoch);
+        }
+    }
+
+    /// After [`Pins::unpin`] returned `true` (or any time): frees bucket `b` if it is retired,
+    /// its tag durable and it has no pins.
+    pub fn free_unpinned(&mut self, b: u32, durable_epoch: u64) {
         let i = b as usize;
-        assert!(self.pins[i] > 0, "unpin of an unpinned bucket");
-        self.pins[i] -= 1;
-        if self.pins[i] == 0
-            && self.state[i] == BucketState::PendingFree
+        if self.state[i] == BucketState::PendingFree
             && self.last_use[i] <= durable_epoch
+            && self.pins.count(i) == 0
         {
             self.free_bucket(b);
         }
@@ -243,17 +317,18 @@ impl Buckets {
     fn free_bucket(&mut self, b: u32) {
         debug_assert_eq!(self.state[b as usize], BucketState::PendingFree);
         self.state[b as usize] = BucketState::Free;
+        self.pins.0[b as usize].fetch_and(!RETIRED, Ordering::Relaxed);
         self.free.push_back(b);
         self.pending_count -= 1;
     }
 
     fn reclaimable(&self, b: usize, dirty: &[u32]) -> bool {
-        self.state[b] == BucketState::Closed && dirty[b] == 0 && self.pins[b] == 0
+        self.state[b] == BucketState::Closed && dirty[b] == 0 && self.pins.count(b) == 0
     }
 
     fn collectable(&self, b: usize, live: &[u32], max_live_pct: u32) -> bool {
         self.state[b] == BucketState::Closed
-            && self.pins[b] == 0
+            && self.pins.count(b) == 0
             && u64::from(live[b]) * 100 <= u64::from(self.bpb) * u64::from(max_live_pct)
     }
 
@@ -310,6 +385,7 @@ impl Buckets {
         );
         self.gen[i] = self.gen[i].wrapping_add(1);
         self.state[i] = BucketState::PendingFree;
+        self.pins.0[i].fetch_or(RETIRED, Ordering::Relaxed);
         self.last_use[i] = tag;
         self.pending.push_back((tag, b));
         self.pending_count += 1;
@@ -324,11 +400,8 @@ impl Buckets {
                 break;
             }
             self.pending.pop_front();
-            if self.state[b as usize] == BucketState::PendingFree
-                && self.last_use[b as usize] == tag
-                && self.pins[b as usize] == 0
-            {
-                self.free_bucket(b);
+            if self.last_use[b as usize] == tag {
+                self.free_unpinned(b, durable_epoch);
             }
         }
     }
@@ -366,9 +439,15 @@ impl Buckets {
         for (b, s) in self.state.iter().enumerate() {
             if *s == BucketState::PendingFree {
                 let tag = self.last_use[b];
-                if self.pins[b] == 0 && !self.pending.contains(&(tag, b as u32)) {
+                if self.pins.count(b) == 0 && !self.pending.contains(&(tag, b as u32)) {
                     return Err(format!("pending bucket {b} (tag {tag}) is in no queue"));
                 }
+            }
+            let retired = self.pins.0[b].load(Ordering::Relaxed) & RETIRED != 0;
+            if retired != (*s == BucketState::PendingFree) {
+                return Err(format!(
+                    "bucket {b} is {s:?}, its retired pin flag {retired}"
+                ));
             }
         }
         Ok(())
@@ -471,6 +550,33 @@ mod tests {
         assert_eq!(bk.gc_candidate(&live, 50, 0), Some(7));
         bk.retire(7, 1);
         assert_eq!(bk.gc_candidate(&live, 50, 1), None);
+    }
+
+    #[test]
+    fn only_the_last_lock_free_unpin_of_a_retired_bucket_has_work_to_do() {
+        let (mut bk, _, _) = closed(4, 2);
+        let pins = bk.pins();
+        bk.pin(1);
+        bk.pin(1);
+        assert!(!pins.unpin(1), "not retired: nothing to do");
+        bk.retire(1, 5);
+        bk.release(5);
+        assert_eq!(bk.free_count(), 0, "still pinned");
+        bk.check_invariants().unwrap();
+        assert!(pins.unpin(1), "last pin of a retired bucket");
+        bk.free_unpinned(1, 4);
+        assert_eq!(bk.free_count(), 0, "tag not durable yet");
+        bk.free_unpinned(1, 5);
+        assert_eq!((bk.free_count(), bk.pending_count()), (1, 0));
+        bk.check_invariants().unwrap();
+        // Unpinned before `release` ran: `release` frees it, a late `free_unpinned` is a no-op.
+        bk.pin(2);
+        bk.retire(2, 6);
+        assert!(pins.unpin(2));
+        bk.release(6);
+        bk.free_unpinned(2, 6);
+        assert_eq!((bk.free_count(), bk.pending_count()), (2, 0));
+        bk.check_invariants().unwrap();
     }
 
     #[test]

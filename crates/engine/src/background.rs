@@ -51,10 +51,7 @@ pub struct Grant<'a> {
 
 impl Drop for Grant<'_> {
     fn drop(&mut self) {
-        let mut st = self.inner.state.lock();
-        let b = st.index.bucket_of(self.cb);
-        let durable = st.journal.durable_epoch;
-        st.buckets.unpin(b, durable);
+        self.inner.unpin(self.inner.bucket_of(self.cb));
     }
 }
 
@@ -233,11 +230,15 @@ fn read_verified(
         .cache
         .read_at(&mut data, off)
         .ctx(|| format!("reading cache at {off}"))?;
-    let mut st = inner.state.lock();
-    let bad = (0..e.len).find(|&i| {
-        crc32c::crc32c(&data[i as usize * bs..(i as usize + 1) * bs])
-            != st.index.crc(e.cache_block + i)
-    });
+    // The crcs cannot change while the extent is pinned or range-locked: copy them under the
+    // lock, check outside it.
+    let crcs: smallvec::SmallVec<[u32; 16]> = {
+        let st = inner.state.lock();
+        (0..e.len)
+            .map(|i| st.index.crc(e.cache_block + i))
+            .collect()
+    };
+    let bad = crate::io::first_bad_block(&data, &crcs, inner.block_size());
     match bad {
         None => Ok(Some(data)),
         Some(i) if e.dirty => Err(Error::DataCorrupt(format!(
@@ -248,7 +249,10 @@ fn read_verified(
         ))),
         Some(_) => {
             let now = inner.now_ns();
-            st.invalidate(dev, block, block + u64::from(e.len), now);
+            inner
+                .state
+                .lock()
+                .invalidate(dev, block, block + u64::from(e.len), now);
             Ok(None)
         }
     }
@@ -315,11 +319,8 @@ impl Drop for Pins<'_> {
         if self.0.is_empty() {
             return;
         }
-        let mut st = self.1.state.lock();
-        let durable = st.journal.durable_epoch;
         for &cb in &self.0 {
-            let b = st.index.bucket_of(cb);
-            st.buckets.unpin(b, durable);
+            self.1.unpin(self.1.bucket_of(cb));
         }
     }
 }

@@ -50,6 +50,9 @@ pub struct Seg {
     pub ext: Option<Extent>,
 }
 
+/// The pieces of a looked-up range; a request of a few runs needs no heap allocation.
+pub type Segs = smallvec::SmallVec<[Seg; 4]>;
+
 /// The packed owner of a cache block (never 0).
 fn pack(dev: DevId, block: u64) -> u64 {
     assert!(
@@ -436,8 +439,8 @@ impl Index {
 
     /// Covers `[b0, b1)` with cached pieces and holes, in order. A cached piece is a run of
     /// blocks in consecutive cache blocks of one bucket, all clean or all dirty.
-    pub fn lookup(&self, dev: DevId, b0: u64, b1: u64) -> Vec<Seg> {
-        let mut out: Vec<Seg> = Vec::new();
+    pub fn lookup(&self, dev: DevId, b0: u64, b1: u64) -> Segs {
+        let mut out = Segs::new();
         for b in b0..b1 {
             let ext = self.get(dev, b).map(|cb| Extent {
                 len: 1,

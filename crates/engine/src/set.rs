@@ -316,6 +316,8 @@ pub(crate) struct Inner {
     pub layout: Layout,
     pub sb: Mutex<Superblock>,
     pub state: Mutex<State>,
+    /// The pin counts of `state.buckets`, shared so readers drop pins without the lock.
+    pub pins: crate::alloc::Pins,
     pub commit_lock: Mutex<()>,
     /// Serializes checkpoints. Lock order: `ckpt_lock` before `commit_lock`; a committer that
     /// holds `commit_lock` only ever try-locks it, or waits for it with `commit_lock` released.
@@ -324,6 +326,8 @@ pub(crate) struct Inner {
     pub backings: RwLock<HashMap<DevId, Arc<Backing>>>,
     pub config: Config,
     pub failed: Mutex<Option<String>>,
+    /// Set (after `failed`) once the set has failed: requests check it without the lock.
+    pub is_failed: AtomicBool,
     pub stop: AtomicBool,
     pub wake: (Mutex<()>, Condvar),
     /// Signalled (with `state`) whenever a promotion leaves `State::promotions`.
@@ -386,7 +390,26 @@ impl Inner {
         self.tick.fetch_add(1, Ordering::Relaxed) + 1
     }
 
+    /// The bucket holding cache block `cb` (no lock needed: the layout is fixed).
+    pub fn bucket_of(&self, cb: u32) -> u32 {
+        cb / self.layout.blocks_per_bucket()
+    }
+
+    /// Drops a pin on bucket `b` without the state lock, taking it only to free a retired
+    /// bucket on its last unpin (see the pin protocol in `alloc`). Call without holding the
+    /// state lock.
+    pub fn unpin(&self, b: u32) {
+        if self.pins.unpin(b) {
+            let mut st = self.state.lock();
+            let durable = st.journal.durable_epoch;
+            st.buckets.free_unpinned(b, durable);
+        }
+    }
+
     pub fn check_failed(&self) -> Result<()> {
+        if !self.is_failed.load(Ordering::Acquire) {
+            return Ok(());
+        }
         match &*self.failed.lock() {
             Some(why) => Err(Error::State(why.clone())),
             None => Ok(()),
@@ -398,6 +421,7 @@ impl Inner {
         if f.is_none() {
             log::error!("cache set failed: {why}");
             *f = Some(format!("cache set failed: {why}; reopen it to recover"));
+            self.is_failed.store(true, Ordering::Release);
         }
     }
 
@@ -916,17 +940,20 @@ impl CacheSet {
             next_promotion: 0,
             writeback: Default::default(),
         };
+        let pins = state.buckets.pins();
         let inner = Arc::new(Inner {
             cache,
             layout,
             sb: Mutex::new(sb),
             state: Mutex::new(state),
+            pins,
             commit_lock: Mutex::new(()),
             ckpt_lock: Mutex::new(()),
             ranges: RangeLocks::default(),
             backings: RwLock::new(HashMap::new()),
             config,
             failed: Mutex::new(None),
+            is_failed: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
             promoted: Condvar::new(),
@@ -1203,6 +1230,7 @@ impl CacheSet {
             })?;
         }
         *inner.failed.lock() = Some("the cache set was closed".into());
+        inner.is_failed.store(true, Ordering::Release);
         Ok(())
     }
 
