@@ -282,7 +282,9 @@ impl<'a> Connection<'a> {
         match self.read_request(&mut read.reader, buf) {
             Ok(Some(next)) => {
                 let workers_max = self.shared.config.workers_per_connection;
-                if self.activity.in_flight() >= read.workers && read.workers < workers_max {
+                // Every worker was busy when this request started arriving (this one
+                // included): start another, so someone reads while it runs.
+                if next.in_flight.started_with() >= read.workers && read.workers < workers_max {
                     // Without a slot, serve with the workers we have.
                     if let Some(slot) = self.shared.threads.try_take() {
                         let started = thread::Builder::new()

@@ -66,7 +66,19 @@ impl ActivityState {
 
 /// A request of the connection between its first byte and its reply; ends on drop.
 #[derive(Debug)]
-pub(crate) struct InFlight<'a>(&'a Activity);
+pub(crate) struct InFlight<'a> {
+    activity: &'a Activity,
+    /// Requests in flight when this one started, itself included.
+    started_with: usize,
+}
+
+impl InFlight<'_> {
+    /// Requests in flight when this one started, itself included (saves the reader another
+    /// hold of the activity lock per request).
+    pub(crate) fn started_with(&self) -> usize {
+        self.started_with
+    }
+}
 
 impl Activity {
     pub(crate) fn new() -> Activity {
@@ -91,10 +103,14 @@ impl Activity {
             return None;
         }
         state.in_flight += 1;
-        Some(InFlight(self))
+        Some(InFlight {
+            activity: self,
+            started_with: state.in_flight,
+        })
     }
 
     /// Requests between their first byte and their reply.
+    #[cfg(test)]
     pub(crate) fn in_flight(&self) -> usize {
         lock(&self.state).in_flight
     }
@@ -128,7 +144,7 @@ impl Activity {
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        let mut state = lock(&self.0.state);
+        let mut state = lock(&self.activity.state);
         state.in_flight -= 1;
         if state.in_flight == 0 {
             state.quiet_since = Instant::now();
