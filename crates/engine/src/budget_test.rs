@@ -2,8 +2,9 @@
 //!
 //! Invariant checked: index, checksums, dirty bits, bucket tables and their summaries together
 //! take at most `BUDGET_BYTES_PER_BLOCK` per cache block when the cache is full of 4 KiB
-//! random data, for the default and the smallest common bucket size. The allocator counts
-//! per thread, so tests running in parallel do not disturb each other.
+//! random data, for the default and the smallest common bucket size; and a 4 KiB cache hit
+//! allocates nothing. The allocator counts per thread, so tests running in parallel do not
+//! disturb each other.
 
 use crate::alloc::Buckets;
 use crate::index::{Extent, Index};
@@ -110,4 +111,45 @@ fn metadata_of_a_full_cache_fits_the_budget() {
             "{bpb} blocks per bucket: filling peaked at {peak:.2} bytes per block (steady {steady:.2})"
         );
     }
+}
+
+/// A cache hit of 4 KiB allocates nothing (the issue: no allocation per request). Measured on
+/// this thread, after every stream slot of the sequential detector has been used once (its
+/// slots grow on first use only).
+#[test]
+fn a_cached_4k_read_allocates_nothing() {
+    use crate::set::{format_backing, CacheSet, Config, FormatOptions};
+    use crate::types::CacheMode;
+    use blockdev::{BlockDevice, MemDevice};
+    use std::sync::Arc;
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
+    let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
+    let opts = FormatOptions {
+        bucket_size: 64 << 10,
+        ..FormatOptions::default()
+    };
+    CacheSet::format(&*cache, &opts, false).unwrap();
+    format_backing(&*backing, "vol", CacheMode::Writethrough, false).unwrap();
+    let config = Config {
+        background: false,
+        ..Config::default()
+    };
+    let (set, _) = CacheSet::open(cache, config).unwrap();
+    let vol = set.attach(backing).unwrap();
+    vol.set_sequential_cutoff(0).unwrap();
+    let mut buf = vec![0u8; 4096];
+    // Misses (promoted), then hits, each at its own stream slot.
+    let slots = crate::policy::SEQ_SLOTS as u64 + 1;
+    for _ in 0..2 {
+        for i in 0..slots {
+            vol.read(i * 8192, &mut buf).unwrap();
+        }
+    }
+    let hits = vol.status().stats.total.cache_hits;
+    reset_peak();
+    let before = held().0;
+    vol.read(8192, &mut buf).unwrap();
+    let peak = held().1;
+    assert_eq!(vol.status().stats.total.cache_hits, hits + 1, "a hit");
+    assert_eq!(peak, before, "the hit allocated {} bytes", peak - before);
 }
