@@ -41,10 +41,46 @@
 //!   Either way exactly one of them frees it (`free_bucket` requires `PendingFree`), and a
 //!   bucket freed meanwhile by the other is left alone;
 //! - the flag is cleared when the bucket is freed (under the lock, with no pins left).
+//!
+//! A cache hit may also pin *without* the lock, after a lock-free index lookup: it pins, then
+//! checks that the index has not changed since the lookup (`slots`' seqlock, with `SeqCst`
+//! fences on both sides), and drops the pin and takes the locked path if it has. Every bucket
+//! is emptied from the index (a change) before it is retired, so a pin that passed the check
+//! was taken while the bucket still held the data, and a reuse decision made after that change
+//! sees it. A pin dropped after a failed check may land on a bucket in any state; the count
+//! goes back to what it was and the last-unpin rule above still frees a retired bucket once.
+//! Hits found that way record their use in [`Touches`], applied under the lock before a reclaim
+//! victim is chosen.
 
 use std::collections::{BinaryHeap, VecDeque};
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, Ordering};
 use std::sync::Arc;
+
+/// Slots of [`Touches`] (a fixed 16 KiB, not per bucket).
+const TOUCH_SLOTS: usize = 4096;
+
+/// Bucket uses recorded without the state lock (lock-free cache hits), applied to the LRU
+/// stamps under it before reclaim picks a victim. Lossy by design: one slot per
+/// `bucket % TOUCH_SLOTS`, so of two buckets sharing a slot between two reclaims only the later
+/// use is kept (the other looks as old as its last locked use: an approximation of LRU, never
+/// a correctness issue). A slot already holding the bucket is not written again, so a hot
+/// bucket's slot is not a shared write on every hit.
+#[derive(Clone)]
+pub struct Touches(Arc<[AtomicU32]>);
+
+impl Touches {
+    fn new() -> Touches {
+        Touches((0..TOUCH_SLOTS).map(|_| AtomicU32::new(0)).collect())
+    }
+
+    /// Records a use of bucket `b` (no lock).
+    pub fn note(&self, b: u32) {
+        let slot = &self.0[b as usize % TOUCH_SLOTS];
+        if slot.load(Ordering::Relaxed) != b + 1 {
+            slot.store(b + 1, Ordering::Relaxed);
+        }
+    }
+}
 
 /// One byte per bucket: the per-bucket tables are part of the RAM budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,6 +132,12 @@ impl Pins {
         );
     }
 
+    /// Takes a pin without the state lock, for a lock-free hit that checks the index after
+    /// (see the module header).
+    pub fn pin_unlocked(&self, b: u32) {
+        self.pin(b);
+    }
+
     /// Drops a pin; needs no lock. `true`: it was the last pin on a retired bucket, and the
     /// caller must call [`Buckets::free_unpinned`] under the state lock.
     #[must_use]
@@ -127,6 +169,9 @@ pub struct Buckets {
     /// closed bucket is full, a free one empty: only open buckets need a fill pointer).
     open: [Option<(u32, u32)>; 2],
     bpb: u32,
+    touches: Touches,
+    /// The latest tick seen (allocations and locked touches): the stamp of applied `touches`.
+    tick: u64,
 }
 
 /// Most candidates one scan keeps: a scan costs O(buckets), so victims cost O(64) each.
@@ -228,6 +273,8 @@ impl Buckets {
             gc: Candidates::default(),
             open: [None, None],
             bpb,
+            touches: Touches::new(),
+            tick: 0,
         }
     }
 
@@ -237,6 +284,8 @@ impl Buckets {
             + self.state.capacity() * std::mem::size_of::<BucketState>()
             + self.last_use.capacity() * 8
             + self.pins.heap_bytes()
+            + TOUCH_SLOTS * 4
+            + 2 * std::mem::size_of::<usize>()
             + self.free.capacity() * 4
             + self.pending.capacity() * std::mem::size_of::<(u64, u32)>()
             + (self.lru.list.capacity() + self.gc.list.capacity())
@@ -246,6 +295,25 @@ impl Buckets {
     /// The pin counts, to drop pins without the state lock.
     pub fn pins(&self) -> Pins {
         self.pins.clone()
+    }
+
+    /// Where lock-free hits record their uses.
+    pub fn touches(&self) -> Touches {
+        self.touches.clone()
+    }
+
+    /// Applies the uses lock-free hits recorded since the last call.
+    fn apply_touches(&mut self) {
+        let tick = self.tick;
+        let touches = self.touches.clone();
+        for slot in touches.0.iter() {
+            if slot.load(Ordering::Relaxed) != 0 {
+                let v = slot.swap(0, Ordering::Relaxed);
+                if let Some(b) = v.checked_sub(1) {
+                    self.touch(b, tick);
+                }
+            }
+        }
     }
 
     pub fn free_count(&self) -> usize {
@@ -286,6 +354,7 @@ impl Buckets {
         *fill += n;
         let b = *b;
         self.last_use[b as usize] = tick;
+        self.tick = self.tick.max(tick);
         self.pin(b);
         Some((first, n))
     }
@@ -336,6 +405,7 @@ impl Buckets {
     /// recently used (as of the last scan; see the module invariants). `epoch` is the journal's
     /// appended epoch, which paces scans that find nothing.
     pub fn reclaim_candidate(&mut self, live: &[u32], dirty: &[u32], epoch: u64) -> Option<u32> {
+        self.apply_touches();
         let mut lru = std::mem::take(&mut self.lru);
         let victim = lru.next(
             self,
@@ -455,6 +525,7 @@ impl Buckets {
 
     /// Records a use of the bucket (reads and writes keep it warm for LRU reclaim).
     pub fn touch(&mut self, b: u32, tick: u64) {
+        self.tick = self.tick.max(tick);
         if self.state[b as usize] != BucketState::PendingFree {
             self.last_use[b as usize] = tick;
         }

@@ -25,9 +25,13 @@
 //! Lookups cost O(blocks asked for); a range operation over more blocks than the cache holds
 //! walks the live buckets instead, so no operation costs more than the smaller of the two.
 //! The index does no I/O; the journal records every change made to it so replay rebuilds it.
+//! The per-block arrays and the table live in `slots::Slots`, shared with lock-free readers
+//! (`IndexReader`): every public method that changes them is one seqlock write section.
 
 use crate::bitset::LevelBits;
+use crate::slots::{IndexReader, Slots};
 use crate::types::DevId;
+use std::sync::Arc;
 
 /// Backing blocks addressable per device (blocks `0..BLOCK_LIMIT`): 4 PiB of 4 KiB blocks.
 pub const BLOCK_LIMIT: u64 = (1 << 40) - 1;
@@ -69,19 +73,75 @@ fn unpack(v: u64) -> (DevId, u64) {
     (DevId((v >> DEV_SHIFT) as u32), v & ((1 << DEV_SHIFT) - 1))
 }
 
-/// Spreads a packed key over 64 bits (the splitmix64 finalizer).
-fn mix(k: u64) -> u64 {
-    let mut z = k;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+/// `[b0, b1)` as pieces, each a hole or a run of blocks in consecutive cache blocks of one
+/// bucket, all clean or all dirty; `get` maps one block.
+fn segments(b0: u64, b1: u64, bpb: u32, mut get: impl FnMut(u64) -> Option<Extent>) -> Segs {
+    let mut out = Segs::new();
+    for b in b0..b1 {
+        let ext = get(b);
+        if let Some(last) = out.last_mut() {
+            let joins = match (&mut last.ext, ext) {
+                (None, None) => true,
+                (Some(l), Some(e)) => {
+                    e.cache_block == l.cache_block + l.len
+                        && e.dirty == l.dirty
+                        && e.cache_block / bpb == l.cache_block / bpb
+                }
+                _ => false,
+            };
+            if joins {
+                last.len += 1;
+                if let Some(l) = &mut last.ext {
+                    l.len += 1;
+                }
+                continue;
+            }
+        }
+        out.push(Seg {
+            block: b,
+            len: 1,
+            ext,
+        });
+    }
+    out
+}
+
+/// A lock-free lookup of a read that may be a cache hit: if every block of `[b0, b1)` of
+/// `dev` is cached, its pieces and the blocks' crcs (appended to `crcs`) and the read's
+/// sequence. The caller pins the pieces' buckets and then keeps the answer only if
+/// `reader.valid(seq)`; `None` means "take the locked path" (a miss, or a change under way).
+pub fn lookup_hit(
+    reader: &IndexReader,
+    dev: DevId,
+    b0: u64,
+    b1: u64,
+    crcs: &mut impl Extend<u32>,
+) -> Option<(u64, Segs)> {
+    if b1 > BLOCK_LIMIT || dev.0 >= 256 {
+        return None;
+    }
+    let seq = reader.begin()?;
+    let mut miss = false;
+    let segs = segments(b0, b1, reader.blocks_per_bucket(), |b| {
+        if miss {
+            return None;
+        }
+        let f = reader.get(pack(dev, b));
+        miss = f.is_none();
+        f.map(|f| {
+            crcs.extend([f.crc]);
+            Extent {
+                len: 1,
+                cache_block: f.cache_block,
+                dirty: f.dirty,
+            }
+        })
+    });
+    (!miss).then_some((seq, segs))
 }
 
 pub struct Index {
-    owner: Vec<[u8; 6]>,
-    crc: Vec<u32>,
-    dirty: Vec<u64>,
-    table: Vec<u32>,
+    sh: Arc<Slots>,
     bpb: u32,
     pub bucket_live: Vec<u32>,
     pub bucket_dirty: Vec<u32>,
@@ -104,13 +164,8 @@ impl Index {
     pub fn new(nbuckets: u32, blocks_per_bucket: u32) -> Index {
         let total = nbuckets as usize * blocks_per_bucket as usize;
         assert!(total < u32::MAX as usize, "cache blocks must fit a u32");
-        // At most 90 % full even when every cache block is live.
-        let slots = total + total / 9 + 1;
         Index {
-            owner: vec![[0u8; 6]; total],
-            crc: vec![0; total],
-            dirty: vec![0; total.div_ceil(64)],
-            table: vec![0; slots],
+            sh: Arc::new(Slots::new(total)),
             bpb: blocks_per_bucket,
             bucket_live: vec![0; nbuckets as usize],
             bucket_dirty: vec![0; nbuckets as usize],
@@ -124,10 +179,8 @@ impl Index {
 
     /// Bytes of heap this index holds (its arrays are allocated once, at their full size).
     pub fn heap_bytes(&self) -> u64 {
-        (self.owner.capacity() * 6
-            + self.crc.capacity() * 4
-            + self.dirty.capacity() * 8
-            + self.table.capacity() * 4
+        (self.sh.heap_bytes()
+            + 2 * std::mem::size_of::<usize>()
             + (self.bucket_live.capacity() + self.bucket_dirty.capacity()) * 4
             + self.live_buckets.heap_bytes()
             + self.dirty_buckets.heap_bytes()
@@ -144,97 +197,32 @@ impl Index {
     }
 
     pub fn crc(&self, cache_block: u32) -> u32 {
-        self.crc[cache_block as usize]
+        self.sh.crc(cache_block)
+    }
+
+    /// A reader of this index that needs no lock (see `slots`).
+    pub fn reader(&self) -> IndexReader {
+        IndexReader::new(self.sh.clone(), self.bpb)
     }
 
     fn owner_of(&self, cb: u32) -> u64 {
-        let b = self.owner[cb as usize];
-        u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], 0, 0])
-    }
-
-    fn set_owner(&mut self, cb: u32, v: u64) {
-        debug_assert!(v < 1 << 48);
-        let b = v.to_le_bytes();
-        self.owner[cb as usize].copy_from_slice(&b[..6]);
+        self.sh.owner(cb)
     }
 
     fn is_dirty(&self, cb: u32) -> bool {
-        self.dirty[cb as usize / 64] & (1 << (cb % 64)) != 0
+        self.sh.is_dirty(cb)
     }
 
-    fn home(&self, key: u64) -> usize {
-        ((u128::from(mix(key)) * self.table.len() as u128) >> 64) as usize
-    }
-
-    /// How far slot `pos` is from the home of the key it holds.
-    fn displacement(&self, pos: usize) -> usize {
-        let cb = self.table[pos] - 1;
-        let home = self.home(self.owner_of(cb));
-        (pos + self.table.len() - home) % self.table.len()
-    }
-
-    fn next_slot(&self, pos: usize) -> usize {
-        if pos + 1 == self.table.len() {
-            0
-        } else {
-            pos + 1
-        }
-    }
-
-    /// The slot holding `key` and its cache block.
     fn find(&self, key: u64) -> Option<(usize, u32)> {
-        let mut pos = self.home(key);
-        let mut dist = 0;
-        loop {
-            let s = self.table[pos];
-            if s == 0 {
-                return None;
-            }
-            if self.owner_of(s - 1) == key {
-                return Some((pos, s - 1));
-            }
-            if self.displacement(pos) < dist {
-                return None;
-            }
-            pos = self.next_slot(pos);
-            dist += 1;
-        }
+        self.sh.find(key)
     }
 
-    /// Adds `cb` (whose owner is already set, and not in the table) to the table.
-    fn table_insert(&mut self, cb: u32) {
-        let mut carry = cb + 1;
-        let mut pos = self.home(self.owner_of(cb));
-        let mut dist = 0;
-        loop {
-            let s = self.table[pos];
-            if s == 0 {
-                self.table[pos] = carry;
-                return;
-            }
-            let theirs = self.displacement(pos);
-            if theirs < dist {
-                self.table[pos] = carry;
-                carry = s;
-                dist = theirs;
-            }
-            pos = self.next_slot(pos);
-            dist += 1;
-        }
-    }
-
-    /// Empties slot `pos`, shifting the rest of its probe run back.
-    fn table_remove(&mut self, mut pos: usize) {
-        loop {
-            let next = self.next_slot(pos);
-            let s = self.table[next];
-            if s == 0 || self.displacement(next) == 0 {
-                self.table[pos] = 0;
-                return;
-            }
-            self.table[pos] = s;
-            pos = next;
-        }
+    /// Runs `f` as one change of the shared arrays (a seqlock write section).
+    fn change<T>(&mut self, f: impl FnOnce(&mut Index) -> T) -> T {
+        self.sh.write_begin();
+        let out = f(self);
+        self.sh.write_end();
+        out
     }
 
     /// The cache block holding `(dev, block)`.
@@ -255,7 +243,7 @@ impl Index {
 
     fn set_dirty(&mut self, cb: u32, dev: DevId) {
         debug_assert!(!self.is_dirty(cb));
-        self.dirty[cb as usize / 64] |= 1 << (cb % 64);
+        self.sh.set_dirty(cb, true);
         let bucket = self.bucket_of(cb) as usize;
         self.bucket_dirty[bucket] += 1;
         if self.bucket_dirty[bucket] == 1 {
@@ -267,7 +255,7 @@ impl Index {
 
     fn clear_dirty(&mut self, cb: u32, dev: DevId) {
         debug_assert!(self.is_dirty(cb));
-        self.dirty[cb as usize / 64] &= !(1 << (cb % 64));
+        self.sh.set_dirty(cb, false);
         let bucket = self.bucket_of(cb) as usize;
         self.bucket_dirty[bucket] -= 1;
         if self.bucket_dirty[bucket] == 0 {
@@ -280,9 +268,9 @@ impl Index {
     /// Maps `(dev, block)` to the unreferenced cache block `cb`; the block must be unmapped.
     fn put(&mut self, dev: DevId, block: u64, cb: u32, dirty: bool, crc: u32) {
         assert_eq!(self.owner_of(cb), 0, "cache block {cb} referenced twice");
-        self.set_owner(cb, pack(dev, block));
-        self.table_insert(cb);
-        self.crc[cb as usize] = crc;
+        self.sh.set_owner(cb, pack(dev, block));
+        self.sh.table_insert(cb);
+        self.sh.set_crc(cb, crc);
         let bucket = self.bucket_of(cb) as usize;
         self.bucket_live[bucket] += 1;
         if self.bucket_live[bucket] == 1 {
@@ -298,8 +286,8 @@ impl Index {
     /// Unmaps the block in table slot `pos` (holding `cb`); returns whether it was dirty.
     fn take(&mut self, pos: usize, cb: u32) -> bool {
         let (dev, _) = unpack(self.owner_of(cb));
-        self.table_remove(pos);
-        self.set_owner(cb, 0);
+        self.sh.table_remove(pos);
+        self.sh.set_owner(cb, 0);
         let dirty = self.is_dirty(cb);
         if dirty {
             self.clear_dirty(cb, dev);
@@ -395,13 +383,19 @@ impl Index {
 
     /// Removes whatever is mapped in `[b0, b1)`; returns the number of dirty blocks dropped.
     pub fn remove_range(&mut self, dev: DevId, b0: u64, b1: u64) -> u64 {
-        let mut dirty = 0;
-        for (b, _) in self.mapped_in(dev, b0, b1) {
-            if self.take_key(pack(dev, b)) == Some(true) {
-                dirty += 1;
-            }
+        let mapped = self.mapped_in(dev, b0, b1);
+        if mapped.is_empty() {
+            return 0;
         }
-        dirty
+        self.change(|ix| {
+            let mut dirty = 0;
+            for (b, _) in mapped {
+                if ix.take_key(pack(dev, b)) == Some(true) {
+                    dirty += 1;
+                }
+            }
+            dirty
+        })
     }
 
     /// Maps `[block, block + ext.len)` to `ext`, replacing anything there. The target cache
@@ -417,6 +411,10 @@ impl Index {
     }
 
     fn insert_inner(&mut self, dev: DevId, block: u64, ext: Extent, crcs: &[u32], steal: bool) {
+        self.change(|ix| ix.insert_raw(dev, block, ext, crcs, steal));
+    }
+
+    fn insert_raw(&mut self, dev: DevId, block: u64, ext: Extent, crcs: &[u32], steal: bool) {
         assert_eq!(crcs.len(), ext.len as usize);
         assert!(ext.len > 0);
         assert_eq!(
@@ -440,38 +438,13 @@ impl Index {
     /// Covers `[b0, b1)` with cached pieces and holes, in order. A cached piece is a run of
     /// blocks in consecutive cache blocks of one bucket, all clean or all dirty.
     pub fn lookup(&self, dev: DevId, b0: u64, b1: u64) -> Segs {
-        let mut out = Segs::new();
-        for b in b0..b1 {
-            let ext = self.get(dev, b).map(|cb| Extent {
+        segments(b0, b1, self.bpb, |b| {
+            self.get(dev, b).map(|cb| Extent {
                 len: 1,
                 cache_block: cb,
                 dirty: self.is_dirty(cb),
-            });
-            if let Some(last) = out.last_mut() {
-                let joins = match (&mut last.ext, ext) {
-                    (None, None) => true,
-                    (Some(l), Some(e)) => {
-                        e.cache_block == l.cache_block + l.len
-                            && e.dirty == l.dirty
-                            && self.bucket_of(e.cache_block) == self.bucket_of(l.cache_block)
-                    }
-                    _ => false,
-                };
-                if joins {
-                    last.len += 1;
-                    if let Some(l) = &mut last.ext {
-                        l.len += 1;
-                    }
-                    continue;
-                }
-            }
-            out.push(Seg {
-                block: b,
-                len: 1,
-                ext,
-            });
-        }
-        out
+            })
+        })
     }
 
     /// True if every block of `[b, b + len)` still maps to `cache_block + (x - b)`.
@@ -487,6 +460,10 @@ impl Index {
     /// Marks clean the parts of `[b, b + len)` still mapped to `cache_block + (x - b)`.
     /// Returns the number of blocks that changed state.
     pub fn mark_clean(&mut self, dev: DevId, b: u64, len: u32, cache_block: u32) -> u64 {
+        self.change(|ix| ix.mark_clean_raw(dev, b, len, cache_block))
+    }
+
+    fn mark_clean_raw(&mut self, dev: DevId, b: u64, len: u32, cache_block: u32) -> u64 {
         let mut cleaned = 0;
         for i in 0..len {
             let cb = cache_block + i;
@@ -500,6 +477,13 @@ impl Index {
 
     /// Removes every entry pointing into `bucket`; returns the number of dirty blocks dropped.
     pub fn drop_bucket(&mut self, bucket: u32) -> u64 {
+        if self.bucket_live[bucket as usize] == 0 {
+            return 0;
+        }
+        self.change(|ix| ix.drop_bucket_raw(bucket))
+    }
+
+    fn drop_bucket_raw(&mut self, bucket: u32) -> u64 {
         let mut dirty = 0;
         let first = bucket * self.bpb;
         for cb in first..first + self.bpb {
@@ -629,7 +613,7 @@ impl Index {
             let v = self.owner_of(cb);
             (v != 0).then(|| {
                 let (d, b) = unpack(v);
-                (i, d, b, self.crc[cb as usize], self.is_dirty(cb))
+                (i, d, b, self.sh.crc(cb), self.is_dirty(cb))
             })
         })
     }
@@ -656,7 +640,7 @@ impl Index {
         let mut dirty = vec![0u32; nb];
         let mut dev_blocks = vec![DevBlocks::default(); self.dev_blocks.len()];
         let mut owned = 0u64;
-        for cb in 0..self.owner.len() as u32 {
+        for cb in 0..self.sh.blocks() {
             let v = self.owner_of(cb);
             if v == 0 {
                 if self.is_dirty(cb) {
@@ -681,18 +665,20 @@ impl Index {
                 c.dirty += 1;
             }
         }
-        let in_table = self.table.iter().filter(|&&s| s != 0).count() as u64;
+        let in_table = (0..self.sh.table_len())
+            .filter(|&p| self.sh.slot(p) != 0)
+            .count() as u64;
         if in_table != owned || owned != self.live_blocks {
             return Err(format!(
                 "{in_table} table slots, {owned} owned blocks, {} counted",
                 self.live_blocks
             ));
         }
-        for pos in 0..self.table.len() {
-            let next = self.next_slot(pos);
-            if self.table[pos] != 0
-                && self.table[next] != 0
-                && self.displacement(next) > self.displacement(pos) + 1
+        for pos in 0..self.sh.table_len() {
+            let next = self.sh.next_slot(pos);
+            if self.sh.slot(pos) != 0
+                && self.sh.slot(next) != 0
+                && self.sh.displacement(next) > self.sh.displacement(pos) + 1
             {
                 return Err(format!("table slot {next} breaks Robin Hood order"));
             }
@@ -855,5 +841,111 @@ mod tests {
             vec![(d, 100, ext(2, 4, true)), (d, 50, ext(1, 20, true))]
         );
         assert!(ix.dirty_runs(&mut cursor, 100, Some(DevId(1))).is_empty());
+    }
+}
+
+#[cfg(test)]
+mod lock_free_tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    /// The crc every entry of this test carries: a function of where it is, so a reader that
+    /// kept a torn answer (a key found at a cache block with another block's crc) is caught.
+    fn tag(block: u64, cb: u32) -> u32 {
+        (block as u32).wrapping_mul(0x9e37_79b9) ^ cb.wrapping_mul(0x85eb_ca6b) ^ 1
+    }
+
+    /// Readers doing lock-free lookups while one writer inserts, moves, cleans and drops
+    /// entries (shifting Robin Hood runs all the time): every answer that passes the seqlock
+    /// check is one the index really held, and full lookups do succeed.
+    #[test]
+    fn validated_lock_free_lookups_are_never_torn() {
+        let seed = crate::test_seed("validated_lock_free_lookups_are_never_torn");
+        let (nb, bpb) = (16u32, 8u32);
+        let mut ix = Index::new(nb, bpb);
+        let reader = ix.reader();
+        let dev = DevId(3);
+        let blocks = 96u64;
+        let stop = AtomicBool::new(false);
+        let (kept, torn) = (AtomicU64::new(0), AtomicU64::new(0));
+        std::thread::scope(|s| {
+            for r in 0..2u64 {
+                let (reader, stop, kept, torn) = (&reader, &stop, &kept, &torn);
+                s.spawn(move || {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (r + 1));
+                    while !stop.load(Ordering::Relaxed) {
+                        let b0 = rng.gen_range(0..blocks);
+                        let b1 = (b0 + rng.gen_range(1..4)).min(blocks);
+                        let mut crcs = Vec::new();
+                        let Some((seq, segs)) = lookup_hit(reader, dev, b0, b1, &mut crcs) else {
+                            continue;
+                        };
+                        if !reader.valid(seq) {
+                            continue;
+                        }
+                        kept.fetch_add(1, Ordering::Relaxed);
+                        let mut i = 0;
+                        for sg in &segs {
+                            let e = sg.ext.expect("a kept answer has no holes");
+                            for k in 0..sg.len {
+                                if crcs[i] != tag(sg.block + k, e.cache_block + k as u32) {
+                                    torn.fetch_add(1, Ordering::Relaxed);
+                                }
+                                i += 1;
+                            }
+                        }
+                        assert_eq!(i as u64, b1 - b0);
+                    }
+                });
+            }
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let mut next_cb = 0u32;
+            for _ in 0..200_000 {
+                match rng.gen_range(0..10) {
+                    0 => {
+                        let bucket = rng.gen_range(0..nb);
+                        ix.drop_bucket(bucket);
+                    }
+                    1 => {
+                        let b = rng.gen_range(0..blocks);
+                        ix.remove_range(dev, b, b + 2);
+                    }
+                    2 => {
+                        if let Some(cb) = ix.get(dev, rng.gen_range(0..blocks)) {
+                            let (d, b) = unpack(ix.owner_of(cb));
+                            ix.mark_clean(d, b, 1, cb);
+                        }
+                    }
+                    _ => {
+                        let b = rng.gen_range(0..blocks - 2);
+                        let len = 2.min(bpb - next_cb % bpb);
+                        let cb = next_cb;
+                        // The target blocks must be unreferenced: free the bucket as it opens.
+                        if cb % bpb == 0 {
+                            ix.drop_bucket(cb / bpb);
+                        }
+                        let crcs: Vec<u32> =
+                            (0..len).map(|i| tag(b + u64::from(i), cb + i)).collect();
+                        ix.insert(dev, b, ext(len, cb, rng.gen_bool(0.5)), &crcs);
+                        next_cb = (cb + len) % (nb * bpb);
+                    }
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        ix.check_invariants().unwrap();
+        let (kept, torn) = (kept.into_inner(), torn.into_inner());
+        eprintln!("lock-free lookups kept: {kept}, torn: {torn}");
+        assert_eq!(torn, 0, "a validated lookup returned a torn entry");
+        assert!(kept > 0, "no lock-free lookup ever succeeded");
+    }
+
+    fn ext(len: u32, cb: u32, dirty: bool) -> Extent {
+        Extent {
+            len,
+            cache_block: cb,
+            dirty,
+        }
     }
 }

@@ -31,7 +31,7 @@
 
 use crate::alloc::WritePoint;
 use crate::format::BackingState;
-use crate::index::Seg;
+use crate::index::{Seg, Segs};
 use crate::knobs::Knob;
 use crate::policy::is_sequential_bypass;
 use crate::readahead;
@@ -407,58 +407,67 @@ impl Volume {
         // Expected crcs of the cached blocks, copied with the pins in one critical section (a
         // pinned block's crc cannot change), so blocks are verified outside the lock.
         let mut crcs = Crcs::new();
-        let (segs, promo, around) = loop {
-            let mut st = inner.state.lock();
-            let segs = st.index.lookup(dev, b0, b1);
-            let miss = !bypass && segs.iter().any(|s| s.ext.is_none());
-            // A miss wholly inside a promotion in flight (concurrent readers of one window,
-            // e.g. a sequential stream at queue depth > 1) waits for it, then reads the
-            // cache, instead of reading the backing device again. Once only: a promotion that
-            // collided or failed leaves the blocks uncached and this read fetches them itself.
-            if miss && !waited {
-                let covering = st
-                    .promotions
-                    .iter()
-                    .find(|(_, p)| p.dev == dev && p.b0 <= b0 && b1 <= p.b1 && !p.collided)
-                    .map(|(id, _)| *id);
-                if let Some(id) = covering {
-                    waited = true;
-                    inner.promoted.wait_while_for(
-                        &mut st,
-                        |st| st.promotions.contains_key(&id),
-                        PROMOTION_WAIT_MAX,
+        let fast = if prefetch {
+            None
+        } else {
+            self.lock_free_hit(b0, b1, &mut crcs)
+        };
+        let (segs, promo, around) = if let Some(segs) = fast {
+            (segs, None, ((b0, b0), (b1, b1)))
+        } else {
+            loop {
+                let mut st = inner.state.lock();
+                let segs = st.index.lookup(dev, b0, b1);
+                let miss = !bypass && segs.iter().any(|s| s.ext.is_none());
+                // A miss wholly inside a promotion in flight (concurrent readers of one window,
+                // e.g. a sequential stream at queue depth > 1) waits for it, then reads the
+                // cache, instead of reading the backing device again. Once only: a promotion that
+                // collided or failed leaves the blocks uncached and this read fetches them itself.
+                if miss && !waited {
+                    let covering = st
+                        .promotions
+                        .iter()
+                        .find(|(_, p)| p.dev == dev && p.b0 <= b0 && b1 <= p.b1 && !p.collided)
+                        .map(|(id, _)| *id);
+                    if let Some(id) = covering {
+                        waited = true;
+                        inner.promoted.wait_while_for(
+                            &mut st,
+                            |st| st.promotions.contains_key(&id),
+                            PROMOTION_WAIT_MAX,
+                        );
+                        continue;
+                    }
+                }
+                let around = if miss {
+                    self.miss_fill(&st.index, b0, b1)
+                } else {
+                    ((b0, b0), (b1, b1))
+                };
+                for s in &segs {
+                    if let Some(e) = s.ext {
+                        let bucket = st.index.bucket_of(e.cache_block);
+                        st.buckets.pin(bucket);
+                        st.buckets.touch(bucket, tick);
+                        crcs.extend((0..e.len).map(|i| st.index.crc(e.cache_block + i)));
+                    }
+                }
+                let promo = miss.then(|| {
+                    let id = st.next_promotion;
+                    st.next_promotion += 1;
+                    st.promotions.insert(
+                        id,
+                        Promotion {
+                            dev,
+                            b0: around.0 .0,
+                            b1: around.1 .1,
+                            collided: false,
+                        },
                     );
-                    continue;
-                }
+                    id
+                });
+                break (segs, promo, around);
             }
-            let around = if miss {
-                self.miss_fill(&st.index, b0, b1)
-            } else {
-                ((b0, b0), (b1, b1))
-            };
-            for s in &segs {
-                if let Some(e) = s.ext {
-                    let bucket = st.index.bucket_of(e.cache_block);
-                    st.buckets.pin(bucket);
-                    st.buckets.touch(bucket, tick);
-                    crcs.extend((0..e.len).map(|i| st.index.crc(e.cache_block + i)));
-                }
-            }
-            let promo = miss.then(|| {
-                let id = st.next_promotion;
-                st.next_promotion += 1;
-                st.promotions.insert(
-                    id,
-                    Promotion {
-                        dev,
-                        b0: around.0 .0,
-                        b1: around.1 .1,
-                        collided: false,
-                    },
-                );
-                id
-            });
-            break (segs, promo, around);
         };
         let hit = segs.iter().all(|s| s.ext.is_some());
         // Uncached blocks next to a miss come along, in offset order; a request that is one
@@ -563,6 +572,32 @@ impl Volume {
             self.promote(id, fills);
         }
         Ok(())
+    }
+
+    /// A hit found and pinned without the state lock: every block of `[b0, b1)` cached, each
+    /// piece's bucket pinned and the blocks' crcs in `crcs`, checked against the index's
+    /// seqlock after the pins (see `slots` and `alloc`). `None` (nothing pinned, `crcs` empty):
+    /// a miss, or the index changed meanwhile; the locked path decides.
+    fn lock_free_hit(&self, b0: u64, b1: u64, crcs: &mut Crcs) -> Option<Segs> {
+        let inner = &*self.inner;
+        let reader = &inner.index_reader;
+        let Some((seq, segs)) = crate::index::lookup_hit(reader, self.backing.id, b0, b1, crcs)
+        else {
+            crcs.clear();
+            return None;
+        };
+        let buckets = || {
+            segs.iter()
+                .filter_map(|s| s.ext.map(|e| inner.bucket_of(e.cache_block)))
+        };
+        buckets().for_each(|b| inner.pins.pin_unlocked(b));
+        if reader.valid(seq) {
+            buckets().for_each(|b| inner.touches.note(b));
+            return Some(segs);
+        }
+        buckets().for_each(|b| inner.unpin(b));
+        crcs.clear();
+        None
     }
 
     /// The miss fill: on a rotational backing device a miss costs the seek, not the bytes, so

@@ -29,6 +29,7 @@ pub mod policy;
 mod rangelock;
 mod readahead;
 mod set;
+mod slots;
 pub mod stats;
 mod types;
 

@@ -318,6 +318,9 @@ pub(crate) struct Inner {
     pub state: Mutex<State>,
     /// The pin counts of `state.buckets`, shared so readers drop pins without the lock.
     pub pins: crate::alloc::Pins,
+    /// Lock-free readers of `state.index` and the uses they record (see `slots`).
+    pub index_reader: crate::slots::IndexReader,
+    pub touches: crate::alloc::Touches,
     pub commit_lock: Mutex<()>,
     /// Serializes checkpoints. Lock order: `ckpt_lock` before `commit_lock`; a committer that
     /// holds `commit_lock` only ever try-locks it, or waits for it with `commit_lock` released.
@@ -941,12 +944,16 @@ impl CacheSet {
             writeback: Default::default(),
         };
         let pins = state.buckets.pins();
+        let index_reader = state.index.reader();
+        let touches = state.buckets.touches();
         let inner = Arc::new(Inner {
             cache,
             layout,
             sb: Mutex::new(sb),
             state: Mutex::new(state),
             pins,
+            index_reader,
+            touches,
             commit_lock: Mutex::new(()),
             ckpt_lock: Mutex::new(()),
             ranges: RangeLocks::default(),
