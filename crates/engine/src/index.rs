@@ -922,7 +922,7 @@ mod lock_free_tests {
                         let len = 2.min(bpb - next_cb % bpb);
                         let cb = next_cb;
                         // The target blocks must be unreferenced: free the bucket as it opens.
-                        if cb % bpb == 0 {
+                        if cb.is_multiple_of(bpb) {
                             ix.drop_bucket(cb / bpb);
                         }
                         let crcs: Vec<u32> =
