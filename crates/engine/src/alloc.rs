@@ -415,7 +415,7 @@ impl Buckets {
             |bk, b| {
                 let used = bk.last_use[b];
                 bk.reclaimable(b, dirty)
-                    .then_some(((live[b] > 0, used), used))
+                    .then_some((crate::policy::reclaim_rank(live[b], used), used))
             },
         );
         self.lru = lru;

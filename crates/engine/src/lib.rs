@@ -1,9 +1,19 @@
 //! `engine`: the tiercache cache set — a crash-safe cache on a fast device in front of slow
 //! backing devices.
 //!
-//! Layers inside (dependencies point down): `set`/`io`/`background` (mechanism) use `index`,
-//! `alloc`, `journal`, `checkpoint`, `format` (state and its persistence), `policy` (pure
-//! decisions), `stats`, `rangelock`, `clock`, `codec`. No sockets, no CLI parsing.
+//! Layers inside (imports point down; a module uses only those below it, and `Inner`/`State`
+//! from `set`, the shared state every mechanism module works on):
+//! - lifecycle: `set` (format, open and recovery, attach, detach, close) and `background`
+//!   (the threads);
+//! - mechanism: `io` (request paths: `io::read`, `io::write`), `writeback`, `space`
+//!   (allocation, reclaim, GC), `commit` (group commit and checkpoints);
+//! - state and its persistence: `index` (over `slots`, its lock-free readable arrays),
+//!   `alloc` (buckets, pins), `journal`, `checkpoint`, `format`, `readahead`, `rangelock`;
+//! - pure decisions: `policy` (admission, replacement order, miss fill, writeback rate),
+//!   driven alone by its tests;
+//! - leaves: `stats`, `clock`, `codec`, `bitset`, `guard`, `types`, `knobs`.
+//!
+//! No sockets, no CLI parsing.
 //!
 //! The durability contract (see `docs/durability.md`): a write acknowledged without FUA may be
 //! lost until the next flush; after `Volume::flush` returns, every write acknowledged before
@@ -19,6 +29,7 @@ mod check;
 mod checkpoint;
 pub mod clock;
 mod codec;
+mod commit;
 pub mod format;
 pub mod guard;
 mod index;
@@ -30,8 +41,10 @@ mod rangelock;
 mod readahead;
 mod set;
 mod slots;
+mod space;
 pub mod stats;
 mod types;
+mod writeback;
 
 pub use check::{check_device, CheckReport};
 pub use checkpoint::{load as load_metadata, Loaded};

@@ -1,10 +1,15 @@
-//! Pure policy state machines: sequential stream detection (what to bypass) and the
-//! writeback rate (how much of the backing device's time writeback may take).
+//! The policy seam: every decision the engine makes about *what* to cache and *when* to work,
+//! as pure functions and state machines it calls (as dm-cache separates policy from target).
+//! Admission: sequential stream detection, [`admit_read`], [`route_write`]; the miss fill
+//! ([`miss_fill_window`]); replacement ([`reclaim_rank`]); the writeback rate
+//! ([`writeback_rate`]). The tests here drive each one alone.
 //!
 //! Invariants: the detector holds at most `SEQ_SLOTS` streams (bounded memory, no I/O, no
 //! clock of its own: time is passed in), and the same inputs give the same decisions.
 //! A request continues a stream when it starts exactly where a stream tracked in the last
 //! `SEQ_WINDOW_NS` ended, so interleaved sequential streams are each recognised.
+
+use crate::types::CacheMode;
 
 /// Streams tracked per backing device (bcache tracks 128 recent I/Os).
 pub const SEQ_SLOTS: usize = 128;
@@ -61,6 +66,71 @@ impl SeqDetector {
 /// Whether a request should bypass the cache for being part of a long sequential stream.
 pub fn is_sequential_bypass(stream_bytes: u64, cutoff_bytes: u64) -> bool {
     cutoff_bytes > 0 && stream_bytes > cutoff_bytes
+}
+
+/// Whether a read's misses are promoted into the cache (read admission): not in mode `None`,
+/// and not for a sequential stream past the cutoff (bcache's rule: the cache is for random I/O).
+pub fn admit_read(mode: CacheMode, sequential: bool) -> bool {
+    mode != CacheMode::None && !sequential
+}
+
+/// Where a write goes (write admission).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum WriteRoute {
+    /// To the backing device only (what the cache held for it is dropped).
+    Bypass,
+    /// To the backing device and the cache (clean).
+    Through,
+    /// To the cache only (dirty, written back later).
+    Back,
+}
+
+/// The route of a write: around the cache while the device is being detached, in
+/// writearound/none modes and for sequential streams; in writeback mode also once dirty data
+/// fills `dirty_max_pct` % of the cache (`dirty_blocks` is asked only then, as it costs a
+/// lock).
+pub fn route_write(
+    mode: CacheMode,
+    detaching: bool,
+    sequential: bool,
+    dirty_max_pct: u32,
+    total_blocks: u64,
+    dirty_blocks: impl FnOnce() -> u64,
+) -> WriteRoute {
+    if detaching {
+        return WriteRoute::Bypass;
+    }
+    match mode {
+        CacheMode::Writearound | CacheMode::None => WriteRoute::Bypass,
+        _ if sequential => WriteRoute::Bypass,
+        CacheMode::Writethrough => WriteRoute::Through,
+        CacheMode::Writeback => {
+            if dirty_blocks() * 100 >= total_blocks * u64::from(dirty_max_pct) {
+                WriteRoute::Bypass
+            } else {
+                WriteRoute::Back
+            }
+        }
+    }
+}
+
+/// Window of the miss fill on rotational backing devices: a miss costs the seek, not the
+/// bytes, so the uncached neighbours of a miss inside this aligned window come along.
+pub const MISS_FILL_BYTES: u64 = 64 << 10;
+
+/// The miss-fill window in blocks (1: no fill), for a backing device measured rotational or not.
+pub fn miss_fill_window(rotational: bool, block_size: u64) -> u64 {
+    if rotational {
+        (MISS_FILL_BYTES / block_size).max(1)
+    } else {
+        1
+    }
+}
+
+/// The replacement order of clean buckets: smallest reclaimed first. Empty buckets first,
+/// then least recently used (`last_use`: the tick of the last read or write).
+pub fn reclaim_rank(live_blocks: u32, last_use: u64) -> (bool, u64) {
+    (live_blocks > 0, last_use)
 }
 
 /// How hard writeback should work on one device.
@@ -175,6 +245,45 @@ pub fn writeback_rate(i: &WritebackInputs) -> WritebackRate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_are_admitted_unless_sequential_or_mode_none() {
+        assert!(admit_read(CacheMode::Writeback, false));
+        assert!(admit_read(CacheMode::Writearound, false));
+        assert!(!admit_read(CacheMode::Writethrough, true));
+        assert!(!admit_read(CacheMode::None, false));
+    }
+
+    #[test]
+    fn writes_route_by_mode_stream_detach_and_dirty_share() {
+        let never = || -> u64 { panic!("dirty count asked outside writeback") };
+        let r = |m, det, seq| route_write(m, det, seq, 70, 100, never);
+        assert_eq!(
+            r(CacheMode::Writethrough, false, false),
+            WriteRoute::Through
+        );
+        assert_eq!(r(CacheMode::Writearound, false, false), WriteRoute::Bypass);
+        assert_eq!(r(CacheMode::None, false, false), WriteRoute::Bypass);
+        assert_eq!(r(CacheMode::Writethrough, false, true), WriteRoute::Bypass);
+        assert_eq!(r(CacheMode::Writeback, true, false), WriteRoute::Bypass);
+        let wb = |dirty| route_write(CacheMode::Writeback, false, false, 70, 100, || dirty);
+        assert_eq!(wb(69), WriteRoute::Back);
+        assert_eq!(wb(70), WriteRoute::Bypass);
+    }
+
+    #[test]
+    fn miss_fill_only_on_rotational_devices() {
+        assert_eq!(miss_fill_window(true, 4096), 16);
+        assert_eq!(miss_fill_window(false, 4096), 1);
+        assert_eq!(miss_fill_window(true, 1 << 20), 1);
+    }
+
+    #[test]
+    fn empty_buckets_go_first_then_least_recently_used() {
+        let mut b = [(3, 10), (0, 50), (1, 5), (0, 7)];
+        b.sort_by_key(|&(live, used)| reclaim_rank(live, used));
+        assert_eq!(b, [(0, 7), (0, 50), (1, 5), (3, 10)]);
+    }
 
     #[test]
     fn interleaved_streams_are_each_detected() {

@@ -1,0 +1,373 @@
+//! The request paths of one backing device (a `Volume`): what every request shares
+//! (bounds checks, the backing device, knobs and status), flush, discard, write-zeroes and
+//! block status here; reads in `read`, writes in `write`.
+//!
+//! Invariants:
+//! - every request is 512-byte aligned and inside the device, or rejected with `Invalid`;
+//! - writes (and discard / write-zeroes) hold the range lock over the block-aligned range for
+//!   as long as the backing device and the cache change, so overlapping writes are ordered the
+//!   same way in both; reads take no range lock;
+//! - dirty data leaves the index (overwritten by a bypass or writethrough write, zeroed,
+//!   discarded) only after what supersedes it was written to the backing device, and the
+//!   record of the drop reaches the journal only after that device was flushed (the commit
+//!   flushes it, once for all such writes), so a crash can never expose data older than the
+//!   dirty copy: before the record is durable, recovery still holds the dirty copy;
+//! - every write to the backing device invalidates the readahead windows it overlaps after it
+//!   completes.
+
+mod read;
+mod write;
+
+use crate::policy::WriteRoute as Route;
+pub(crate) use read::first_bad_block;
+
+use crate::knobs::Knob;
+use crate::policy::is_sequential_bypass;
+use crate::set::{Backing, DevKnobs, DevStatus, Inner};
+use crate::stats::Counters;
+use crate::types::{CacheMode, Error, IoContext, Result};
+use blockdev::BlockDevice;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// A backing device served through its cache set.
+#[derive(Clone)]
+pub struct Volume {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) backing: Arc<Backing>,
+}
+
+impl std::fmt::Debug for Volume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Volume")
+            .field("id", &self.backing.id)
+            .field("uuid", &self.uuid())
+            .field("mode", &self.mode())
+            .finish()
+    }
+}
+
+impl Volume {
+    pub fn id(&self) -> crate::DevId {
+        self.backing.id
+    }
+
+    /// Exported size: the backing device minus its header.
+    pub fn size_bytes(&self) -> u64 {
+        self.backing.data_size
+    }
+
+    pub fn uuid(&self) -> uuid::Uuid {
+        self.backing.uuid()
+    }
+
+    pub fn label(&self) -> String {
+        self.backing.header.lock().label.clone()
+    }
+
+    /// The export name: the label, or the uuid when there is none (or when a label written
+    /// before labels were validated is not a usable name).
+    pub fn name(&self) -> String {
+        let l = self.label();
+        if crate::knobs::validate_label(&l).is_ok() {
+            l
+        } else {
+            self.uuid().to_string()
+        }
+    }
+
+    pub fn is_rotational(&self) -> bool {
+        self.backing.dev.is_rotational()
+    }
+
+    pub fn mode(&self) -> CacheMode {
+        self.backing.mode()
+    }
+
+    pub fn knobs(&self) -> DevKnobs {
+        self.backing.knobs()
+    }
+
+    /// Changes one knob live. The value is validated first, then persisted in the backing
+    /// header (both copies, flushed), and only then applied: a value that is refused, or whose
+    /// header write fails, changes nothing.
+    pub fn set_knob(&self, knob: Knob) -> Result<()> {
+        crate::guard::contain(&self.inner, "set knob", || self.set_knob_unguarded(knob))
+    }
+
+    fn set_knob_unguarded(&self, knob: Knob) -> Result<()> {
+        knob.validate()?;
+        let b = &self.backing;
+        if let Knob::Label(l) = &knob {
+            let taken = self.inner.backings.read().values().find_map(|o| {
+                let h = o.header.lock();
+                (o.id != b.id && h.label == *l).then_some(h.dev_uuid)
+            });
+            if let Some(other) = taken {
+                return Err(Error::Invalid(format!(
+                    "label {l:?} is already the name of device {other}"
+                )));
+            }
+        }
+        b.update_header(|h| match &knob {
+            Knob::CacheMode(m) => h.mode = *m,
+            Knob::SequentialCutoff(v) => h.tunables.sequential_cutoff = *v,
+            Knob::WritebackPercent(v) => h.tunables.writeback_percent = *v,
+            Knob::WritebackDelaySecs(v) => h.tunables.writeback_delay_secs = *v,
+            Knob::WritebackRunning(v) => h.tunables.writeback_running = *v,
+            Knob::Label(l) => h.label = l.clone(),
+        })?;
+        match knob {
+            Knob::CacheMode(m) => b.mode.store(m.code(), Ordering::SeqCst),
+            Knob::SequentialCutoff(v) => b.sequential_cutoff.store(v, Ordering::Relaxed),
+            Knob::WritebackPercent(v) => b.writeback_percent.store(u64::from(v), Ordering::Relaxed),
+            Knob::WritebackDelaySecs(v) => b.writeback_delay_secs.store(v, Ordering::Relaxed),
+            Knob::WritebackRunning(v) => b.writeback_running.store(v, Ordering::Relaxed),
+            Knob::Label(_) => {}
+        }
+        self.inner.wake_background();
+        Ok(())
+    }
+
+    /// Switches the cache mode live (see [`Volume::set_knob`]).
+    pub fn set_mode(&self, mode: CacheMode) -> Result<()> {
+        self.set_knob(Knob::CacheMode(mode))
+    }
+
+    pub fn set_sequential_cutoff(&self, bytes: u64) -> Result<()> {
+        self.set_knob(Knob::SequentialCutoff(bytes))
+    }
+
+    pub fn set_writeback_percent(&self, pct: u32) -> Result<()> {
+        self.set_knob(Knob::WritebackPercent(pct))
+    }
+
+    pub fn set_writeback_delay_secs(&self, secs: u64) -> Result<()> {
+        self.set_knob(Knob::WritebackDelaySecs(secs))
+    }
+
+    pub fn set_writeback_running(&self, on: bool) -> Result<()> {
+        self.set_knob(Knob::WritebackRunning(on))
+    }
+
+    pub fn set_label(&self, label: &str) -> Result<()> {
+        self.set_knob(Knob::Label(label.to_string()))
+    }
+
+    /// Status and statistics of this device.
+    pub fn status(&self) -> DevStatus {
+        let b = &self.backing;
+        let bs = self.inner.block_size();
+        let (dirty, cached) = {
+            let st = self.inner.state.lock();
+            (
+                st.index.dev_dirty_blocks(b.id),
+                st.index.dev_live_blocks(b.id),
+            )
+        };
+        let now = self.inner.now_ns();
+        let snap = b.counters.snapshot();
+        b.history.tick(now, &snap);
+        let writeback = crate::writeback::device_rate(&self.inner, b);
+        DevStatus {
+            id: b.id,
+            uuid: b.uuid(),
+            knobs: b.knobs(),
+            size_bytes: b.data_size,
+            dirty_bytes: dirty * bs,
+            cached_bytes: cached * bs,
+            state: if b.detaching.load(Ordering::Relaxed) {
+                "detaching"
+            } else if dirty > 0 {
+                "dirty"
+            } else {
+                "clean"
+            },
+            writeback,
+            stats: b.history.windows(now, &snap),
+        }
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<()> {
+        self.inner.check_failed()?;
+        if !offset.is_multiple_of(512) || !len.is_multiple_of(512) {
+            return Err(Error::Invalid(format!(
+                "offset {offset} and length {len} must be multiples of 512"
+            )));
+        }
+        if offset
+            .checked_add(len)
+            .is_none_or(|e| e > self.backing.data_size)
+        {
+            return Err(Error::Invalid(format!(
+                "request at {offset} of {len} bytes ends past the device size {}",
+                self.backing.data_size
+            )));
+        }
+        if self.backing.detaching.load(Ordering::Relaxed)
+            && !self.inner.backings.read().contains_key(&self.backing.id)
+        {
+            return Err(Error::State("device has been detached".into()));
+        }
+        Ok(())
+    }
+
+    /// Feeds the sequential detector; returns the length of the stream the request continues.
+    fn note_io(&self, offset: u64, len: u64) -> u64 {
+        let now = self.inner.now_ns();
+        let stream = self.backing.seq.lock().observe(offset, len, now);
+        if stream >= crate::policy::WRITEBACK_STREAM_BYTES {
+            self.backing
+                .client_stream_ns
+                .store(now.max(1), Ordering::Relaxed);
+        }
+        stream
+    }
+
+    fn seq_bypass(&self, stream_bytes: u64) -> bool {
+        is_sequential_bypass(
+            stream_bytes,
+            self.backing.sequential_cutoff.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Runs a client I/O on the backing device, stamping when clients last used it (before
+    /// and after, so a long request counts as use all along) for writeback to yield to.
+    fn on_backing<T>(&self, io: impl FnOnce(&dyn BlockDevice) -> T) -> T {
+        let stamp = || {
+            self.backing
+                .client_backing_ns
+                .store(self.inner.now_ns(), Ordering::Relaxed)
+        };
+        stamp();
+        let r = io(&*self.backing.dev);
+        stamp();
+        r
+    }
+
+    fn backing_read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        Counters::add(&self.backing.counters.backing_read_bytes, buf.len() as u64);
+        self.on_backing(|d| d.read_at(buf, self.backing.data_offset() + offset))
+            .ctx(|| format!("reading backing device at {offset}"))
+    }
+
+    /// Runs a client I/O that changes `[offset, offset + len)` of the backing device (write,
+    /// zeroes, discard; `io` gets the device and the absolute offset). Afterwards, whatever
+    /// the outcome, readahead windows over the range are dropped and the device is marked
+    /// written for the deferred flush.
+    fn change_backing(
+        &self,
+        offset: u64,
+        len: u64,
+        io: impl FnOnce(&dyn BlockDevice, u64) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let r = self.on_backing(|d| io(d, self.backing.data_offset() + offset));
+        self.backing
+            .readahead
+            .lock()
+            .invalidate(offset, offset + len);
+        self.backing.backing_written.store(true, Ordering::SeqCst);
+        r
+    }
+
+    fn backing_write(&self, data: &[u8], offset: u64) -> Result<()> {
+        let len = data.len() as u64;
+        Counters::add(&self.backing.counters.backing_written_bytes, len);
+        self.change_backing(offset, len, |d, at| d.write_at(data, at))
+            .ctx(|| format!("writing backing device at {offset}"))
+    }
+
+    // ----- reads -----
+
+    /// Makes every write acknowledged before this call durable.
+    pub fn flush(&self) -> Result<()> {
+        crate::guard::contain(&self.inner, "flush", || self.flush_unguarded())
+    }
+
+    fn flush_unguarded(&self) -> Result<()> {
+        self.inner.check_failed()?;
+        let target = self.inner.state.lock().journal.appended_epoch;
+        self.inner.commit_to(target)?;
+        // Deferred flush: the backing device is flushed only if something reached it.
+        self.backing.flush_if_written()
+    }
+
+    /// Discards a range: the cache forgets the blocks it covers and the discard is passed down.
+    pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        crate::guard::contain(&self.inner, "discard", || {
+            self.discard_unguarded(offset, len)
+        })
+    }
+
+    fn discard_unguarded(&self, offset: u64, len: u64) -> Result<()> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.note_io(offset, len);
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        let (b0, b1) = (offset / bs, (offset + len).div_ceil(bs));
+        let _guard = inner.ranges.lock(self.backing.id, b0, b1);
+        self.change_backing(offset, len, |d, at| d.discard(at, len))
+            .ctx(|| format!("discarding backing device at {offset}"))?;
+        // Only blocks wholly inside the range are dropped: a partly discarded dirty block
+        // still holds live sectors.
+        let (f0, f1) = (offset.div_ceil(bs), (offset + len) / bs);
+        let now = inner.now_ns();
+        let mut st = inner.state.lock();
+        st.collide(self.backing.id, b0, b1);
+        if f1 > f0 {
+            st.invalidate(self.backing.id, f0, f1, now);
+        }
+        Ok(())
+    }
+
+    /// Makes a range read back as zeroes; with `fua`, durably.
+    pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        crate::guard::contain(&self.inner, "write zeroes", || {
+            self.write_zeroes_unguarded(offset, len, fua)
+        })
+    }
+
+    fn write_zeroes_unguarded(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.note_io(offset, len);
+        self.write_range(offset, len, None, Route::Bypass)?;
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Fraction of `[offset, offset + len)` held in the cache, as cached ranges (for
+    /// block-status style reporting): `(offset, len, dirty)`.
+    pub fn cached_ranges(&self, offset: u64, len: u64) -> Result<Vec<(u64, u64, bool)>> {
+        crate::guard::contain(&self.inner, "cached ranges", || {
+            self.cached_ranges_unguarded(offset, len)
+        })
+    }
+
+    fn cached_ranges_unguarded(&self, offset: u64, len: u64) -> Result<Vec<(u64, u64, bool)>> {
+        self.check(offset, len)?;
+        let bs = self.inner.block_size();
+        let segs = self.inner.state.lock().index.lookup(
+            self.backing.id,
+            offset / bs,
+            (offset + len).div_ceil(bs),
+        );
+        Ok(segs
+            .into_iter()
+            .filter_map(|s| s.ext.map(|e| (s.block * bs, s.len * bs, e.dirty)))
+            .collect())
+    }
+}
+
+impl Backing {
+    pub(crate) fn data_offset(&self) -> u64 {
+        crate::format::BACKING_DATA_OFFSET
+    }
+}

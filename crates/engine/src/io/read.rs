@@ -1,0 +1,559 @@
+//! The read path: hits, misses and their promotion, bypassed and read-ahead streams,
+//! prefetch (NBD_CMD_CACHE).
+//!
+//! Invariants:
+//! - cached blocks are read only while their bucket is pinned, and every block read from the
+//!   cache is checked against its crc32c: a clean block that fails is dropped and re-read from
+//!   the backing device, a dirty one is an error, never wrong data;
+//! - a hit takes no lock every request shares: the index is looked up without the state lock,
+//!   the pieces' buckets pinned, and the answer kept only if the index did not change
+//!   meanwhile (`slots`' seqlock and `alloc`'s pin protocol); otherwise, and for a miss, the
+//!   read takes the state lock once (lookup, pins, touch, and a copy of the expected crcs,
+//!   which cannot change while the bucket is pinned). The cache read and the checksums run
+//!   with no lock held, and the pins are dropped without the lock (`Inner::unpin`). A hit of
+//!   up to 4 runs and 16 blocks allocates nothing: its blocks are read straight into the
+//!   caller's buffer;
+//! - a read miss is promoted only if no write touched its range while it was in flight
+//!   (`cache_miss_collisions` counts the ones dropped); a miss inside a promotion in flight
+//!   waits for it once (bounded) instead of reading the backing device again;
+//! - sequential reads that bypass the cache are served through `readahead` windows only for
+//!   blocks the index shows uncached.
+
+use super::Volume;
+use crate::index::{Seg, Segs};
+use crate::readahead;
+use crate::set::Promotion;
+use crate::stats::Counters;
+use crate::types::{CacheMode, Error, IoContext, Result};
+
+/// A bypassing stream of more than one request and at least this long is read ahead
+/// (`readahead::WINDOW_BYTES` at a time).
+const READAHEAD_AFTER_BYTES: u64 = 64 << 10;
+
+/// Longest a miss waits for a promotion in flight over its blocks before reading them itself.
+const PROMOTION_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Expected crcs of the cached blocks of a request: up to 16 blocks without allocating.
+type Crcs = smallvec::SmallVec<[u32; 16]>;
+
+/// The first block of `data` (whole blocks of `bs` bytes) whose crc32c is not its entry in
+/// `crcs`. Call it with no lock held.
+pub(crate) fn first_bad_block(data: &[u8], crcs: &[u32], bs: u64) -> Option<u32> {
+    debug_assert_eq!(data.len() as u64, crcs.len() as u64 * bs);
+    data.chunks_exact(bs as usize)
+        .zip(crcs)
+        .position(|(d, &c)| crc32c::crc32c(d) != c)
+        .map(|i| i as u32)
+}
+
+/// How a read treats the cache.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Read {
+    /// Hits from the cache, misses promoted.
+    Cached,
+    /// Hits from the cache, misses read from the backing device exactly.
+    Bypass,
+    /// Like `Bypass`, with misses served through readahead windows (a sequential stream).
+    Ahead,
+    /// Like `Cached`, without counting in the hit statistics (NBD_CMD_CACHE).
+    Prefetch,
+}
+
+/// How `read_segments` reads the uncached parts of a request.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Holes<'a> {
+    /// Exactly the requested bytes.
+    Exact,
+    /// Whole blocks, returned for promotion.
+    Fill,
+    /// Like `Fill`, cut out of one backing read of `data` at byte `start` that spans them all.
+    Span { start: u64, data: &'a [u8] },
+    /// Through the readahead windows.
+    Ahead,
+}
+
+impl Volume {
+    /// Reads `buf.len()` bytes at `offset`.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        crate::guard::contain(&self.inner, "read", || self.read_unguarded(offset, buf))
+    }
+
+    fn read_unguarded(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check(offset, buf.len() as u64)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let stream = self.note_io(offset, buf.len() as u64);
+        let bypass = !crate::policy::admit_read(self.mode(), self.seq_bypass(stream));
+        let len = buf.len() as u64;
+        let read = if bypass && stream > len && stream >= READAHEAD_AFTER_BYTES {
+            Read::Ahead
+        } else if bypass {
+            Read::Bypass
+        } else {
+            Read::Cached
+        };
+        self.read_inner(offset, buf, read)
+    }
+
+    /// Prefetches a range into the cache (NBD_CMD_CACHE).
+    pub fn prefetch(&self, offset: u64, len: u64) -> Result<()> {
+        crate::guard::contain(&self.inner, "prefetch", || {
+            self.prefetch_unguarded(offset, len)
+        })
+    }
+
+    fn prefetch_unguarded(&self, offset: u64, len: u64) -> Result<()> {
+        self.check(offset, len)?;
+        if self.mode() == CacheMode::None {
+            // Nothing would be kept: the hint is honoured by doing nothing.
+            return Ok(());
+        }
+        let chunk = 1u64 << 20;
+        let mut buf = vec![0u8; chunk.min(len) as usize];
+        let mut at = 0;
+        while at < len {
+            let n = chunk.min(len - at) as usize;
+            self.read_inner(offset + at, &mut buf[..n], Read::Prefetch)?;
+            at += n as u64;
+        }
+        Ok(())
+    }
+
+    fn read_inner(&self, offset: u64, buf: &mut [u8], read: Read) -> Result<()> {
+        let bypass = matches!(read, Read::Bypass | Read::Ahead);
+        let prefetch = read == Read::Prefetch;
+        let inner = &*self.inner;
+        let dev = self.backing.id;
+        let bs = inner.block_size();
+        let end = offset + buf.len() as u64;
+        let (b0, b1) = (offset / bs, end.div_ceil(bs));
+        let tick = inner.next_tick();
+        let mut waited = false;
+        // Expected crcs of the cached blocks, copied with the pins in one critical section (a
+        // pinned block's crc cannot change), so blocks are verified outside the lock.
+        let mut crcs = Crcs::new();
+        let fast = if prefetch {
+            None
+        } else {
+            self.lock_free_hit(b0, b1, &mut crcs)
+        };
+        let (segs, promo, around) = if let Some(segs) = fast {
+            (segs, None, ((b0, b0), (b1, b1)))
+        } else {
+            loop {
+                let mut st = inner.state.lock();
+                let segs = st.index.lookup(dev, b0, b1);
+                let miss = !bypass && segs.iter().any(|s| s.ext.is_none());
+                // A miss wholly inside a promotion in flight (concurrent readers of one window,
+                // e.g. a sequential stream at queue depth > 1) waits for it, then reads the
+                // cache, instead of reading the backing device again. Once only: a promotion that
+                // collided or failed leaves the blocks uncached and this read fetches them itself.
+                if miss && !waited {
+                    let covering = st
+                        .promotions
+                        .iter()
+                        .find(|(_, p)| p.dev == dev && p.b0 <= b0 && b1 <= p.b1 && !p.collided)
+                        .map(|(id, _)| *id);
+                    if let Some(id) = covering {
+                        waited = true;
+                        inner.promoted.wait_while_for(
+                            &mut st,
+                            |st| st.promotions.contains_key(&id),
+                            PROMOTION_WAIT_MAX,
+                        );
+                        continue;
+                    }
+                }
+                let around = if miss {
+                    self.miss_fill(&st.index, b0, b1)
+                } else {
+                    ((b0, b0), (b1, b1))
+                };
+                for s in &segs {
+                    if let Some(e) = s.ext {
+                        let bucket = st.index.bucket_of(e.cache_block);
+                        st.buckets.pin(bucket);
+                        st.buckets.touch(bucket, tick);
+                        crcs.extend((0..e.len).map(|i| st.index.crc(e.cache_block + i)));
+                    }
+                }
+                let promo = miss.then(|| {
+                    let id = st.next_promotion;
+                    st.next_promotion += 1;
+                    st.promotions.insert(
+                        id,
+                        Promotion {
+                            dev,
+                            b0: around.0 .0,
+                            b1: around.1 .1,
+                            collided: false,
+                        },
+                    );
+                    id
+                });
+                break (segs, promo, around);
+            }
+        };
+        let hit = segs.iter().all(|s| s.ext.is_some());
+        // Uncached blocks next to a miss come along, in offset order; a request that is one
+        // hole is read together with them in a single backing read (one seek, even when other
+        // requests are queued on the disk).
+        let result = (|| {
+            let ((p0, p1), (s0, s1)) = around;
+            if promo.is_some() && segs.len() == 1 && segs[0].ext.is_none() {
+                let from = p0 * bs;
+                let to = if s1 > s0 {
+                    s1 * bs
+                } else {
+                    (b1 * bs).min(self.size_bytes())
+                };
+                let mut d = vec![0u8; (to - from) as usize];
+                self.backing_read(&mut d, from)?;
+                buf.copy_from_slice(&d[(offset - from) as usize..(end - from) as usize]);
+                d.truncate((d.len() as u64 / bs * bs) as usize);
+                return Ok(if d.is_empty() {
+                    Vec::new()
+                } else {
+                    vec![(p0, d)]
+                });
+            }
+            // A miss with several holes between cached blocks, on a rotational device: one
+            // backing read from the first uncached block to the last (one seek, as the bare
+            // disk would do), the cached blocks' stale copies in it ignored.
+            let mut hole_segs = segs.iter().filter(|s| s.ext.is_none());
+            let span = match (hole_segs.next(), hole_segs.next_back()) {
+                (Some(first), Some(last))
+                    if promo.is_some() && self.backing.dev.is_rotational() =>
+                {
+                    let from = if p1 > p0 { p0 } else { first.block } * bs;
+                    let to = (if s1 > s0 { s1 } else { last.block + last.len } * bs)
+                        .min(self.size_bytes());
+                    let mut d = vec![0u8; (to - from) as usize];
+                    self.backing_read(&mut d, from)?;
+                    Some((from, d))
+                }
+                _ => None,
+            };
+            let range = |b0: u64, b1: u64| -> Result<Vec<u8>> {
+                let (from, to) = (b0 * bs, b1 * bs);
+                if let Some((start, d)) = &span {
+                    return Ok(d[(from - start) as usize..(to - start) as usize].to_vec());
+                }
+                let mut d = vec![0u8; (to - from) as usize];
+                self.backing_read(&mut d, from)?;
+                Ok(d)
+            };
+            let mut fills = Vec::new();
+            if p1 > p0 {
+                fills.push((p0, range(p0, p1)?));
+            }
+            let holes = match &span {
+                Some((start, data)) => Holes::Span {
+                    start: *start,
+                    data,
+                },
+                None if promo.is_some() => Holes::Fill,
+                None if read == Read::Ahead => Holes::Ahead,
+                None => Holes::Exact,
+            };
+            fills.extend(self.read_segments(&segs, &crcs, offset, buf, holes)?);
+            if s1 > s0 {
+                fills.push((s0, range(s0, s1)?));
+            }
+            Ok(fills)
+        })();
+        for s in &segs {
+            if let Some(e) = s.ext {
+                inner.unpin(inner.bucket_of(e.cache_block));
+            }
+        }
+        let fills = match result {
+            Ok(f) => f,
+            Err(e) => {
+                if let Some(id) = promo {
+                    inner.state.lock().promotions.remove(&id);
+                    inner.promoted.notify_all();
+                }
+                Counters::add(&self.backing.counters.io_errors, 1);
+                return Err(e);
+            }
+        };
+        if !prefetch {
+            let c = &self.backing.counters;
+            Counters::add(
+                match (bypass, hit) {
+                    (false, true) => &c.cache_hits,
+                    (false, false) => &c.cache_misses,
+                    (true, true) => &c.cache_bypass_hits,
+                    (true, false) => &c.cache_bypass_misses,
+                },
+                1,
+            );
+            if bypass {
+                Counters::add(&c.bypassed, buf.len() as u64);
+            }
+        }
+        if let Some(id) = promo {
+            self.promote(id, fills);
+        }
+        Ok(())
+    }
+
+    /// A hit found and pinned without the state lock: every block of `[b0, b1)` cached, each
+    /// piece's bucket pinned and the blocks' crcs in `crcs`, checked against the index's
+    /// seqlock after the pins (see `slots` and `alloc`). `None` (nothing pinned, `crcs` empty):
+    /// a miss, or the index changed meanwhile; the locked path decides.
+    fn lock_free_hit(&self, b0: u64, b1: u64, crcs: &mut Crcs) -> Option<Segs> {
+        let inner = &*self.inner;
+        let reader = &inner.index_reader;
+        let Some((seq, segs)) = crate::index::lookup_hit(reader, self.backing.id, b0, b1, crcs)
+        else {
+            crcs.clear();
+            return None;
+        };
+        let buckets = || {
+            segs.iter()
+                .filter_map(|s| s.ext.map(|e| inner.bucket_of(e.cache_block)))
+        };
+        buckets().for_each(|b| inner.pins.pin_unlocked(b));
+        if reader.valid(seq) {
+            buckets().for_each(|b| inner.touches.note(b));
+            return Some(segs);
+        }
+        buckets().for_each(|b| inner.unpin(b));
+        crcs.clear();
+        None
+    }
+
+    /// The miss fill: on a rotational backing device a miss costs the seek, not the bytes, so
+    /// the uncached blocks around `[b0, b1)` up to the enclosing `policy::miss_fill_window`
+    /// window are read and promoted too. Returns the extra ranges before and after the request
+    /// (empty when the device is not rotational or the neighbours are cached).
+    fn miss_fill(&self, index: &crate::index::Index, b0: u64, b1: u64) -> ((u64, u64), (u64, u64)) {
+        let bs = self.inner.block_size();
+        let window = crate::policy::miss_fill_window(self.backing.dev.is_rotational(), bs);
+        if window <= 1 {
+            return ((b0, b0), (b1, b1));
+        }
+        let dev_blocks = self.size_bytes() / bs;
+        let w0 = b0 / window * window;
+        let w1 = (b1.div_ceil(window) * window).min(dev_blocks).max(b1);
+        let before = index.lookup(self.backing.id, w0, b0);
+        let p0 = match before.last() {
+            Some(s) if s.ext.is_none() => s.block,
+            _ => b0,
+        };
+        let after = index.lookup(self.backing.id, b1, w1);
+        let s1 = match after.first() {
+            Some(s) if s.ext.is_none() => s.block + s.len,
+            _ => b1,
+        };
+        ((p0, b0), (b1, s1))
+    }
+
+    /// Reads every segment into `buf` (`crcs`: those of the cached blocks, in order); returns
+    /// whole-block data of the holes to promote.
+    fn read_segments(
+        &self,
+        segs: &[Seg],
+        mut crcs: &[u32],
+        offset: u64,
+        buf: &mut [u8],
+        holes: Holes,
+    ) -> Result<Vec<(u64, Vec<u8>)>> {
+        let want_fills = matches!(holes, Holes::Fill | Holes::Span { .. });
+        let bs = self.inner.block_size();
+        let end = offset + buf.len() as u64;
+        let mut fills = Vec::new();
+        for s in segs {
+            let (seg_start, seg_end) = (s.block * bs, (s.block + s.len) * bs);
+            let data = match s.ext {
+                Some(e) => {
+                    let (expected, rest) = crcs.split_at(e.len as usize);
+                    crcs = rest;
+                    let whole = offset <= seg_start && seg_end <= end;
+                    let mut bounce = Vec::new();
+                    let out = if whole {
+                        // The common case: straight into the caller's buffer, no copy.
+                        &mut buf[(seg_start - offset) as usize..(seg_end - offset) as usize]
+                    } else {
+                        bounce.resize((seg_end - seg_start) as usize, 0);
+                        &mut bounce[..]
+                    };
+                    if !self.read_cached(s.block, e, expected, out)? {
+                        // Clean block failed its checksum: dropped, read the backing device.
+                        let n = (seg_end.min(self.size_bytes()) - seg_start) as usize;
+                        self.backing_read(&mut out[..n], seg_start)?;
+                    }
+                    if whole {
+                        continue;
+                    }
+                    bounce
+                }
+                None => {
+                    // Read whole blocks when promoting (the seek is paid anyway), else exactly
+                    // what was asked.
+                    let (from, to) = if want_fills {
+                        (seg_start, seg_end.min(self.size_bytes()))
+                    } else {
+                        (seg_start.max(offset), seg_end.min(end))
+                    };
+                    let mut d = match holes {
+                        Holes::Ahead => {
+                            self.read_ahead(
+                                from,
+                                &mut buf[(from - offset) as usize..(to - offset) as usize],
+                            )?;
+                            continue;
+                        }
+                        Holes::Span { start, data } => {
+                            data[(from - start) as usize..(to - start) as usize].to_vec()
+                        }
+                        _ => {
+                            let mut d = vec![0u8; (to - from) as usize];
+                            self.backing_read(&mut d, from)?;
+                            d
+                        }
+                    };
+                    let copy_from = seg_start.max(offset);
+                    let copy_to = seg_end.min(end);
+                    buf[(copy_from - offset) as usize..(copy_to - offset) as usize]
+                        .copy_from_slice(
+                            &d[(copy_from - from) as usize..(copy_to - from) as usize],
+                        );
+                    if want_fills {
+                        // Only whole blocks are cached; a partial last block (device end) is not.
+                        let whole = d.len() as u64 / bs * bs;
+                        if whole > 0 {
+                            d.truncate(whole as usize);
+                            fills.push((s.block, d));
+                        }
+                    }
+                    continue;
+                }
+            };
+            let copy_from = seg_start.max(offset);
+            let copy_to = seg_end.min(end);
+            buf[(copy_from - offset) as usize..(copy_to - offset) as usize].copy_from_slice(
+                &data[(copy_from - seg_start) as usize..(copy_to - seg_start) as usize],
+            );
+        }
+        Ok(fills)
+    }
+
+    /// Reads uncached data of a sequential stream from a readahead window, or reads a new
+    /// window from the backing device (see `readahead`'s invariants). Windows are aligned to
+    /// `WINDOW_BYTES`, so a stream whose holes are scattered between cached blocks still reads
+    /// the disk in back-to-back windows (no seek between them) rather than one window per
+    /// hole, each a seek away from the last.
+    fn read_ahead(&self, from: u64, out: &mut [u8]) -> Result<()> {
+        let ra = &self.backing.readahead;
+        let generation = {
+            let mut r = ra.lock();
+            if r.get(from, out) {
+                return Ok(());
+            }
+            r.generation()
+        };
+        let start = from / readahead::WINDOW_BYTES * readahead::WINDOW_BYTES;
+        let end = from + out.len() as u64;
+        let to = (start + readahead::WINDOW_BYTES)
+            .max(end)
+            .min(self.size_bytes());
+        let mut d = vec![0u8; (to - start) as usize];
+        self.backing_read(&mut d, start)?;
+        let at = (from - start) as usize;
+        out.copy_from_slice(&d[at..at + out.len()]);
+        ra.lock().insert(generation, start, d);
+        Ok(())
+    }
+
+    /// Reads cached extent `e` (its bucket pinned by the caller) into `out` (`e.len` blocks)
+    /// and verifies every block against `crcs` (copied from the index with the pin), with no
+    /// lock held. `Ok(false)`: a clean block failed its checksum and the extent was dropped
+    /// from the index (`out` then holds nothing useful).
+    pub(super) fn read_cached(
+        &self,
+        block: u64,
+        e: crate::index::Extent,
+        crcs: &[u32],
+        out: &mut [u8],
+    ) -> Result<bool> {
+        let inner = &*self.inner;
+        let off = inner.layout.block_offset(e.cache_block);
+        Counters::add(&self.backing.counters.cache_read_bytes, out.len() as u64);
+        inner
+            .cache
+            .read_at(out, off)
+            .ctx(|| format!("reading cache device at {off}"))?;
+        let Some(i) = first_bad_block(out, crcs, inner.block_size()) else {
+            return Ok(true);
+        };
+        let what = format!(
+            "device {} block {} (cache block {})",
+            self.backing.id.0,
+            block + u64::from(i),
+            e.cache_block + i
+        );
+        if e.dirty {
+            Counters::add(&self.backing.counters.io_errors, 1);
+            {
+                static LOG: crate::guard::Throttled = crate::guard::Throttled::new();
+                LOG.log(
+                    log::Level::Error,
+                    format_args!("checksum mismatch on dirty data: {what}"),
+                );
+            }
+            return Err(Error::DataCorrupt(what));
+        }
+        {
+            static LOG: crate::guard::Throttled = crate::guard::Throttled::new();
+            LOG.log(
+                log::Level::Warn,
+                format_args!(
+                    "checksum mismatch on clean cached data, re-reading from the backing \
+                     device: {what}"
+                ),
+            );
+        }
+        Counters::add(&self.backing.counters.checksum_repairs, 1);
+        let mut st = inner.state.lock();
+        if st
+            .index
+            .maps_to(self.backing.id, block, e.len, e.cache_block)
+        {
+            let now = inner.now_ns();
+            st.invalidate(self.backing.id, block, block + u64::from(e.len), now);
+        }
+        Ok(false)
+    }
+
+    /// Inserts read-miss data into the cache unless a write overlapped it meanwhile.
+    fn promote(&self, id: u64, fills: Vec<(u64, Vec<u8>)>) {
+        let inner = &*self.inner;
+        for (block, data) in fills {
+            if inner
+                .state
+                .lock()
+                .promotions
+                .get(&id)
+                .is_none_or(|p| p.collided)
+            {
+                break;
+            }
+            if let Err(e) = self.cache_insert(block, &data, false, Some(id)) {
+                {
+                    static LOG: crate::guard::Throttled = crate::guard::Throttled::new();
+                    LOG.log(log::Level::Warn, format_args!("promotion failed: {e}"));
+                }
+                break;
+            }
+        }
+        let p = inner.state.lock().promotions.remove(&id);
+        inner.promoted.notify_all();
+        if p.is_some_and(|p| p.collided) {
+            Counters::add(&self.backing.counters.cache_miss_collisions, 1);
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! The write path: routing (writeback, writethrough, bypass), whole-block and sub-block
+//! writes, and inserting written or promoted data into the cache.
+//!
+//! Invariants:
+//! - a sub-block write either merges into the cached block (read-modify-write, so a dirty
+//!   block never loses its other sectors) or, when the block is not cached, goes straight to
+//!   the backing device;
+//! - data is written to the cache before its index entry is inserted, and the entry's journal
+//!   record is what makes it survive a crash (see `docs/durability.md`).
+
+use super::Volume;
+use crate::alloc::WritePoint;
+use crate::format::BackingState;
+use crate::policy::WriteRoute as Route;
+use crate::stats::Counters;
+use crate::types::{IoContext, Result};
+use std::sync::atomic::Ordering;
+
+impl Volume {
+    /// Writes whole blocks to the cache and inserts them (dirty or clean). With `promotion`,
+    /// the insert is skipped if that promotion collided. Returns the number of leading blocks
+    /// stored (fewer than given when the cache has no room).
+    pub(super) fn cache_insert(
+        &self,
+        block: u64,
+        data: &[u8],
+        dirty: bool,
+        promotion: Option<u64>,
+    ) -> Result<u64> {
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        let nblocks = data.len() as u64 / bs;
+        let point = if dirty {
+            WritePoint::Dirty
+        } else {
+            WritePoint::Clean
+        };
+        let mut done = 0u64;
+        while done < nblocks {
+            let want = (nblocks - done).min(u64::from(u32::MAX)) as u32;
+            let Some(grant) = crate::space::alloc_blocks(inner, point, want)? else {
+                break;
+            };
+            let (cb, n) = (grant.cb, grant.n);
+            let chunk = &data[(done * bs) as usize..((done + u64::from(n)) * bs) as usize];
+            let off = inner.layout.block_offset(cb);
+            Counters::add(
+                &self.backing.counters.cache_written_bytes,
+                chunk.len() as u64,
+            );
+            inner
+                .cache
+                .write_at(chunk, off)
+                .ctx(|| format!("writing cache device at {off}"))?;
+            let crcs: Vec<u32> = chunk.chunks(bs as usize).map(crc32c::crc32c).collect();
+            let mut st = inner.state.lock();
+            if let Some(id) = promotion {
+                if st.promotions.get(&id).is_none_or(|p| p.collided) {
+                    drop(st);
+                    return Ok(done);
+                }
+            }
+            let dev = self.backing.id;
+            let b = block + done;
+            let ext = crate::index::Extent {
+                len: n,
+                cache_block: cb,
+                dirty,
+            };
+            st.collide(dev, b, b + u64::from(n));
+            if let Some(id) = promotion {
+                // Our own insert must not mark our own promotion collided.
+                st.promotions
+                    .get_mut(&id)
+                    .expect("promotion registered")
+                    .collided = false;
+            }
+            let now = inner.now_ns();
+            st.insert_extent(dev, b, ext, crcs, now);
+            let pending = st.journal.buf.buf.len();
+            drop(st);
+            drop(grant);
+            done += u64::from(n);
+            if pending > crate::background::JOURNAL_BUF_MAX {
+                inner.commit_to(u64::MAX)?;
+            }
+        }
+        Ok(done)
+    }
+
+    // ----- writes -----
+
+    /// Writes `data` at `offset`; with `fua` it is durable when this returns.
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        crate::guard::contain(&self.inner, "write", || {
+            self.write_unguarded(offset, data, fua)
+        })
+    }
+
+    fn write_unguarded(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check(offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let len = data.len() as u64;
+        let stream = self.note_io(offset, len);
+        let route = self.route(self.seq_bypass(stream));
+        if route == Route::Bypass {
+            Counters::add(&self.backing.counters.bypassed, len);
+        }
+        self.write_range(offset, len, Some(data), route)?;
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Where a write goes, from the mode, the bypass decision and the dirty limit. A
+    /// sequential stream past the cutoff goes around the cache in every mode, over dirty
+    /// blocks too (as bcache does unless partial RAID stripes are expensive): the dirty copies
+    /// are dropped, their record waiting for one backing flush per commit, and the disk gets
+    /// the whole stream, without holes.
+    fn route(&self, seq_bypass: bool) -> Route {
+        let inner = &*self.inner;
+        crate::policy::route_write(
+            self.mode(),
+            self.backing.detaching.load(Ordering::Relaxed),
+            seq_bypass,
+            inner.config.dirty_max_pct,
+            u64::from(inner.layout.total_blocks()),
+            || inner.state.lock().index.dirty_blocks,
+        )
+    }
+
+    /// Writes `data` (or zeroes when `None`) over `[offset, offset + len)` along `route`.
+    pub(super) fn write_range(
+        &self,
+        offset: u64,
+        len: u64,
+        data: Option<&[u8]>,
+        route: Route,
+    ) -> Result<()> {
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        let end = offset + len;
+        let (b0, b1) = (offset / bs, end.div_ceil(bs));
+        let _guard = inner.ranges.lock(self.backing.id, b0, b1);
+        inner.state.lock().collide(self.backing.id, b0, b1);
+        let piece =
+            |from: u64, to: u64| data.map(|d| &d[(from - offset) as usize..(to - offset) as usize]);
+        // Head and tail blocks that the request covers only partly.
+        let head_partial = !offset.is_multiple_of(bs) || end < (b0 + 1) * bs;
+        let tail_partial = b1 - 1 > b0 && !end.is_multiple_of(bs);
+        let full0 = if head_partial { b0 + 1 } else { b0 };
+        let full1 = if tail_partial { b1 - 1 } else { b1 };
+        if head_partial {
+            self.write_partial(
+                b0,
+                offset,
+                end.min((b0 + 1) * bs),
+                piece(offset, end.min((b0 + 1) * bs)),
+                route,
+            )?;
+        }
+        if full1 > full0 {
+            self.write_blocks(full0, piece(full0 * bs, full1 * bs), full1 - full0, route)?;
+        }
+        if tail_partial {
+            let from = (b1 - 1) * bs;
+            self.write_partial(b1 - 1, from, end, piece(from, end), route)?;
+        }
+        Ok(())
+    }
+
+    /// A write covering `[from, to)` inside block `block` but not the whole block.
+    fn write_partial(
+        &self,
+        block: u64,
+        from: u64,
+        to: u64,
+        data: Option<&[u8]>,
+        route: Route,
+    ) -> Result<()> {
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        let block_end = ((block + 1) * bs).min(self.size_bytes());
+        let (seg, crc) = {
+            let mut st = inner.state.lock();
+            let seg = st.index.lookup(self.backing.id, block, block + 1)[0];
+            let crc = seg.ext.map(|e| {
+                let bucket = st.index.bucket_of(e.cache_block);
+                st.buckets.pin(bucket);
+                st.index.crc(e.cache_block)
+            });
+            (seg, crc)
+        };
+        let cached = match (seg.ext, crc) {
+            (Some(e), Some(crc)) => {
+                let mut whole = vec![0u8; bs as usize];
+                let r = self.read_cached(block, e, &[crc], &mut whole);
+                inner.unpin(inner.bucket_of(e.cache_block));
+                r?.then_some(whole)
+            }
+            _ => None,
+        };
+        match cached {
+            Some(mut whole) if block_end == (block + 1) * bs => {
+                let at = (from - block * bs) as usize;
+                let n = (to - from) as usize;
+                match data {
+                    Some(d) => whole[at..at + n].copy_from_slice(d),
+                    None => whole[at..at + n].fill(0),
+                }
+                self.write_blocks(block, Some(&whole), 1, route)
+            }
+            _ => {
+                // Not cached (or the device's partial last block): straight to the backing
+                // device; anything cached for the block is stale now.
+                match data {
+                    Some(d) => self.backing_write(d, from)?,
+                    None => self.backing_zero(from, to - from)?,
+                }
+                let now = inner.now_ns();
+                inner
+                    .state
+                    .lock()
+                    .invalidate(self.backing.id, block, block + 1, now);
+                Ok(())
+            }
+        }
+    }
+
+    fn backing_zero(&self, offset: u64, len: u64) -> Result<()> {
+        Counters::add(&self.backing.counters.backing_written_bytes, len);
+        self.change_backing(offset, len, |d, at| d.write_zeroes(at, len))
+            .ctx(|| format!("zeroing backing device at {offset}"))
+    }
+
+    /// Writes whole blocks `[block, block + n)` (data, or zeroes when `None`) along `route`.
+    fn write_blocks(&self, block: u64, data: Option<&[u8]>, n: u64, route: Route) -> Result<()> {
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        let dev = self.backing.id;
+        let (from, len) = (block * bs, n * bs);
+        let data = match (data, route) {
+            (None, Route::Bypass) | (None, _) => {
+                // Zeroes always go down as a zeroing command, never through the cache.
+                self.backing_zero(from, len)?;
+                let now = inner.now_ns();
+                inner.state.lock().invalidate(dev, block, block + n, now);
+                return Ok(());
+            }
+            (Some(d), _) => d,
+        };
+        if route != Route::Back {
+            self.backing_write(data, from)?;
+        }
+        let stored = match route {
+            Route::Bypass => 0,
+            Route::Through => self.cache_insert(block, data, false, None)?,
+            Route::Back => {
+                if self.backing.header.lock().state != BackingState::Dirty {
+                    self.backing.set_state(BackingState::Dirty)?;
+                }
+                if inner.state.lock().index.dev_dirty_blocks(dev) == 0 {
+                    self.backing
+                        .dirty_since_ns
+                        .store(inner.now_ns(), Ordering::Relaxed);
+                }
+                self.cache_insert(block, data, true, None)?
+            }
+        };
+        if stored < n {
+            // No room in the cache for the rest: write it around (writeback) and drop any
+            // stale copy.
+            let rest = &data[(stored * bs) as usize..];
+            if route == Route::Back {
+                self.backing_write(rest, from + stored * bs)?;
+            }
+            let now = inner.now_ns();
+            inner
+                .state
+                .lock()
+                .invalidate(dev, block + stored, block + n, now);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,372 @@
+//! Writeback: dirty data written to the backing devices in backing order, at the rate the
+//! policy allows, and marked clean once a backing flush covers it.
+//!
+//! Invariants:
+//! - writeback holds the range lock while it checks that an extent is still the current dirty
+//!   copy, reads it and writes it to the backing device, so it can never overwrite newer data
+//!   written directly to the backing device; extents are journaled clean only after a flush
+//!   of the backing device has covered them;
+//! - a pass keeps its pins until its pieces are marked clean (see `Pins`);
+//! - a pass handles at most `WRITEBACK_BATCH_BYTES`, and a refill of the pool visits only
+//!   buckets holding dirty data, so one step takes bounded time.
+
+use crate::guard::Throttled;
+use crate::journal::Entry;
+use crate::policy::{writeback_rate, WritebackInputs, WritebackRate};
+use crate::set::Inner;
+use crate::space::read_verified;
+use crate::stats::Counters;
+use crate::types::{DevId, Error, IoContext, Result};
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Most bytes one writeback batch handles.
+const WRITEBACK_BATCH_BYTES: u64 = 4 << 20;
+/// Most bytes one backing write of merged extents carries.
+const WRITEBACK_RUN_BYTES: u64 = 1 << 20;
+/// Most bytes of one batch while sharing the backing device with clients: small, so a
+/// client waits behind little writeback at a time.
+const WRITEBACK_SHARE_BYTES: u64 = 64 << 10;
+/// Longest single sleep while paying off a shared batch, so a change of rate is seen soon.
+pub(crate) const WRITEBACK_SHARE_SLEEP_MAX: Duration = Duration::from_millis(100);
+
+/// Dirty blocks collected for writeback, sorted by backing position: a pass takes the next
+/// ones in that order (an elevator sweep over what the pool holds), and an exhausted pool is
+/// refilled from the buckets holding dirty data, in cache order from where the last refill
+/// stopped. So a pass costs what it writes back plus, once per `WRITEBACK_POOL_BLOCKS`
+/// blocks, a refill that visits only dirty buckets: never a scan of the whole cache.
+#[derive(Default)]
+pub(crate) struct WritebackPool {
+    pool: Vec<(DevId, u64, crate::index::Extent)>,
+    pos: usize,
+    cursor: u32,
+}
+
+/// Most dirty blocks one refill of the writeback pool collects (bounded work under the state
+/// lock, bounded memory: 16K runs at most).
+const WRITEBACK_POOL_BLOCKS: u64 = 16 * 1024;
+
+impl WritebackPool {
+    /// The next runs of at most `budget` blocks in all, of device `only` if given and of
+    /// devices `wanted` accepts, that are still dirty where the pool found them.
+    pub fn next_batch(
+        &mut self,
+        index: &crate::index::Index,
+        budget: u64,
+        only: Option<DevId>,
+        wanted: impl Fn(DevId) -> bool,
+    ) -> Vec<(DevId, u64, crate::index::Extent)> {
+        let mut out = Vec::new();
+        let mut taken = 0u64;
+        let mut refilled = false;
+        loop {
+            while self.pos < self.pool.len() && taken < budget {
+                let (d, s, e) = self.pool[self.pos];
+                self.pos += 1;
+                if only.is_some_and(|o| o != d)
+                    || !wanted(d)
+                    || !index.dirty_at(d, s, e.len, e.cache_block)
+                {
+                    continue;
+                }
+                out.push((d, s, e));
+                taken += u64::from(e.len);
+            }
+            if taken >= budget || refilled {
+                return out;
+            }
+            self.pool = index.dirty_runs(&mut self.cursor, WRITEBACK_POOL_BLOCKS, only);
+            self.pool.sort_unstable_by_key(|(d, s, _)| (*d, *s));
+            self.pos = 0;
+            refilled = true;
+        }
+    }
+}
+
+/// Cache blocks whose buckets a writeback pass pinned; unpinned when dropped.
+struct Pins<'a>(Vec<u32>, &'a Inner);
+
+impl Drop for Pins<'_> {
+    fn drop(&mut self) {
+        if self.0.is_empty() {
+            return;
+        }
+        for &cb in &self.0 {
+            self.1.unpin(self.1.bucket_of(cb));
+        }
+    }
+}
+
+/// One writeback pass. `force` ignores the rate policy; `only` restricts it to one device.
+/// Returns blocks written back.
+pub fn writeback_batch(inner: &Inner, force: bool, only: Option<DevId>) -> Result<u64> {
+    Ok(writeback_pass(inner, force, only)?.0)
+}
+
+/// The rate of every attached device (restricted to `only`) that has writeback to do.
+fn device_rates(
+    inner: &Inner,
+    st: &crate::set::State,
+    backings: &[Arc<crate::set::Backing>],
+    force: bool,
+    only: Option<DevId>,
+) -> Vec<(DevId, WritebackRate)> {
+    let now = inner.now_ns();
+    let total = u64::from(inner.layout.total_blocks());
+    backings
+        .iter()
+        .filter(|b| only.is_none_or(|d| d == b.id))
+        .map(|b| {
+            let rate = if force {
+                WritebackRate::Full
+            } else {
+                writeback_rate(&WritebackInputs {
+                    running: b.writeback_running.load(Ordering::Relaxed),
+                    detaching: b.detaching.load(Ordering::Relaxed),
+                    dirty_blocks: st.index.dev_dirty_blocks(b.id),
+                    total_blocks: total,
+                    writeback_percent: b.writeback_percent.load(Ordering::Relaxed),
+                    dirty_max_pct: u64::from(inner.config.dirty_max_pct),
+                    dirty_age_ns: now.saturating_sub(b.dirty_since_ns.load(Ordering::Relaxed)),
+                    delay_ns: b
+                        .writeback_delay_secs
+                        .load(Ordering::Relaxed)
+                        .saturating_mul(1_000_000_000),
+                    backing_quiet_ns: now
+                        .saturating_sub(b.client_backing_ns.load(Ordering::Relaxed)),
+                    stream_quiet_ns: match b.client_stream_ns.load(Ordering::Relaxed) {
+                        0 => u64::MAX,
+                        t => now.saturating_sub(t),
+                    },
+                })
+            };
+            (b.id, rate)
+        })
+        .filter(|(_, r)| *r != WritebackRate::Idle)
+        .collect()
+}
+
+fn strongest(rates: &[(DevId, WritebackRate)]) -> WritebackRate {
+    rates
+        .iter()
+        .map(|r| r.1)
+        .max()
+        .unwrap_or(WritebackRate::Idle)
+}
+
+/// The writeback rate that applies to one device now (for its status).
+pub(crate) fn device_rate(inner: &Inner, b: &Arc<crate::set::Backing>) -> WritebackRate {
+    let st = inner.state.lock();
+    device_rates(inner, &st, std::slice::from_ref(b), false, None)
+        .first()
+        .map_or(WritebackRate::Idle, |(_, r)| *r)
+}
+
+/// The strongest writeback rate that applies now, without writing anything back.
+pub(crate) fn current_rate(inner: &Inner) -> WritebackRate {
+    let backings: Vec<_> = inner.backings.read().values().cloned().collect();
+    let st = inner.state.lock();
+    strongest(&device_rates(inner, &st, &backings, false, None))
+}
+
+/// Like `writeback_batch`, also returning the strongest rate that applied.
+pub(crate) fn writeback_pass(
+    inner: &Inner,
+    force: bool,
+    only: Option<DevId>,
+) -> Result<(u64, WritebackRate)> {
+    inner.check_failed()?;
+    let bs = inner.block_size();
+    let backings: Vec<_> = inner.backings.read().values().cloned().collect();
+    let (rates, entries) = {
+        let mut st = inner.state.lock();
+        let rates = device_rates(inner, &st, &backings, force, only);
+        let best = strongest(&rates);
+        if best == WritebackRate::Idle {
+            return Ok((0, WritebackRate::Idle));
+        }
+        let budget = if best == WritebackRate::Full {
+            WRITEBACK_BATCH_BYTES
+        } else {
+            WRITEBACK_SHARE_BYTES
+        } / bs;
+        let st = &mut *st;
+        let entries = st
+            .writeback
+            .next_batch(&st.index, budget, only, |d| rates.iter().any(|r| r.0 == d));
+        (rates, entries)
+    };
+    let best = strongest(&rates);
+    // Merge backing-contiguous neighbours into runs.
+    let mut runs: Vec<Vec<(DevId, u64, crate::index::Extent)>> = Vec::new();
+    for x in entries {
+        match runs.last_mut() {
+            Some(run)
+                if {
+                    let (d, s, e) = run.last().unwrap();
+                    *d == x.0
+                        && s + u64::from(e.len) == x.1
+                        && (x.1 + u64::from(x.2.len) - run[0].1) * bs <= WRITEBACK_RUN_BYTES
+                } =>
+            {
+                run.push(x)
+            }
+            _ => runs.push(vec![x]),
+        }
+    }
+    let mut written = Vec::new();
+    let mut touched = BTreeSet::new();
+    let mut pins = Pins(Vec::new(), inner);
+    let pass_start = inner.now_ns();
+    for (i, run) in runs.into_iter().enumerate() {
+        // A full-speed pass ends early once a client needs the disk (the next pass runs at
+        // the client-aware rate) or the set is stopping, so neither waits behind megabytes of
+        // seeks; it always writes at least one run, so it makes progress.
+        if i > 0
+            && !force
+            && (inner.stop.load(Ordering::SeqCst)
+                || (best == WritebackRate::Full
+                    && backings
+                        .iter()
+                        .any(|b| b.client_backing_ns.load(Ordering::Relaxed) > pass_start)))
+        {
+            break;
+        }
+        let dev = run[0].0;
+        let Some(backing) = backings.iter().find(|b| b.id == dev) else {
+            continue;
+        };
+        let (r0, r1) = (
+            run[0].1,
+            run.last().map(|(_, s, e)| s + u64::from(e.len)).unwrap(),
+        );
+        let _g = inner.ranges.lock(dev, r0, r1);
+        // Keep only the pieces that are still the current dirty copy, and pin them.
+        let live: Vec<_> = {
+            let mut st = inner.state.lock();
+            let live: Vec<_> = run
+                .into_iter()
+                .filter(|(d, s, e)| st.index.dirty_at(*d, *s, e.len, e.cache_block))
+                .collect();
+            for (_, _, e) in &live {
+                let b = st.index.bucket_of(e.cache_block);
+                st.buckets.pin(b);
+            }
+            live
+        };
+        let mut result = Ok(());
+        // Contiguous sub-runs are written with one backing write each.
+        let mut pending: Option<(u64, Vec<u8>)> = None;
+        let mut ok_pieces = Vec::new();
+        for &(d, s, e) in &live {
+            match read_verified(inner, d, s, e) {
+                Ok(Some(data)) => {
+                    match &mut pending {
+                        Some((at, buf)) if *at + buf.len() as u64 == s * bs => {
+                            buf.extend_from_slice(&data)
+                        }
+                        _ => {
+                            if let Some((at, buf)) = pending.take() {
+                                result = result.and(write_backing(backing, at, &buf));
+                            }
+                            pending = Some((s * bs, data));
+                        }
+                    }
+                    ok_pieces.push((d, s, e));
+                }
+                Ok(None) => {}
+                Err(err) => {
+                    static LOG: Throttled = Throttled::new();
+                    LOG.log(
+                        log::Level::Error,
+                        format_args!("writeback skipped unreadable dirty data: {err}"),
+                    );
+                    Counters::add(&backing.counters.io_errors, 1);
+                }
+            }
+        }
+        if let Some((at, buf)) = pending.take() {
+            result = result.and(write_backing(backing, at, &buf));
+        }
+        // The pins stay until the pieces are marked clean (`pins` is released at the end of
+        // the pass): a bucket emptied and reused meanwhile could map the same block to the
+        // same cache block again with new dirty data, which `mark_clean` would then take for
+        // what was written back (an ABA the full-cache test caught as a stale read).
+        pins.0.extend(live.iter().map(|(_, _, e)| e.cache_block));
+        result?;
+        touched.insert(dev);
+        written.extend(ok_pieces);
+    }
+    for dev in &touched {
+        let b = backings
+            .iter()
+            .find(|b| b.id == *dev)
+            .expect("touched device is attached");
+        b.dev
+            .flush()
+            .ctx(|| "flushing backing device after writeback".into())?;
+    }
+    let mut blocks = 0;
+    {
+        let mut st = inner.state.lock();
+        let now = inner.now_ns();
+        for (dev, s, e) in &written {
+            let n = st.index.mark_clean(*dev, *s, e.len, e.cache_block);
+            if n > 0 {
+                st.log(
+                    &Entry::MarkClean {
+                        dev: *dev,
+                        block: *s,
+                        len: e.len,
+                        cache_block: e.cache_block,
+                    },
+                    now,
+                );
+            }
+            blocks += n;
+            if let Some(b) = backings.iter().find(|b| b.id == *dev) {
+                Counters::add(&b.counters.writeback_bytes, n * bs);
+            }
+        }
+    }
+    Ok((blocks, best))
+}
+
+fn write_backing(b: &crate::set::Backing, at: u64, buf: &[u8]) -> Result<()> {
+    let r = b
+        .dev
+        .write_at(buf, b.data_offset() + at)
+        .ctx(|| format!("writeback to backing device at {at}"));
+    b.readahead.lock().invalidate(at, at + buf.len() as u64);
+    r
+}
+
+/// Writes back every dirty block of `dev`, reporting `(remaining, total)` dirty bytes.
+pub fn drain_dirty(inner: &Inner, dev: DevId, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+    let bs = inner.block_size();
+    let total = inner.state.lock().index.dev_dirty_blocks(dev) * bs;
+    loop {
+        let remaining = inner.state.lock().index.dev_dirty_blocks(dev) * bs;
+        progress(remaining, total);
+        if remaining == 0 {
+            break;
+        }
+        if writeback_batch(inner, true, Some(dev))? == 0 {
+            // A pass that wrote nothing is a failure only if nobody else made progress: the
+            // writeback thread (or a client write going around the cache) may have cleaned or
+            // dropped these very blocks while this pass waited for their range locks.
+            let now = inner.state.lock().index.dev_dirty_blocks(dev) * bs;
+            if now < remaining {
+                continue;
+            }
+            return Err(Error::State(format!(
+                "{remaining} dirty bytes of device {} cannot be written back (unreadable cache data)",
+                dev.0
+            )));
+        }
+    }
+    let mut c = inner.commit_lock.lock();
+    inner.commit_locked(&mut c)
+}
