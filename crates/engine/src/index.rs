@@ -140,6 +140,16 @@ pub fn lookup_hit(
     (!miss).then_some((seq, segs))
 }
 
+/// Whether every block of `[b0, b1)` of `dev` was cached at one moment (a lock-free look
+/// that pins nothing: a hint, e.g. that a read will not wait on the backing device).
+pub fn all_cached(reader: &IndexReader, dev: DevId, b0: u64, b1: u64) -> bool {
+    struct Discard;
+    impl Extend<u32> for Discard {
+        fn extend<I: IntoIterator<Item = u32>>(&mut self, _: I) {}
+    }
+    lookup_hit(reader, dev, b0, b1, &mut Discard).is_some_and(|(seq, _)| reader.valid(seq))
+}
+
 pub struct Index {
     sh: Arc<Slots>,
     bpb: u32,

@@ -14,7 +14,7 @@
 //! reply (the connection goes on).
 
 use crate::net::Stream;
-use nbd_proto::{BlockSize, ExportCaps, ExportCatalog, ExportInfo, ExportListing};
+use nbd_proto::{BlockSize, ExportCaps, ExportCatalog, ExportInfo, ExportListing, ValidRequest};
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::net::Shutdown;
@@ -37,6 +37,13 @@ pub trait Export: Send + Sync + 'static {
     /// Whether flush and FUA are visible across connections (advertises `CAN_MULTI_CONN`).
     fn can_multi_conn(&self) -> bool {
         true
+    }
+    /// Whether serving `request` waits on no slow device (a cache hit, a write the cache
+    /// absorbs, a device measured fast). The connection then executes it on the thread that
+    /// read it without first waking another to read on; a wrong `true` delays a request sent
+    /// meanwhile by this one's time, a wrong `false` costs a thread hand-over.
+    fn is_quick(&self, _request: &ValidRequest) -> bool {
+        false
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()>;

@@ -25,7 +25,19 @@ fn start(export: &Arc<GateExport>, config: ServerConfig) -> TestServer {
 
 #[test]
 fn a_slow_request_does_not_hold_up_pipelined_ones() {
+    slow_request_does_not_hold_up_others(false);
+}
+
+/// The same with every other request quick: a quick request is executed by the worker that
+/// read it, but a slow one is still handed over, so later requests are read meanwhile.
+#[test]
+fn a_slow_request_does_not_hold_up_quick_ones() {
+    slow_request_does_not_hold_up_others(true);
+}
+
+fn slow_request_does_not_hold_up_others(quick: bool) {
     let export = GateExport::new("gate");
+    export.quick.store(quick, Ordering::SeqCst);
     export.inner.fill(&pattern(2 * MIB as usize, 5));
     let srv = start(&export, ServerConfig::default());
     let mut c = RawClient::connect_unix(&srv.socket, "gate", true).unwrap();
@@ -54,6 +66,33 @@ fn a_slow_request_does_not_hold_up_pipelined_ones() {
     let (cookie, error, data) = recv_reply(&mut c);
     assert_eq!((cookie, error), (1, None));
     assert_eq!(data, expected[..4096]);
+}
+
+/// Requests sent one at a time: quick ones are served by the worker that read them (no
+/// other worker is started to read meanwhile, no thread hand-over per request); requests
+/// that are not quick start a second worker to read while they run.
+#[test]
+fn quick_requests_one_at_a_time_need_no_second_worker() {
+    for quick in [true, false] {
+        let export = GateExport::new("gate");
+        export.quick.store(quick, Ordering::SeqCst);
+        let srv = start(&export, ServerConfig::default());
+        let mut c = RawClient::connect_unix(&srv.socket, "gate", true).unwrap();
+        for i in 0..20u64 {
+            let mut out = Vec::new();
+            read_request(i, GATED_BELOW + i * 4096, 4096, &mut out);
+            c.stream.write_all(&out).unwrap();
+            assert_eq!(recv_reply(&mut c).0, i);
+        }
+        let extra = srv.handle().stats().workers_extra;
+        if quick {
+            assert_eq!(extra, 0, "a quick request started a worker");
+        } else {
+            // At least one; a reply can reach the client before its request has left the
+            // in-flight count, so the next one may count two busy workers and start a third.
+            assert!(extra >= 1, "requests that are not quick started no worker");
+        }
+    }
 }
 
 #[test]

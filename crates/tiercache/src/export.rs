@@ -6,6 +6,7 @@
 //! replies).
 
 use engine::Volume;
+use server::ValidRequest;
 use std::io;
 
 pub struct VolumeExport {
@@ -35,6 +36,17 @@ impl server::Export for VolumeExport {
     }
     fn read_only(&self) -> bool {
         false
+    }
+    fn is_quick(&self, request: &ValidRequest) -> bool {
+        match *request {
+            ValidRequest::Read { offset, length, .. } => {
+                self.vol.read_is_quick(offset, u64::from(length))
+            }
+            ValidRequest::Write { offset, length, .. } => {
+                self.vol.write_is_quick(offset, u64::from(length))
+            }
+            _ => false,
+        }
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         Ok(self.vol.read(offset, buf)?)

@@ -80,6 +80,34 @@ impl Volume {
         self.backing.dev.is_rotational()
     }
 
+    /// Whether a read of `len` bytes at `offset` will not wait on a slow device: the backing
+    /// device is not rotational, or every block is cached right now (a hint for the server's
+    /// threading; a block evicted meanwhile only makes the read slower).
+    pub fn read_is_quick(&self, offset: u64, len: u64) -> bool {
+        if !self.backing.dev.is_rotational() {
+            return true;
+        }
+        let bs = self.inner.block_size();
+        let end = offset.saturating_add(len);
+        crate::index::all_cached(
+            &self.inner.index_reader,
+            self.backing.id,
+            offset / bs,
+            end.div_ceil(bs),
+        )
+    }
+
+    /// Whether a write of `len` bytes at `offset` will not wait on a slow device: the backing
+    /// device is not rotational, or the device is in writeback mode and the write covers whole
+    /// blocks (the cache absorbs it unless dirty data is at its limit).
+    pub fn write_is_quick(&self, offset: u64, len: u64) -> bool {
+        let bs = self.inner.block_size();
+        !self.backing.dev.is_rotational()
+            || (self.mode() == CacheMode::Writeback
+                && offset.is_multiple_of(bs)
+                && len.is_multiple_of(bs))
+    }
+
     pub fn mode(&self) -> CacheMode {
         self.backing.mode()
     }

@@ -3,7 +3,7 @@
 //! otherwise).
 #![allow(dead_code)] // Each test binary uses a different part of this module.
 
-use server::{BindAddr, Export, ExportRegistry, ServerConfig, ServerHandle};
+use server::{BindAddr, Export, ExportRegistry, ServerConfig, ServerHandle, ValidRequest};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -450,6 +450,8 @@ pub struct GateExport {
     inside_changed: Condvar,
     pub inside_max: AtomicUsize,
     pub misaligned: AtomicBool,
+    /// When set, every request but a gated read says it is quick (`Export::is_quick`).
+    pub quick: AtomicBool,
 }
 
 /// Reads of a [`GateExport`] at this offset panic.
@@ -466,6 +468,7 @@ impl GateExport {
             inside_changed: Condvar::new(),
             inside_max: AtomicUsize::new(0),
             misaligned: AtomicBool::new(false),
+            quick: AtomicBool::new(false),
         })
     }
 
@@ -510,6 +513,10 @@ impl GateExport {
 impl Export for GateExport {
     fn name(&self) -> String {
         self.inner.name()
+    }
+    fn is_quick(&self, request: &ValidRequest) -> bool {
+        let gated = matches!(*request, ValidRequest::Read { offset, .. } if offset < GATED_BELOW);
+        self.quick.load(Ordering::SeqCst) && !gated
     }
     fn description(&self) -> String {
         self.inner.description()
