@@ -52,6 +52,7 @@
 //! Hits found that way record their use in [`Touches`], applied under the lock before a reclaim
 //! victim is chosen.
 
+use crate::units::{Bucket, CacheBlock, Gen};
 use std::collections::{BinaryHeap, VecDeque};
 use std::sync::atomic::{AtomicU16, AtomicU32, Ordering};
 use std::sync::Arc;
@@ -73,11 +74,11 @@ impl Touches {
         Touches((0..TOUCH_SLOTS).map(|_| AtomicU32::new(0)).collect())
     }
 
-    /// Records a use of bucket `b` (no lock).
-    pub fn note(&self, b: u32) {
-        let slot = &self.0[b as usize % TOUCH_SLOTS];
-        if slot.load(Ordering::Relaxed) != b + 1 {
-            slot.store(b + 1, Ordering::Relaxed);
+    /// Records a use of bucket `b` (no lock). A slot holds `b + 1`, 0 when empty.
+    pub fn note(&self, b: Bucket) {
+        let slot = &self.0[b.idx() % TOUCH_SLOTS];
+        if slot.load(Ordering::Relaxed) != b.0 + 1 {
+            slot.store(b.0 + 1, Ordering::Relaxed);
         }
     }
 }
@@ -119,13 +120,13 @@ impl Pins {
     }
 
     /// Pins on bucket `b` (an `Acquire` load: the reads of the dropped pins are done).
-    fn count(&self, b: usize) -> u16 {
-        self.0[b].load(Ordering::Acquire) & !RETIRED
+    fn count(&self, b: Bucket) -> u16 {
+        self.0[b.idx()].load(Ordering::Acquire) & !RETIRED
     }
 
     /// Takes a pin. Call only under the state lock (see the module header).
-    fn pin(&self, b: u32) {
-        let prev = self.0[b as usize].fetch_add(1, Ordering::Relaxed);
+    fn pin(&self, b: Bucket) {
+        let prev = self.0[b.idx()].fetch_add(1, Ordering::Relaxed);
         assert!(
             prev & !RETIRED < RETIRED - 1,
             "more than 32766 concurrent pins on one bucket"
@@ -134,31 +135,31 @@ impl Pins {
 
     /// Takes a pin without the state lock, for a lock-free hit that checks the index after
     /// (see the module header).
-    pub fn pin_unlocked(&self, b: u32) {
+    pub fn pin_unlocked(&self, b: Bucket) {
         self.pin(b);
     }
 
     /// Drops a pin; needs no lock. `true`: it was the last pin on a retired bucket, and the
     /// caller must call [`Buckets::free_unpinned`] under the state lock.
     #[must_use]
-    pub fn unpin(&self, b: u32) -> bool {
-        let prev = self.0[b as usize].fetch_sub(1, Ordering::Release);
+    pub fn unpin(&self, b: Bucket) -> bool {
+        let prev = self.0[b.idx()].fetch_sub(1, Ordering::Release);
         assert!(prev & !RETIRED > 0, "unpin of an unpinned bucket");
         prev == RETIRED | 1
     }
 }
 
 pub struct Buckets {
-    pub gen: Vec<u8>,
+    pub gen: Vec<Gen>,
     pub state: Vec<BucketState>,
     /// The tick of the last use; for a `PendingFree` bucket, the journal epoch (tag) that
     /// must be durable before it is free.
     last_use: Vec<u64>,
     pins: Pins,
-    free: VecDeque<u32>,
+    free: VecDeque<Bucket>,
     /// Retired buckets in retirement order (tags never decrease). An entry whose bucket is no
     /// longer `PendingFree` with that tag (freed by its last unpin) is skipped when popped.
-    pending: VecDeque<(u64, u32)>,
+    pending: VecDeque<(u64, Bucket)>,
     /// Buckets in state `PendingFree`.
     pending_count: usize,
     /// Reclaim victims (stamped with `last_use` as seen by the scan).
@@ -167,7 +168,7 @@ pub struct Buckets {
     gc: Candidates,
     /// The open bucket of each write point and how many of its blocks are handed out (a
     /// closed bucket is full, a free one empty: only open buckets need a fill pointer).
-    open: [Option<(u32, u32)>; 2],
+    open: [Option<(Bucket, u32)>; 2],
     bpb: u32,
     touches: Touches,
     /// The latest tick seen (allocations and locked touches): the stamp of applied `touches`.
@@ -189,7 +190,7 @@ fn rescan_pause(nbuckets: usize) -> u64 {
 /// is taken; and the pacing of scans.
 #[derive(Default)]
 struct Candidates {
-    list: Vec<(u32, u64)>,
+    list: Vec<(Bucket, u64)>,
     /// After a scan that found nothing: the journal epoch before which none is repeated.
     rescan_epoch: u64,
     scans: u64,
@@ -203,9 +204,9 @@ impl Candidates {
         &mut self,
         bk: &Buckets,
         epoch: u64,
-        still: impl Fn(&Buckets, usize, u64) -> bool,
-        rank: impl Fn(&Buckets, usize) -> Option<(K, u64)>,
-    ) -> Option<u32> {
+        still: impl Fn(&Buckets, Bucket, u64) -> bool,
+        rank: impl Fn(&Buckets, Bucket) -> Option<(K, u64)>,
+    ) -> Option<Bucket> {
         if let Some(b) = self.take(bk, &still) {
             return Some(b);
         }
@@ -217,9 +218,9 @@ impl Candidates {
         let max = candidates_max(n);
         // A max-heap whose top is the worst kept.
         let mut best = BinaryHeap::with_capacity(max + 1);
-        for b in 0..n {
+        for b in Bucket::all(n) {
             if let Some((key, stamp)) = rank(bk, b) {
-                best.push((key, b as u32, stamp));
+                best.push((key, b, stamp));
                 if best.len() > max {
                     best.pop();
                 }
@@ -238,9 +239,13 @@ impl Candidates {
         self.take(bk, &still)
     }
 
-    fn take(&mut self, bk: &Buckets, still: &impl Fn(&Buckets, usize, u64) -> bool) -> Option<u32> {
+    fn take(
+        &mut self,
+        bk: &Buckets,
+        still: &impl Fn(&Buckets, Bucket, u64) -> bool,
+    ) -> Option<Bucket> {
         while let Some((b, stamp)) = self.list.pop() {
-            if still(bk, b as usize, stamp) {
+            if still(bk, b, stamp) {
                 return Some(b);
             }
         }
@@ -250,15 +255,15 @@ impl Candidates {
 
 impl Buckets {
     /// Fresh bucket table: buckets with `live[b] > 0` are `Closed`, the rest `Free`.
-    pub fn new(gens: Vec<u8>, live: &[u32], bpb: u32) -> Buckets {
+    pub fn new(gens: Vec<Gen>, live: &[u32], bpb: u32) -> Buckets {
         let n = gens.len();
         let mut state = vec![BucketState::Free; n];
         let mut free = VecDeque::new();
-        for b in 0..n {
-            if live[b] > 0 {
-                state[b] = BucketState::Closed;
+        for b in Bucket::all(n) {
+            if live[b.idx()] > 0 {
+                state[b.idx()] = BucketState::Closed;
             } else {
-                free.push_back(b as u32);
+                free.push_back(b);
             }
         }
         Buckets {
@@ -280,16 +285,16 @@ impl Buckets {
 
     /// Bytes of heap the bucket table holds (for the memory budget).
     pub fn heap_bytes(&self) -> u64 {
-        (self.gen.capacity()
+        (self.gen.capacity() * std::mem::size_of::<Gen>()
             + self.state.capacity() * std::mem::size_of::<BucketState>()
             + self.last_use.capacity() * 8
             + self.pins.heap_bytes()
             + TOUCH_SLOTS * 4
             + 2 * std::mem::size_of::<usize>()
-            + self.free.capacity() * 4
-            + self.pending.capacity() * std::mem::size_of::<(u64, u32)>()
+            + self.free.capacity() * std::mem::size_of::<Bucket>()
+            + self.pending.capacity() * std::mem::size_of::<(u64, Bucket)>()
             + (self.lru.list.capacity() + self.gc.list.capacity())
-                * std::mem::size_of::<(u32, u64)>()) as u64
+                * std::mem::size_of::<(Bucket, u64)>()) as u64
     }
 
     /// The pin counts, to drop pins without the state lock.
@@ -310,7 +315,7 @@ impl Buckets {
             if slot.load(Ordering::Relaxed) != 0 {
                 let v = slot.swap(0, Ordering::Relaxed);
                 if let Some(b) = v.checked_sub(1) {
-                    self.touch(b, tick);
+                    self.touch(Bucket(b), tick);
                 }
             }
         }
@@ -333,39 +338,39 @@ impl Buckets {
 
     /// Grants up to `want` blocks at the open bucket of `point`, opening a free bucket if
     /// needed. Returns `(first cache block, granted)`, or `None` if no free bucket exists.
-    pub fn alloc(&mut self, point: WritePoint, want: u32, tick: u64) -> Option<(u32, u32)> {
+    pub fn alloc(&mut self, point: WritePoint, want: u32, tick: u64) -> Option<(CacheBlock, u32)> {
         assert!(want > 0);
         let p = point as usize;
         if let Some((b, fill)) = self.open[p] {
             if fill >= self.bpb {
-                self.state[b as usize] = BucketState::Closed;
+                self.state[b.idx()] = BucketState::Closed;
                 self.open[p] = None;
             }
         }
         if self.open[p].is_none() {
             let b = self.free.pop_front()?;
-            debug_assert_eq!(self.state[b as usize], BucketState::Free);
-            self.state[b as usize] = BucketState::Open;
+            debug_assert_eq!(self.state[b.idx()], BucketState::Free);
+            self.state[b.idx()] = BucketState::Open;
             self.open[p] = Some((b, 0));
         }
         let (b, fill) = self.open[p].as_mut().expect("an open bucket");
         let n = want.min(self.bpb - *fill);
-        let first = *b * self.bpb + *fill;
+        let first = CacheBlock::first_of(*b, self.bpb) + *fill;
         *fill += n;
         let b = *b;
-        self.last_use[b as usize] = tick;
+        self.last_use[b.idx()] = tick;
         self.tick = self.tick.max(tick);
         self.pin(b);
         Some((first, n))
     }
 
     /// Takes a pin (the caller holds the state lock: `&mut`).
-    pub fn pin(&mut self, b: u32) {
+    pub fn pin(&mut self, b: Bucket) {
         self.pins.pin(b);
     }
 
     /// Drops a pin under the state lock; a retired bucket whose last pin goes may become free.
-    pub fn unpin(&mut self, b: u32, durable_epoch: u64) {
+    pub fn unpin(&mut self, b: Bucket, durable_epoch: u64) {
         if self.pins.unpin(b) {
             self.free_unpinned(b, durable_epoch);
         }
@@ -373,49 +378,49 @@ impl Buckets {
 
     /// After [`Pins::unpin`] returned `true` (or any time): frees bucket `b` if it is retired,
     /// its tag durable and it has no pins.
-    pub fn free_unpinned(&mut self, b: u32, durable_epoch: u64) {
-        let i = b as usize;
+    pub fn free_unpinned(&mut self, b: Bucket, durable_epoch: u64) {
+        let i = b.idx();
         if self.state[i] == BucketState::PendingFree
             && self.last_use[i] <= durable_epoch
-            && self.pins.count(i) == 0
+            && self.pins.count(b) == 0
         {
             self.free_bucket(b);
         }
     }
 
-    fn free_bucket(&mut self, b: u32) {
-        debug_assert_eq!(self.state[b as usize], BucketState::PendingFree);
-        self.state[b as usize] = BucketState::Free;
-        self.pins.0[b as usize].fetch_and(!RETIRED, Ordering::Relaxed);
+    fn free_bucket(&mut self, b: Bucket) {
+        debug_assert_eq!(self.state[b.idx()], BucketState::PendingFree);
+        self.state[b.idx()] = BucketState::Free;
+        self.pins.0[b.idx()].fetch_and(!RETIRED, Ordering::Relaxed);
         self.free.push_back(b);
         self.pending_count -= 1;
     }
 
-    fn reclaimable(&self, b: usize, dirty: &[u32]) -> bool {
-        self.state[b] == BucketState::Closed && dirty[b] == 0 && self.pins.count(b) == 0
+    fn reclaimable(&self, b: Bucket, dirty: &[u32]) -> bool {
+        self.state[b.idx()] == BucketState::Closed && dirty[b.idx()] == 0 && self.pins.count(b) == 0
     }
 
-    fn collectable(&self, b: usize, live: &[u32], max_live_pct: u32) -> bool {
-        self.state[b] == BucketState::Closed
+    fn collectable(&self, b: Bucket, live: &[u32], max_live_pct: u32) -> bool {
+        self.state[b.idx()] == BucketState::Closed
             && self.pins.count(b) == 0
-            && u64::from(live[b]) * 100 <= u64::from(self.bpb) * u64::from(max_live_pct)
+            && u64::from(live[b.idx()]) * 100 <= u64::from(self.bpb) * u64::from(max_live_pct)
     }
 
     /// The reclaim victim: a clean, closed, unpinned bucket, empty ones first, then the least
     /// recently used (as of the last scan; see the module invariants). `epoch` is the journal's
     /// appended epoch, which paces scans that find nothing.
-    pub fn reclaim_candidate(&mut self, live: &[u32], dirty: &[u32], epoch: u64) -> Option<u32> {
+    pub fn reclaim_candidate(&mut self, live: &[u32], dirty: &[u32], epoch: u64) -> Option<Bucket> {
         self.apply_touches();
         let mut lru = std::mem::take(&mut self.lru);
         let victim = lru.next(
             self,
             epoch,
             // Used since the scan: warm again, not a victim now (the next scan reconsiders it).
-            |bk, b, used| bk.reclaimable(b, dirty) && bk.last_use[b] == used,
+            |bk, b, used| bk.reclaimable(b, dirty) && bk.last_use[b.idx()] == used,
             |bk, b| {
-                let used = bk.last_use[b];
+                let used = bk.last_use[b.idx()];
                 bk.reclaimable(b, dirty)
-                    .then_some((crate::policy::reclaim_rank(live[b], used), used))
+                    .then_some((crate::policy::reclaim_rank(live[b.idx()], used), used))
             },
         );
         self.lru = lru;
@@ -424,7 +429,7 @@ impl Buckets {
 
     /// The GC victim: a closed, unpinned bucket with at most `max_live_pct` % live blocks,
     /// fewest first (as of the last scan). `epoch` as for `reclaim_candidate`.
-    pub fn gc_candidate(&mut self, live: &[u32], max_live_pct: u32, epoch: u64) -> Option<u32> {
+    pub fn gc_candidate(&mut self, live: &[u32], max_live_pct: u32, epoch: u64) -> Option<Bucket> {
         let mut gc = std::mem::take(&mut self.gc);
         let victim = gc.next(
             self,
@@ -432,7 +437,7 @@ impl Buckets {
             |bk, b, _| bk.collectable(b, live, max_live_pct),
             |bk, b| {
                 bk.collectable(b, live, max_live_pct)
-                    .then_some((live[b], 0))
+                    .then_some((live[b.idx()], 0))
             },
         );
         self.gc = gc;
@@ -446,14 +451,14 @@ impl Buckets {
     }
 
     /// Marks an emptied bucket: generation bumped, free once epoch `tag` is durable.
-    pub fn retire(&mut self, b: u32, tag: u64) -> u8 {
-        let i = b as usize;
+    pub fn retire(&mut self, b: Bucket, tag: u64) -> Gen {
+        let i = b.idx();
         assert!(matches!(self.state[i], BucketState::Closed));
         assert!(
             self.pending.back().is_none_or(|&(t, _)| t <= tag),
             "retirement tags must not decrease"
         );
-        self.gen[i] = self.gen[i].wrapping_add(1);
+        self.gen[i] = self.gen[i].next();
         self.state[i] = BucketState::PendingFree;
         self.pins.0[i].fetch_or(RETIRED, Ordering::Relaxed);
         self.last_use[i] = tag;
@@ -470,7 +475,7 @@ impl Buckets {
                 break;
             }
             self.pending.pop_front();
-            if self.last_use[b as usize] == tag {
+            if self.last_use[b.idx()] == tag {
                 self.free_unpinned(b, durable_epoch);
             }
         }
@@ -498,7 +503,7 @@ impl Buckets {
             || self
                 .free
                 .iter()
-                .any(|&b| self.state[b as usize] != BucketState::Free)
+                .any(|&b| self.state[b.idx()] != BucketState::Free)
         {
             return Err(format!(
                 "{free} free buckets, free list holds {} (not all free)",
@@ -506,14 +511,14 @@ impl Buckets {
             ));
         }
         // Every pending bucket can still be found by `release`, or is waiting for its pins.
-        for (b, s) in self.state.iter().enumerate() {
+        for (b, s) in Bucket::all(self.state.len()).zip(&self.state) {
             if *s == BucketState::PendingFree {
-                let tag = self.last_use[b];
-                if self.pins.count(b) == 0 && !self.pending.contains(&(tag, b as u32)) {
+                let tag = self.last_use[b.idx()];
+                if self.pins.count(b) == 0 && !self.pending.contains(&(tag, b)) {
                     return Err(format!("pending bucket {b} (tag {tag}) is in no queue"));
                 }
             }
-            let retired = self.pins.0[b].load(Ordering::Relaxed) & RETIRED != 0;
+            let retired = self.pins.0[b.idx()].load(Ordering::Relaxed) & RETIRED != 0;
             if retired != (*s == BucketState::PendingFree) {
                 return Err(format!(
                     "bucket {b} is {s:?}, its retired pin flag {retired}"
@@ -524,10 +529,10 @@ impl Buckets {
     }
 
     /// Records a use of the bucket (reads and writes keep it warm for LRU reclaim).
-    pub fn touch(&mut self, b: u32, tick: u64) {
+    pub fn touch(&mut self, b: Bucket, tick: u64) {
         self.tick = self.tick.max(tick);
-        if self.state[b as usize] != BucketState::PendingFree {
-            self.last_use[b as usize] = tick;
+        if self.state[b.idx()] != BucketState::PendingFree {
+            self.last_use[b.idx()] = tick;
         }
     }
 }
@@ -538,31 +543,31 @@ mod tests {
 
     #[test]
     fn alloc_appends_then_opens_next() {
-        let mut bk = Buckets::new(vec![0; 3], &[0, 5, 0], 4);
-        assert_eq!(bk.alloc(WritePoint::Dirty, 3, 1), Some((0, 3)));
-        assert_eq!(bk.alloc(WritePoint::Dirty, 3, 1), Some((3, 1)));
-        assert_eq!(bk.alloc(WritePoint::Clean, 8, 1), Some((8, 4)));
+        let mut bk = Buckets::new(vec![Gen(0); 3], &[0, 5, 0], 4);
+        assert_eq!(bk.alloc(WritePoint::Dirty, 3, 1), Some((CacheBlock(0), 3)));
+        assert_eq!(bk.alloc(WritePoint::Dirty, 3, 1), Some((CacheBlock(3), 1)));
+        assert_eq!(bk.alloc(WritePoint::Clean, 8, 1), Some((CacheBlock(8), 4)));
         assert_eq!(bk.alloc(WritePoint::Dirty, 1, 1), None);
         // Allocations pin their bucket until the writer is done.
         assert_eq!(bk.reclaim_candidate(&[0, 5, 4], &[0, 5, 0], 0), None);
-        bk.unpin(0, 0);
-        bk.unpin(0, 0);
-        bk.unpin(2, 0);
+        bk.unpin(Bucket(0), 0);
+        bk.unpin(Bucket(0), 0);
+        bk.unpin(Bucket(2), 0);
         // Bucket 0 was closed when full; reclaim it.
         let live = [0, 5, 4];
-        assert_eq!(bk.reclaim_candidate(&live, &[0, 5, 0], 1), Some(0));
-        bk.retire(0, 7);
+        assert_eq!(bk.reclaim_candidate(&live, &[0, 5, 0], 1), Some(Bucket(0)));
+        bk.retire(Bucket(0), 7);
         bk.release(6);
         assert_eq!(bk.free_count(), 0);
         bk.release(7);
-        assert_eq!(bk.alloc(WritePoint::Dirty, 1, 2), Some((0, 1)));
-        assert_eq!(bk.gen[0], 1);
+        assert_eq!(bk.alloc(WritePoint::Dirty, 1, 2), Some((CacheBlock(0), 1)));
+        assert_eq!(bk.gen[0], Gen(1));
     }
 
     /// Buckets closed with `live` blocks each (none dirty), unpinned.
     fn closed(n: usize, live: u32) -> (Buckets, Vec<u32>, Vec<u32>) {
         let lives = vec![live.max(1); n];
-        let mut bk = Buckets::new(vec![0; n], &lives, 4);
+        let mut bk = Buckets::new(vec![Gen(0); n], &lives, 4);
         for b in 0..n {
             bk.last_use[b] = b as u64;
         }
@@ -574,7 +579,7 @@ mod tests {
         let n = 64 * 64;
         let (mut bk, live, dirty) = closed(n, 3);
         let max = candidates_max(n);
-        bk.touch(1, 10_000);
+        bk.touch(Bucket(1), 10_000);
         let mut got = Vec::new();
         for _ in 0..max - 1 {
             got.push(bk.reclaim_candidate(&live, &dirty, 0).unwrap());
@@ -583,9 +588,9 @@ mod tests {
         }
         assert_eq!(bk.scans(), 1, "one scan serves {max} victims");
         // Least recently used first; bucket 1 was touched before the scan: not among them.
-        assert_eq!(got[..4], [0, 2, 3, 4]);
+        assert_eq!(got[..4], [0, 2, 3, 4].map(Bucket));
         // A bucket touched after the scan is skipped when its turn comes.
-        let next_expected = got.last().unwrap() + 1;
+        let next_expected = Bucket(got.last().unwrap().0 + 1);
         bk.touch(next_expected, 20_000);
         let b = bk.reclaim_candidate(&live, &dirty, 0).unwrap();
         assert_ne!(b, next_expected);
@@ -614,12 +619,12 @@ mod tests {
         live[5] = 1;
         live[2] = 0;
         live[7] = 2;
-        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(2));
-        bk.retire(2, 1);
-        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(5));
-        bk.retire(5, 1);
-        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(7));
-        bk.retire(7, 1);
+        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(Bucket(2)));
+        bk.retire(Bucket(2), 1);
+        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(Bucket(5)));
+        bk.retire(Bucket(5), 1);
+        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(Bucket(7)));
+        bk.retire(Bucket(7), 1);
         assert_eq!(bk.gc_candidate(&live, 50, 1), None);
     }
 
@@ -627,25 +632,25 @@ mod tests {
     fn only_the_last_lock_free_unpin_of_a_retired_bucket_has_work_to_do() {
         let (mut bk, _, _) = closed(4, 2);
         let pins = bk.pins();
-        bk.pin(1);
-        bk.pin(1);
-        assert!(!pins.unpin(1), "not retired: nothing to do");
-        bk.retire(1, 5);
+        bk.pin(Bucket(1));
+        bk.pin(Bucket(1));
+        assert!(!pins.unpin(Bucket(1)), "not retired: nothing to do");
+        bk.retire(Bucket(1), 5);
         bk.release(5);
         assert_eq!(bk.free_count(), 0, "still pinned");
         bk.check_invariants().unwrap();
-        assert!(pins.unpin(1), "last pin of a retired bucket");
-        bk.free_unpinned(1, 4);
+        assert!(pins.unpin(Bucket(1)), "last pin of a retired bucket");
+        bk.free_unpinned(Bucket(1), 4);
         assert_eq!(bk.free_count(), 0, "tag not durable yet");
-        bk.free_unpinned(1, 5);
+        bk.free_unpinned(Bucket(1), 5);
         assert_eq!((bk.free_count(), bk.pending_count()), (1, 0));
         bk.check_invariants().unwrap();
         // Unpinned before `release` ran: `release` frees it, a late `free_unpinned` is a no-op.
-        bk.pin(2);
-        bk.retire(2, 6);
-        assert!(pins.unpin(2));
+        bk.pin(Bucket(2));
+        bk.retire(Bucket(2), 6);
+        assert!(pins.unpin(Bucket(2)));
         bk.release(6);
-        bk.free_unpinned(2, 6);
+        bk.free_unpinned(Bucket(2), 6);
         assert_eq!((bk.free_count(), bk.pending_count()), (2, 0));
         bk.check_invariants().unwrap();
     }
@@ -653,9 +658,9 @@ mod tests {
     #[test]
     fn pinned_pending_buckets_are_freed_by_their_last_unpin_once() {
         let (mut bk, _, _) = closed(4, 2);
-        bk.pin(1);
-        bk.retire(1, 5);
-        bk.retire(2, 6);
+        bk.pin(Bucket(1));
+        bk.retire(Bucket(1), 5);
+        bk.retire(Bucket(2), 6);
         assert_eq!(bk.pending_count(), 2);
         bk.release(6);
         assert_eq!(
@@ -664,14 +669,14 @@ mod tests {
             "2 free, 1 pinned"
         );
         bk.check_invariants().unwrap();
-        bk.unpin(1, 6);
+        bk.unpin(Bucket(1), 6);
         assert_eq!((bk.free_count(), bk.pending_count()), (2, 0));
         bk.release(100);
         assert_eq!(bk.free_count(), 2, "freed twice");
         // Freed by unpin before `release` saw it: the stale queue entry is skipped.
-        bk.pin(3);
-        bk.retire(3, 7);
-        bk.unpin(3, 8);
+        bk.pin(Bucket(3));
+        bk.retire(Bucket(3), 7);
+        bk.unpin(Bucket(3), 8);
         assert_eq!(bk.free_count(), 3);
         bk.release(8);
         assert_eq!(bk.free_count(), 3);

@@ -105,7 +105,7 @@ pub fn check_device(dev: &dyn BlockDevice, verify_data: bool) -> Result<CheckRep
         let mut buf = Vec::new();
         for (dev_id, block, e) in loaded.index.runs() {
             buf.resize((u64::from(e.len) * bs) as usize, 0);
-            dev.read_at(&mut buf, l.block_offset(e.cache_block))
+            dev.read_at(&mut buf, l.cache_block_offset(e.cache_block))
                 .map_err(|err| crate::Error::io("reading cached data", err))?;
             for i in 0..e.len {
                 let chunk = &buf[(u64::from(i) * bs) as usize..(u64::from(i + 1) * bs) as usize];

@@ -29,9 +29,10 @@
 
 use crate::codec::{frame, round_up, unframe, Reader, Writer, FRAME_HEADER_BYTES};
 use crate::format::{Layout, Superblock, CKPT_CHUNK_BYTES, CKPT_FIXED_BYTES, MAX_DEVS, META_BLOCK};
-use crate::index::{Extent, Index, BLOCK_LIMIT};
+use crate::index::{Extent, Index, BLOCK_END, BLOCK_LIMIT};
 use crate::journal::{self, Entry, Ring};
 use crate::types::{DevId, Error, IoContext, Result};
+use crate::units::{BackingBlock, Bucket, CacheBlock, Gen};
 use blockdev::BlockDevice;
 use std::collections::BTreeMap;
 use uuid::Uuid;
@@ -46,7 +47,7 @@ pub struct Header<'a> {
     pub journal_pos: u64,
     pub journal_seq: u64,
     pub devs: &'a BTreeMap<DevId, Uuid>,
-    pub gens: &'a [u8],
+    pub gens: &'a [Gen],
     pub chunks: u64,
     pub body_bytes: u64,
 }
@@ -64,7 +65,7 @@ pub fn encode_header(seq: u64, h: &Header<'_>) -> Vec<u8> {
         w.u32(d.0);
         w.bytes(u.as_bytes());
     }
-    w.bytes(h.gens);
+    w.buf.extend(h.gens.iter().map(|g| g.0));
     debug_assert!(w.buf.len() as u64 <= CKPT_FIXED_BYTES + h.gens.len() as u64);
     padded(frame(CKPT_MAGIC, CKPT_VERSION, seq, &w.buf))
 }
@@ -84,22 +85,22 @@ pub struct ChunkEncoder {
 impl ChunkEncoder {
     /// Adds the next live bucket from `*cursor` on and moves the cursor past it; `false` when
     /// no live bucket is left.
-    pub fn add_next(&mut self, index: &Index, gens: &[u8], cursor: &mut u32) -> bool {
+    pub fn add_next(&mut self, index: &Index, gens: &[Gen], cursor: &mut Bucket) -> bool {
         let Some(b) = index.next_live_bucket(*cursor) else {
             return false;
         };
         let w = &mut self.w;
-        w.u32(b);
-        w.u8(gens[b as usize]);
-        w.u32(index.bucket_live[b as usize]);
+        w.u32(b.0);
+        w.u8(gens[b.idx()].0);
+        w.u32(index.bucket_live[b.idx()]);
         for (offset, dev, block, crc, dirty) in index.bucket_blocks(b) {
             w.u32(offset);
             w.u8(dev.0 as u8);
-            w.bytes(&block.to_le_bytes()[..5]);
+            w.bytes(&block.0.to_le_bytes()[..5]);
             w.u32(crc);
             w.u8(u8::from(dirty));
         }
-        *cursor = b + 1;
+        *cursor = Bucket(b.0 + 1);
         true
     }
 
@@ -123,7 +124,7 @@ impl ChunkEncoder {
 pub struct Loaded {
     pub sb: Superblock,
     pub index: Index,
-    pub gens: Vec<u8>,
+    pub gens: Vec<Gen>,
     pub devs: BTreeMap<DevId, Uuid>,
     pub ring: Ring,
     /// Non-fatal findings (a damaged superblock copy, stale entries dropped, ...).
@@ -142,18 +143,19 @@ fn corrupt(m: impl Into<String>) -> Error {
 /// its generation is stale (the bucket was reused after it).
 fn check_extent(
     l: &Layout,
-    gens: &[u8],
+    gens: &[Gen],
     dev: DevId,
-    block: u64,
+    block: BackingBlock,
     e: &Extent,
-    gen: u8,
+    gen: Gen,
 ) -> Result<bool> {
     let bpb = l.blocks_per_bucket();
-    let end = u64::from(e.cache_block) + u64::from(e.len);
+    let end = u64::from(e.cache_block.0) + u64::from(e.len);
     if e.len == 0
         || end > u64::from(l.total_blocks())
-        || e.cache_block / bpb != (end as u32 - 1) / bpb
+        || e.cache_block.bucket(bpb) != CacheBlock(end as u32 - 1).bucket(bpb)
         || block
+            .0
             .checked_add(u64::from(e.len))
             .is_none_or(|x| x > BLOCK_LIMIT)
         || dev.0 >= MAX_DEVS as u32
@@ -163,7 +165,7 @@ fn check_extent(
             dev.0, e.len, e.cache_block
         )));
     }
-    Ok(gens[(e.cache_block / bpb) as usize] == gen)
+    Ok(gens[e.cache_block.bucket(bpb).idx()] == gen)
 }
 
 /// Reads the frame at `at`: its first block, then only as much more as its header claims
@@ -228,7 +230,9 @@ pub fn load(cache: &dyn BlockDevice) -> Result<Loaded> {
         let d = DevId(r.u32().ok_or_else(short)?);
         devs.insert(d, Uuid::from_bytes(r.array().ok_or_else(short)?));
     }
-    let mut gens = r.take(nbuckets as usize).ok_or_else(short)?.to_vec();
+    let mut gens: Vec<Gen> = (r.take(nbuckets as usize).ok_or_else(short)?.iter())
+        .map(|&g| Gen(g))
+        .collect();
     drop(buf);
     let mut index = Index::new(l.nbuckets, l.blocks_per_bucket());
     let mut at = slot_at + header_len;
@@ -297,37 +301,37 @@ fn load_chunk(
     l: &Layout,
     payload: &[u8],
     devs: &BTreeMap<DevId, Uuid>,
-    gens: &mut [u8],
+    gens: &mut [Gen],
     index: &mut Index,
 ) -> Result<(), String> {
     let bpb = l.blocks_per_bucket();
     let mut r = Reader::new(payload);
     let short = || "truncated".to_string();
     while r.remaining() > 0 {
-        let bucket = r.u32().ok_or_else(short)?;
-        let gen = r.u8().ok_or_else(short)?;
+        let bucket = Bucket(r.u32().ok_or_else(short)?);
+        let gen = Gen(r.u8().ok_or_else(short)?);
         let count = r.u32().ok_or_else(short)?;
-        if bucket >= l.nbuckets || count == 0 || count > bpb {
+        if bucket.0 >= l.nbuckets || count == 0 || count > bpb {
             return Err(format!(
                 "bucket {bucket} with {count} blocks is out of range"
             ));
         }
         // A bucket encoded after its generation changed carries the newer one (the header's
         // generations are from the end of the checkpoint; replay settles the rest).
-        gens[bucket as usize] = gen;
+        gens[bucket.idx()] = gen;
         for _ in 0..count {
             let offset = r.u32().ok_or_else(short)?;
             let dev = DevId(u32::from(r.u8().ok_or_else(short)?));
             let mut b = [0u8; 8];
             b[..5].copy_from_slice(r.take(5).ok_or_else(short)?);
-            let block = u64::from_le_bytes(b);
+            let block = BackingBlock(u64::from_le_bytes(b));
             let crc = r.u32().ok_or_else(short)?;
             let dirty = match r.u8().ok_or_else(short)? {
                 0 => false,
                 1 => true,
                 x => return Err(format!("dirty flag {x}")),
             };
-            if offset >= bpb || block >= BLOCK_LIMIT || !devs.contains_key(&dev) {
+            if offset >= bpb || block >= BLOCK_END || !devs.contains_key(&dev) {
                 return Err(format!(
                     "block record (offset {offset}, device {}, block {block}) is out of range",
                     dev.0
@@ -335,7 +339,7 @@ fn load_chunk(
             }
             let e = Extent {
                 len: 1,
-                cache_block: bucket * bpb + offset,
+                cache_block: CacheBlock::first_of(bucket, bpb) + offset,
                 dirty,
             };
             index.insert_replayed(dev, block, e, &[crc]);
@@ -354,7 +358,7 @@ fn load_chunk(
 fn last_record_data_ok(cache: &dyn BlockDevice, l: &Layout, entries: &[Entry]) -> Result<bool> {
     let bpb = l.blocks_per_bucket();
     // The last `BucketGen` of each bucket in the record.
-    let retired: std::collections::HashMap<u32, usize> = entries
+    let retired: std::collections::HashMap<Bucket, usize> = entries
         .iter()
         .enumerate()
         .filter_map(|(i, e)| match e {
@@ -370,16 +374,20 @@ fn last_record_data_ok(cache: &dyn BlockDevice, l: &Layout, entries: &[Entry]) -
         else {
             continue;
         };
-        if retired.get(&(cache_block / bpb)).is_some_and(|&at| at > i) {
+        if retired
+            .get(&cache_block.bucket(bpb))
+            .is_some_and(|&at| at > i)
+        {
             continue;
         }
         for (k, &want) in crcs.iter().enumerate() {
-            let cb = u64::from(*cache_block) + k as u64;
-            if cb >= u64::from(l.total_blocks()) {
+            // In `u64`: a damaged entry's block number plus `k` may not fit a `u32`.
+            if u64::from(cache_block.0) + k as u64 >= u64::from(l.total_blocks()) {
                 return Ok(false);
             }
+            let cb = *cache_block + k as u32;
             cache
-                .read_at(&mut buf, l.block_offset(cb as u32))
+                .read_at(&mut buf, l.cache_block_offset(cb))
                 .ctx(|| "reading data of the last journal record".into())?;
             if crc32c::crc32c(&buf) != want {
                 return Ok(false);
@@ -393,7 +401,7 @@ fn last_record_data_ok(cache: &dyn BlockDevice, l: &Layout, entries: &[Entry]) -
 fn apply(
     l: &Layout,
     index: &mut Index,
-    gens: &mut [u8],
+    gens: &mut [Gen],
     devs: &mut BTreeMap<DevId, Uuid>,
     entry: Entry,
 ) -> Result<()> {
@@ -426,7 +434,8 @@ fn apply(
         }
         Entry::Invalidate { dev, block, len } => {
             known(devs, dev)?;
-            index.remove_range(dev, block, block.saturating_add(len).min(BLOCK_LIMIT));
+            let end = BackingBlock(block.0.saturating_add(len)).min(BLOCK_END);
+            index.remove_range(dev, block, end);
         }
         Entry::MarkClean {
             dev,
@@ -436,9 +445,10 @@ fn apply(
         } => {
             known(devs, dev)?;
             if block
+                .0
                 .checked_add(u64::from(len))
                 .is_none_or(|e| e > BLOCK_LIMIT)
-                || u64::from(cache_block) + u64::from(len) > u64::from(l.total_blocks())
+                || u64::from(cache_block.0) + u64::from(len) > u64::from(l.total_blocks())
             {
                 return Err(corrupt("mark-clean range out of bounds"));
             }
@@ -446,7 +456,7 @@ fn apply(
         }
         Entry::BucketGen { bucket, gen } => {
             let slot = gens
-                .get_mut(bucket as usize)
+                .get_mut(bucket.idx())
                 .ok_or_else(|| corrupt(format!("bucket {bucket} out of range")))?;
             index.drop_bucket(bucket);
             *slot = gen;
@@ -459,9 +469,70 @@ fn apply(
         }
         Entry::DetachDev { dev } => {
             known(devs, dev)?;
-            index.remove_range(dev, 0, BLOCK_LIMIT);
+            index.remove_range(dev, BackingBlock(0), BLOCK_END);
             devs.remove(&dev);
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bytes of a checkpoint's generations and of one body bucket, written out by hand:
+    /// buckets, cache blocks, generations and backing blocks must keep this encoding.
+    #[test]
+    fn header_gens_and_body_bytes_are_the_format() {
+        let gens = [Gen(0), Gen(9), Gen(255), Gen(0)];
+        let devs = BTreeMap::from([(DevId(1), Uuid::from_bytes([0x11; 16]))]);
+        let header = encode_header(
+            3,
+            &Header {
+                journal_pos: 4096,
+                journal_seq: 5,
+                devs: &devs,
+                gens: &gens,
+                chunks: 1,
+                body_bytes: 4096,
+            },
+        );
+        let (_, payload) = unframe(CKPT_MAGIC, CKPT_VERSION, &header).unwrap();
+        let mut want = Vec::new();
+        for v in [4096u64, 5] {
+            want.extend(v.to_le_bytes());
+        }
+        want.extend(4u32.to_le_bytes());
+        want.extend(1u32.to_le_bytes());
+        for v in [1u64, 4096] {
+            want.extend(v.to_le_bytes());
+        }
+        want.extend(1u32.to_le_bytes());
+        want.extend([0x11; 16]);
+        want.extend([0, 9, 255, 0]);
+        assert_eq!(payload, &want[..]);
+
+        // Bucket 1 (of 4 blocks) holds block 0x01_0203_0405 of device 1 at its block 1.
+        let mut index = Index::new(4, 4);
+        let e = Extent {
+            len: 1,
+            cache_block: CacheBlock(5),
+            dirty: true,
+        };
+        index.insert(DevId(1), BackingBlock(0x01_0203_0405), e, &[0xdead_beef]);
+        let mut enc = ChunkEncoder::default();
+        let mut cursor = Bucket(0);
+        assert!(enc.add_next(&index, &gens, &mut cursor));
+        assert_eq!(cursor, Bucket(2));
+        assert!(!enc.add_next(&index, &gens, &mut cursor));
+        let chunk = enc.finish(3);
+        let (_, payload) = unframe(CHUNK_MAGIC, CKPT_VERSION, &chunk).unwrap();
+        #[rustfmt::skip]
+        let want: [u8; 24] = [
+            1, 0, 0, 0, 9, 1, 0, 0, 0, // bucket 1, generation 9, 1 block
+            1, 0, 0, 0, 1, 0x05, 0x04, 0x03, 0x02, 0x01, // offset 1, device 1, block
+            0xef, 0xbe, 0xad, 0xde, 1, // crc, dirty
+        ];
+        assert_eq!(payload, &want[..]);
+    }
 }

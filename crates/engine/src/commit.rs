@@ -372,7 +372,7 @@ const CHECKPOINT_JOURNAL_MIN: u64 = 16 << 20;
 /// Where a checkpoint's body chunks stand while they are written.
 #[derive(Default)]
 struct Body {
-    cursor: u32,
+    cursor: crate::units::Bucket,
     chunks: u64,
     bytes: u64,
 }

@@ -162,6 +162,12 @@ impl Layout {
         self.data_off + u64::from(block) * u64::from(self.block_size)
     }
 
+    /// Byte offset on the cache device of cache block `cb` (what the engine calls;
+    /// `block_offset` is the same for callers outside it, with a raw number).
+    pub(crate) fn cache_block_offset(&self, cb: crate::units::CacheBlock) -> u64 {
+        self.block_offset(cb.0)
+    }
+
     /// Checks a layout read from disk: sizes sane, regions ordered and inside the device.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::Corrupt(format!("superblock layout: {m}")));

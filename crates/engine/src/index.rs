@@ -31,10 +31,13 @@
 use crate::bitset::LevelBits;
 use crate::slots::{IndexReader, Slots};
 use crate::types::DevId;
+use crate::units::{BackingBlock, Bucket, CacheBlock};
 use std::sync::Arc;
 
 /// Backing blocks addressable per device (blocks `0..BLOCK_LIMIT`): 4 PiB of 4 KiB blocks.
 pub const BLOCK_LIMIT: u64 = (1 << 40) - 1;
+/// The end of every device's addressable blocks (a range up to it covers the whole device).
+pub const BLOCK_END: BackingBlock = BackingBlock(BLOCK_LIMIT);
 const DEV_SHIFT: u32 = 40;
 
 /// A run of cached blocks: `len` backing blocks map to cache blocks from `cache_block`, all
@@ -42,14 +45,14 @@ const DEV_SHIFT: u32 = 40;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
     pub len: u32,
-    pub cache_block: u32,
+    pub cache_block: CacheBlock,
     pub dirty: bool,
 }
 
 /// A piece of a looked-up range: either cached (with the extent shifted to the piece) or a hole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Seg {
-    pub block: u64,
+    pub block: BackingBlock,
     pub len: u64,
     pub ext: Option<Extent>,
 }
@@ -58,26 +61,34 @@ pub struct Seg {
 pub type Segs = smallvec::SmallVec<[Seg; 4]>;
 
 /// The packed owner of a cache block (never 0).
-fn pack(dev: DevId, block: u64) -> u64 {
+fn pack(dev: DevId, block: BackingBlock) -> u64 {
     assert!(
-        block < BLOCK_LIMIT && dev.0 < 256,
+        block.0 < BLOCK_LIMIT && dev.0 < 256,
         "block {block} or device id {} out of range",
         dev.0
     );
-    1 + ((u64::from(dev.0) << DEV_SHIFT) | block)
+    1 + ((u64::from(dev.0) << DEV_SHIFT) | block.0)
 }
 
-fn unpack(v: u64) -> (DevId, u64) {
+fn unpack(v: u64) -> (DevId, BackingBlock) {
     debug_assert!(v != 0, "unpack of an empty owner slot");
     let v = v - 1;
-    (DevId((v >> DEV_SHIFT) as u32), v & ((1 << DEV_SHIFT) - 1))
+    (
+        DevId((v >> DEV_SHIFT) as u32),
+        BackingBlock(v & ((1 << DEV_SHIFT) - 1)),
+    )
 }
 
 /// `[b0, b1)` as pieces, each a hole or a run of blocks in consecutive cache blocks of one
 /// bucket, all clean or all dirty; `get` maps one block.
-fn segments(b0: u64, b1: u64, bpb: u32, mut get: impl FnMut(u64) -> Option<Extent>) -> Segs {
+fn segments(
+    b0: BackingBlock,
+    b1: BackingBlock,
+    bpb: u32,
+    mut get: impl FnMut(BackingBlock) -> Option<Extent>,
+) -> Segs {
     let mut out = Segs::new();
-    for b in b0..b1 {
+    for b in (b0.0..b1.0).map(BackingBlock) {
         let ext = get(b);
         if let Some(last) = out.last_mut() {
             let joins = match (&mut last.ext, ext) {
@@ -85,7 +96,7 @@ fn segments(b0: u64, b1: u64, bpb: u32, mut get: impl FnMut(u64) -> Option<Exten
                 (Some(l), Some(e)) => {
                     e.cache_block == l.cache_block + l.len
                         && e.dirty == l.dirty
-                        && e.cache_block / bpb == l.cache_block / bpb
+                        && e.cache_block.bucket(bpb) == l.cache_block.bucket(bpb)
                 }
                 _ => false,
             };
@@ -113,11 +124,11 @@ fn segments(b0: u64, b1: u64, bpb: u32, mut get: impl FnMut(u64) -> Option<Exten
 pub fn lookup_hit(
     reader: &IndexReader,
     dev: DevId,
-    b0: u64,
-    b1: u64,
+    b0: BackingBlock,
+    b1: BackingBlock,
     crcs: &mut impl Extend<u32>,
 ) -> Option<(u64, Segs)> {
-    if b1 > BLOCK_LIMIT || dev.0 >= 256 {
+    if b1 > BLOCK_END || dev.0 >= 256 {
         return None;
     }
     let seq = reader.begin()?;
@@ -202,11 +213,11 @@ impl Index {
         self.live_blocks as usize
     }
 
-    pub fn bucket_of(&self, cache_block: u32) -> u32 {
-        cache_block / self.bpb
+    pub fn bucket_of(&self, cache_block: CacheBlock) -> Bucket {
+        cache_block.bucket(self.bpb)
     }
 
-    pub fn crc(&self, cache_block: u32) -> u32 {
+    pub fn crc(&self, cache_block: CacheBlock) -> u32 {
         self.sh.crc(cache_block)
     }
 
@@ -215,15 +226,15 @@ impl Index {
         IndexReader::new(self.sh.clone(), self.bpb)
     }
 
-    fn owner_of(&self, cb: u32) -> u64 {
+    fn owner_of(&self, cb: CacheBlock) -> u64 {
         self.sh.owner(cb)
     }
 
-    fn is_dirty(&self, cb: u32) -> bool {
+    fn is_dirty(&self, cb: CacheBlock) -> bool {
         self.sh.is_dirty(cb)
     }
 
-    fn find(&self, key: u64) -> Option<(usize, u32)> {
+    fn find(&self, key: u64) -> Option<(usize, CacheBlock)> {
         self.sh.find(key)
     }
 
@@ -236,8 +247,8 @@ impl Index {
     }
 
     /// The cache block holding `(dev, block)`.
-    pub fn get(&self, dev: DevId, block: u64) -> Option<u32> {
-        if block >= BLOCK_LIMIT || dev.0 >= 256 {
+    pub fn get(&self, dev: DevId, block: BackingBlock) -> Option<CacheBlock> {
+        if block >= BLOCK_END || dev.0 >= 256 {
             return None;
         }
         self.find(pack(dev, block)).map(|(_, cb)| cb)
@@ -251,10 +262,10 @@ impl Index {
         &mut self.dev_blocks[d]
     }
 
-    fn set_dirty(&mut self, cb: u32, dev: DevId) {
+    fn set_dirty(&mut self, cb: CacheBlock, dev: DevId) {
         debug_assert!(!self.is_dirty(cb));
         self.sh.set_dirty(cb, true);
-        let bucket = self.bucket_of(cb) as usize;
+        let bucket = self.bucket_of(cb).idx();
         self.bucket_dirty[bucket] += 1;
         if self.bucket_dirty[bucket] == 1 {
             self.dirty_buckets.set(bucket);
@@ -263,10 +274,10 @@ impl Index {
         self.dev_counts(dev).dirty += 1;
     }
 
-    fn clear_dirty(&mut self, cb: u32, dev: DevId) {
+    fn clear_dirty(&mut self, cb: CacheBlock, dev: DevId) {
         debug_assert!(self.is_dirty(cb));
         self.sh.set_dirty(cb, false);
-        let bucket = self.bucket_of(cb) as usize;
+        let bucket = self.bucket_of(cb).idx();
         self.bucket_dirty[bucket] -= 1;
         if self.bucket_dirty[bucket] == 0 {
             self.dirty_buckets.clear(bucket);
@@ -276,12 +287,12 @@ impl Index {
     }
 
     /// Maps `(dev, block)` to the unreferenced cache block `cb`; the block must be unmapped.
-    fn put(&mut self, dev: DevId, block: u64, cb: u32, dirty: bool, crc: u32) {
+    fn put(&mut self, dev: DevId, block: BackingBlock, cb: CacheBlock, dirty: bool, crc: u32) {
         assert_eq!(self.owner_of(cb), 0, "cache block {cb} referenced twice");
         self.sh.set_owner(cb, pack(dev, block));
         self.sh.table_insert(cb);
         self.sh.set_crc(cb, crc);
-        let bucket = self.bucket_of(cb) as usize;
+        let bucket = self.bucket_of(cb).idx();
         self.bucket_live[bucket] += 1;
         if self.bucket_live[bucket] == 1 {
             self.live_buckets.set(bucket);
@@ -294,7 +305,7 @@ impl Index {
     }
 
     /// Unmaps the block in table slot `pos` (holding `cb`); returns whether it was dirty.
-    fn take(&mut self, pos: usize, cb: u32) -> bool {
+    fn take(&mut self, pos: usize, cb: CacheBlock) -> bool {
         let (dev, _) = unpack(self.owner_of(cb));
         self.sh.table_remove(pos);
         self.sh.set_owner(cb, 0);
@@ -302,7 +313,7 @@ impl Index {
         if dirty {
             self.clear_dirty(cb, dev);
         }
-        let bucket = self.bucket_of(cb) as usize;
+        let bucket = self.bucket_of(cb).idx();
         self.bucket_live[bucket] -= 1;
         if self.bucket_live[bucket] == 0 {
             self.live_buckets.clear(bucket);
@@ -321,13 +332,19 @@ impl Index {
     /// The cache blocks holding blocks of `dev` in `[b0, b1)`, as `(block, cb)`, in no
     /// particular order: by lookups when the range is no bigger than what is cached, else by
     /// walking the live buckets (so the cost is the smaller of the two).
-    fn mapped_in(&self, dev: DevId, b0: u64, b1: u64) -> Vec<(u64, u32)> {
-        let b1 = b1.min(BLOCK_LIMIT);
+    fn mapped_in(
+        &self,
+        dev: DevId,
+        b0: BackingBlock,
+        b1: BackingBlock,
+    ) -> Vec<(BackingBlock, CacheBlock)> {
+        let b1 = b1.min(BLOCK_END);
         if b0 >= b1 || self.dev_live_blocks(dev) == 0 {
             return Vec::new();
         }
         if self.lookups_cheaper(b0, b1) {
-            (b0..b1)
+            (b0.0..b1.0)
+                .map(BackingBlock)
                 .filter_map(|b| self.get(dev, b).map(|cb| (b, cb)))
                 .collect()
         } else {
@@ -342,24 +359,23 @@ impl Index {
     }
 
     /// Whether looking up each block of `[b0, b1)` costs less than walking the live buckets.
-    fn lookups_cheaper(&self, b0: u64, b1: u64) -> bool {
+    fn lookups_cheaper(&self, b0: BackingBlock, b1: BackingBlock) -> bool {
         b1 - b0 <= self.live_blocks.max(64)
     }
 
     /// Calls `f(cb, dev, block)` for every owned cache block, bucket by bucket (live buckets
     /// only), in cache order.
-    fn for_each_owned(&self, mut f: impl FnMut(u32, DevId, u64)) {
-        let mut bucket = 0;
-        while let Some(b) = self.live_buckets.next_set(bucket) {
-            let first = b as u32 * self.bpb;
-            for cb in first..first + self.bpb {
+    fn for_each_owned(&self, mut f: impl FnMut(CacheBlock, DevId, BackingBlock)) {
+        let mut from = Bucket(0);
+        while let Some(b) = self.next_live_bucket(from) {
+            for cb in b.blocks(self.bpb) {
                 let v = self.owner_of(cb);
                 if v != 0 {
                     let (d, blk) = unpack(v);
                     f(cb, d, blk);
                 }
             }
-            bucket = b + 1;
+            from = Bucket(b.0 + 1);
         }
     }
 
@@ -367,15 +383,15 @@ impl Index {
     pub fn any_overlapping(
         &self,
         dev: DevId,
-        b0: u64,
-        b1: u64,
+        b0: BackingBlock,
+        b1: BackingBlock,
         pred: impl Fn(&Extent) -> bool,
     ) -> bool {
-        let b1 = b1.min(BLOCK_LIMIT);
+        let b1 = b1.min(BLOCK_END);
         if b0 >= b1 || self.dev_live_blocks(dev) == 0 {
             return false;
         }
-        let test = |cb: u32| {
+        let test = |cb: CacheBlock| {
             pred(&Extent {
                 len: 1,
                 cache_block: cb,
@@ -383,7 +399,7 @@ impl Index {
             })
         };
         if self.lookups_cheaper(b0, b1) {
-            (b0..b1).any(|b| self.get(dev, b).is_some_and(test))
+            (b0.0..b1.0).any(|b| self.get(dev, BackingBlock(b)).is_some_and(test))
         } else {
             self.mapped_in(dev, b0, b1)
                 .into_iter()
@@ -392,7 +408,7 @@ impl Index {
     }
 
     /// Removes whatever is mapped in `[b0, b1)`; returns the number of dirty blocks dropped.
-    pub fn remove_range(&mut self, dev: DevId, b0: u64, b1: u64) -> u64 {
+    pub fn remove_range(&mut self, dev: DevId, b0: BackingBlock, b1: BackingBlock) -> u64 {
         let mapped = self.mapped_in(dev, b0, b1);
         if mapped.is_empty() {
             return 0;
@@ -410,26 +426,40 @@ impl Index {
 
     /// Maps `[block, block + ext.len)` to `ext`, replacing anything there. The target cache
     /// blocks must be unreferenced (the allocator hands out each block once per generation).
-    pub fn insert(&mut self, dev: DevId, block: u64, ext: Extent, crcs: &[u32]) {
+    pub fn insert(&mut self, dev: DevId, block: BackingBlock, ext: Extent, crcs: &[u32]) {
         self.insert_inner(dev, block, ext, crcs, false);
     }
 
     /// Like `insert`, for replay: an older entry that still references the target cache
     /// blocks (the journal recorded their reuse) loses them.
-    pub fn insert_replayed(&mut self, dev: DevId, block: u64, ext: Extent, crcs: &[u32]) {
+    pub fn insert_replayed(&mut self, dev: DevId, block: BackingBlock, ext: Extent, crcs: &[u32]) {
         self.insert_inner(dev, block, ext, crcs, true);
     }
 
-    fn insert_inner(&mut self, dev: DevId, block: u64, ext: Extent, crcs: &[u32], steal: bool) {
+    fn insert_inner(
+        &mut self,
+        dev: DevId,
+        block: BackingBlock,
+        ext: Extent,
+        crcs: &[u32],
+        steal: bool,
+    ) {
         self.change(|ix| ix.insert_raw(dev, block, ext, crcs, steal));
     }
 
-    fn insert_raw(&mut self, dev: DevId, block: u64, ext: Extent, crcs: &[u32], steal: bool) {
+    fn insert_raw(
+        &mut self,
+        dev: DevId,
+        block: BackingBlock,
+        ext: Extent,
+        crcs: &[u32],
+        steal: bool,
+    ) {
         assert_eq!(crcs.len(), ext.len as usize);
         assert!(ext.len > 0);
         assert_eq!(
             self.bucket_of(ext.cache_block),
-            self.bucket_of(ext.cache_block + ext.len - 1),
+            self.bucket_of(ext.cache_block + (ext.len - 1)),
             "extent spans buckets"
         );
         for i in 0..ext.len {
@@ -447,7 +477,7 @@ impl Index {
 
     /// Covers `[b0, b1)` with cached pieces and holes, in order. A cached piece is a run of
     /// blocks in consecutive cache blocks of one bucket, all clean or all dirty.
-    pub fn lookup(&self, dev: DevId, b0: u64, b1: u64) -> Segs {
+    pub fn lookup(&self, dev: DevId, b0: BackingBlock, b1: BackingBlock) -> Segs {
         segments(b0, b1, self.bpb, |b| {
             self.get(dev, b).map(|cb| Extent {
                 len: 1,
@@ -458,22 +488,34 @@ impl Index {
     }
 
     /// True if every block of `[b, b + len)` still maps to `cache_block + (x - b)`.
-    pub fn maps_to(&self, dev: DevId, b: u64, len: u32, cache_block: u32) -> bool {
+    pub fn maps_to(&self, dev: DevId, b: BackingBlock, len: u32, cache_block: CacheBlock) -> bool {
         (0..len).all(|i| self.get(dev, b + u64::from(i)) == Some(cache_block + i))
     }
 
     /// True if every block of `[b, b + len)` maps to `cache_block + (x - b)` and is dirty.
-    pub fn dirty_at(&self, dev: DevId, b: u64, len: u32, cache_block: u32) -> bool {
+    pub fn dirty_at(&self, dev: DevId, b: BackingBlock, len: u32, cache_block: CacheBlock) -> bool {
         self.maps_to(dev, b, len, cache_block) && (0..len).all(|i| self.is_dirty(cache_block + i))
     }
 
     /// Marks clean the parts of `[b, b + len)` still mapped to `cache_block + (x - b)`.
     /// Returns the number of blocks that changed state.
-    pub fn mark_clean(&mut self, dev: DevId, b: u64, len: u32, cache_block: u32) -> u64 {
+    pub fn mark_clean(
+        &mut self,
+        dev: DevId,
+        b: BackingBlock,
+        len: u32,
+        cache_block: CacheBlock,
+    ) -> u64 {
         self.change(|ix| ix.mark_clean_raw(dev, b, len, cache_block))
     }
 
-    fn mark_clean_raw(&mut self, dev: DevId, b: u64, len: u32, cache_block: u32) -> u64 {
+    fn mark_clean_raw(
+        &mut self,
+        dev: DevId,
+        b: BackingBlock,
+        len: u32,
+        cache_block: CacheBlock,
+    ) -> u64 {
         let mut cleaned = 0;
         for i in 0..len {
             let cb = cache_block + i;
@@ -486,17 +528,16 @@ impl Index {
     }
 
     /// Removes every entry pointing into `bucket`; returns the number of dirty blocks dropped.
-    pub fn drop_bucket(&mut self, bucket: u32) -> u64 {
-        if self.bucket_live[bucket as usize] == 0 {
+    pub fn drop_bucket(&mut self, bucket: Bucket) -> u64 {
+        if self.bucket_live[bucket.idx()] == 0 {
             return 0;
         }
         self.change(|ix| ix.drop_bucket_raw(bucket))
     }
 
-    fn drop_bucket_raw(&mut self, bucket: u32) -> u64 {
+    fn drop_bucket_raw(&mut self, bucket: Bucket) -> u64 {
         let mut dirty = 0;
-        let first = bucket * self.bpb;
-        for cb in first..first + self.bpb {
+        for cb in bucket.blocks(self.bpb) {
             let v = self.owner_of(cb);
             if v != 0 && self.take_key(v) == Some(true) {
                 dirty += 1;
@@ -507,10 +548,9 @@ impl Index {
 
     /// Live entries in a bucket (for copying GC), in cache order, as runs of consecutive
     /// backing blocks in consecutive cache blocks.
-    pub fn entries_in_bucket(&self, bucket: u32) -> Vec<(DevId, u64, Extent)> {
-        let mut out: Vec<(DevId, u64, Extent)> = Vec::new();
-        let first = bucket * self.bpb;
-        for cb in first..first + self.bpb {
+    pub fn entries_in_bucket(&self, bucket: Bucket) -> Vec<(DevId, BackingBlock, Extent)> {
+        let mut out: Vec<(DevId, BackingBlock, Extent)> = Vec::new();
+        for cb in bucket.blocks(self.bpb) {
             let v = self.owner_of(cb);
             if v != 0 {
                 self.push_run(&mut out, cb, v);
@@ -520,7 +560,7 @@ impl Index {
     }
 
     /// Appends cache block `cb` (owner `v`) to `out`, extending the last run if it continues it.
-    fn push_run(&self, out: &mut Vec<(DevId, u64, Extent)>, cb: u32, v: u64) {
+    fn push_run(&self, out: &mut Vec<(DevId, BackingBlock, Extent)>, cb: CacheBlock, v: u64) {
         let (dev, block) = unpack(v);
         let dirty = self.is_dirty(cb);
         if let Some((d, s, e)) = out.last_mut() {
@@ -550,16 +590,16 @@ impl Index {
     /// visited. Visits only buckets holding dirty data.
     pub fn dirty_runs(
         &self,
-        cursor: &mut u32,
+        cursor: &mut Bucket,
         max_blocks: u64,
         only: Option<DevId>,
-    ) -> Vec<(DevId, u64, Extent)> {
+    ) -> Vec<(DevId, BackingBlock, Extent)> {
         let mut out = Vec::new();
         let nbuckets = self.bucket_dirty.len();
         if self.dirty_blocks == 0 || nbuckets == 0 {
             return out;
         }
-        let start = (*cursor as usize).min(nbuckets - 1);
+        let start = cursor.idx().min(nbuckets - 1);
         let mut at = start;
         let mut wrapped = false;
         let mut taken = 0u64;
@@ -574,8 +614,7 @@ impl Index {
                 }
                 None => break,
             };
-            let first = next as u32 * self.bpb;
-            for cb in first..first + self.bpb {
+            for cb in Bucket(next as u32).blocks(self.bpb) {
                 if !self.is_dirty(cb) {
                     continue;
                 }
@@ -587,7 +626,7 @@ impl Index {
                 taken += 1;
             }
             at = next + 1;
-            *cursor = (at % nbuckets) as u32;
+            *cursor = Bucket((at % nbuckets) as u32);
             if taken >= max_blocks {
                 break;
             }
@@ -615,9 +654,9 @@ impl Index {
     /// The owned cache blocks of `bucket` as `(offset in bucket, dev, block, crc, dirty)`.
     pub fn bucket_blocks(
         &self,
-        bucket: u32,
-    ) -> impl Iterator<Item = (u32, DevId, u64, u32, bool)> + '_ {
-        let first = bucket * self.bpb;
+        bucket: Bucket,
+    ) -> impl Iterator<Item = (u32, DevId, BackingBlock, u32, bool)> + '_ {
+        let first = CacheBlock::first_of(bucket, self.bpb);
         (0..self.bpb).filter_map(move |i| {
             let cb = first + i;
             let v = self.owner_of(cb);
@@ -629,12 +668,14 @@ impl Index {
     }
 
     /// The next bucket at or after `from` that holds live blocks.
-    pub fn next_live_bucket(&self, from: u32) -> Option<u32> {
-        self.live_buckets.next_set(from as usize).map(|b| b as u32)
+    pub fn next_live_bucket(&self, from: Bucket) -> Option<Bucket> {
+        self.live_buckets
+            .next_set(from.idx())
+            .map(|b| Bucket(b as u32))
     }
 
     /// Every entry as runs, in cache order (for `check`).
-    pub fn runs(&self) -> Vec<(DevId, u64, Extent)> {
+    pub fn runs(&self) -> Vec<(DevId, BackingBlock, Extent)> {
         let mut out = Vec::new();
         self.for_each_owned(|cb, d, b| {
             let v = pack(d, b);
@@ -650,7 +691,7 @@ impl Index {
         let mut dirty = vec![0u32; nb];
         let mut dev_blocks = vec![DevBlocks::default(); self.dev_blocks.len()];
         let mut owned = 0u64;
-        for cb in 0..self.sh.blocks() {
+        for cb in (0..self.sh.blocks()).map(CacheBlock) {
             let v = self.owner_of(cb);
             if v == 0 {
                 if self.is_dirty(cb) {
@@ -664,7 +705,7 @@ impl Index {
                 Some((_, found)) if found == cb => {}
                 other => return Err(format!("cache block {cb}: its owner looks up to {other:?}")),
             }
-            let b = self.bucket_of(cb) as usize;
+            let b = self.bucket_of(cb).idx();
             live[b] += 1;
             let Some(c) = dev_blocks.get_mut(d.0 as usize) else {
                 return Err(format!("device {} has entries but no counters", d.0));
@@ -722,31 +763,36 @@ mod tests {
     fn ext(len: u32, cb: u32, dirty: bool) -> Extent {
         Extent {
             len,
-            cache_block: cb,
+            cache_block: CacheBlock(cb),
             dirty,
         }
+    }
+
+    /// Backing block `b` (short for the tests' many literals).
+    fn bb(b: u64) -> BackingBlock {
+        BackingBlock(b)
     }
 
     #[test]
     fn insert_split_remove_keep_invariants() {
         let mut ix = Index::new(4, 16);
         let d = DevId(1);
-        ix.insert(d, 10, ext(8, 0, true), &[0; 8]);
-        ix.insert(d, 12, ext(2, 16, false), &[0; 2]);
+        ix.insert(d, bb(10), ext(8, 0, true), &[0; 8]);
+        ix.insert(d, bb(12), ext(2, 16, false), &[0; 2]);
         ix.check_invariants().unwrap();
-        let segs = ix.lookup(d, 8, 20);
+        let segs = ix.lookup(d, bb(8), bb(20));
         assert_eq!(segs.len(), 5);
         assert_eq!(segs[0].ext, None);
-        assert_eq!(segs[1].ext.unwrap().cache_block, 0);
-        assert_eq!(segs[2].ext.unwrap().cache_block, 16);
-        assert_eq!(segs[3].ext.unwrap().cache_block, 4);
+        assert_eq!(segs[1].ext.unwrap().cache_block, CacheBlock(0));
+        assert_eq!(segs[2].ext.unwrap().cache_block, CacheBlock(16));
+        assert_eq!(segs[3].ext.unwrap().cache_block, CacheBlock(4));
         assert_eq!(ix.dirty_blocks, 6);
-        assert_eq!(ix.remove_range(d, 11, 15), 2);
+        assert_eq!(ix.remove_range(d, bb(11), bb(15)), 2);
         ix.check_invariants().unwrap();
-        assert_eq!(ix.mark_clean(d, 10, 8, 0), 4);
+        assert_eq!(ix.mark_clean(d, bb(10), 8, CacheBlock(0)), 4);
         assert_eq!(ix.dirty_blocks, 0);
         ix.check_invariants().unwrap();
-        assert_eq!(ix.drop_bucket(0), 0);
+        assert_eq!(ix.drop_bucket(Bucket(0)), 0);
         assert_eq!(ix.live_blocks, 0);
         ix.check_invariants().unwrap();
     }
@@ -755,12 +801,12 @@ mod tests {
     fn mark_clean_skips_remapped_blocks() {
         let mut ix = Index::new(4, 16);
         let d = DevId(0);
-        ix.insert(d, 0, ext(4, 0, true), &[0; 4]);
-        ix.insert(d, 1, ext(1, 20, true), &[0]);
-        assert_eq!(ix.mark_clean(d, 0, 4, 0), 3);
+        ix.insert(d, bb(0), ext(4, 0, true), &[0; 4]);
+        ix.insert(d, bb(1), ext(1, 20, true), &[0]);
+        assert_eq!(ix.mark_clean(d, bb(0), 4, CacheBlock(0)), 3);
         assert_eq!(ix.dirty_blocks, 1);
-        assert!(!ix.maps_to(d, 0, 4, 0));
-        assert!(ix.maps_to(d, 2, 2, 2));
+        assert!(!ix.maps_to(d, bb(0), 4, CacheBlock(0)));
+        assert!(ix.maps_to(d, bb(2), 2, CacheBlock(2)));
         ix.check_invariants().unwrap();
     }
 
@@ -782,13 +828,13 @@ mod tests {
                     // Insert a run into fresh cache blocks of one bucket (recycle by dropping
                     // the bucket first, as the allocator would).
                     let len = r.gen_range(1..=4u32).min(bpb - next_cb % bpb);
-                    let bucket = ix.bucket_of(next_cb);
+                    let bucket = ix.bucket_of(CacheBlock(next_cb));
                     if next_cb.is_multiple_of(bpb) {
                         ix.drop_bucket(bucket);
-                        model.retain(|_, (cb, _)| *cb / bpb != bucket);
+                        model.retain(|_, (cb, _)| CacheBlock(*cb).bucket(bpb) != bucket);
                     }
                     let dirty = r.gen_bool(0.5);
-                    ix.insert(dev, b, ext(len, next_cb, dirty), &vec![7; len as usize]);
+                    ix.insert(dev, bb(b), ext(len, next_cb, dirty), &vec![7; len as usize]);
                     for i in 0..len {
                         model.insert((dev.0, b + u64::from(i)), (next_cb + i, dirty));
                     }
@@ -800,19 +846,19 @@ mod tests {
                         .range((dev.0, b)..(dev.0, b + len))
                         .filter(|(_, v)| v.1)
                         .count() as u64;
-                    assert_eq!(ix.remove_range(dev, b, b + len), want);
+                    assert_eq!(ix.remove_range(dev, bb(b), bb(b + len)), want);
                     model.retain(|k, _| !(k.0 == dev.0 && (b..b + len).contains(&k.1)));
                 }
                 8 => {
                     if let Some((&(d, s), &(cb, _))) = model.range((dev.0, b)..).next() {
-                        ix.mark_clean(DevId(d), s, 1, cb);
+                        ix.mark_clean(DevId(d), bb(s), 1, CacheBlock(cb));
                         model.insert((d, s), (cb, false));
                     }
                 }
                 _ => {
-                    let bucket = r.gen_range(0..nb);
+                    let bucket = Bucket(r.gen_range(0..nb));
                     ix.drop_bucket(bucket);
-                    model.retain(|_, (cb, _)| *cb / bpb != bucket);
+                    model.retain(|_, (cb, _)| CacheBlock(*cb).bucket(bpb) != bucket);
                 }
             }
             if step % 97 == 0 {
@@ -820,15 +866,23 @@ mod tests {
                     .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
             }
             for (&(d, s), &(cb, dirty)) in model.range((dev.0, b)..).take(3) {
-                assert_eq!(ix.get(DevId(d), s), Some(cb), "seed {seed} step {step}");
-                assert_eq!(ix.is_dirty(cb), dirty, "seed {seed} step {step}");
+                assert_eq!(
+                    ix.get(DevId(d), bb(s)),
+                    Some(CacheBlock(cb)),
+                    "seed {seed} step {step}"
+                );
+                assert_eq!(
+                    ix.is_dirty(CacheBlock(cb)),
+                    dirty,
+                    "seed {seed} step {step}"
+                );
             }
         }
         ix.check_invariants().unwrap();
         assert_eq!(ix.live_blocks, model.len() as u64);
         // A whole-device removal takes the bucket walk.
         for d in 0..3 {
-            ix.remove_range(DevId(d), 0, BLOCK_LIMIT);
+            ix.remove_range(DevId(d), bb(0), BLOCK_END);
         }
         assert_eq!(ix.live_blocks, 0);
         ix.check_invariants().unwrap();
@@ -838,17 +892,17 @@ mod tests {
     fn dirty_runs_visit_dirty_buckets_from_the_cursor_and_wrap() {
         let mut ix = Index::new(8, 4);
         let d = DevId(0);
-        ix.insert(d, 100, ext(2, 4, true), &[0; 2]); // bucket 1
-        ix.insert(d, 50, ext(1, 20, true), &[0]); // bucket 5
-        ix.insert(d, 7, ext(1, 28, false), &[0]); // bucket 7, clean
-        let mut cursor = 3;
+        ix.insert(d, bb(100), ext(2, 4, true), &[0; 2]); // bucket 1
+        ix.insert(d, bb(50), ext(1, 20, true), &[0]); // bucket 5
+        ix.insert(d, bb(7), ext(1, 28, false), &[0]); // bucket 7, clean
+        let mut cursor = Bucket(3);
         let runs = ix.dirty_runs(&mut cursor, 1, None);
-        assert_eq!(runs, vec![(d, 50, ext(1, 20, true))]);
-        assert_eq!(cursor, 6);
+        assert_eq!(runs, vec![(d, bb(50), ext(1, 20, true))]);
+        assert_eq!(cursor, Bucket(6));
         let runs = ix.dirty_runs(&mut cursor, 100, None);
         assert_eq!(
             runs,
-            vec![(d, 100, ext(2, 4, true)), (d, 50, ext(1, 20, true))]
+            vec![(d, bb(100), ext(2, 4, true)), (d, bb(50), ext(1, 20, true))]
         );
         assert!(ix.dirty_runs(&mut cursor, 100, Some(DevId(1))).is_empty());
     }
@@ -862,8 +916,8 @@ mod lock_free_tests {
 
     /// The crc every entry of this test carries: a function of where it is, so a reader that
     /// kept a torn answer (a key found at a cache block with another block's crc) is caught.
-    fn tag(block: u64, cb: u32) -> u32 {
-        (block as u32).wrapping_mul(0x9e37_79b9) ^ cb.wrapping_mul(0x85eb_ca6b) ^ 1
+    fn tag(block: BackingBlock, cb: CacheBlock) -> u32 {
+        (block.0 as u32).wrapping_mul(0x9e37_79b9) ^ cb.0.wrapping_mul(0x85eb_ca6b) ^ 1
     }
 
     /// Readers doing lock-free lookups while one writer inserts, moves, cleans and drops
@@ -888,7 +942,9 @@ mod lock_free_tests {
                         let b0 = rng.gen_range(0..blocks);
                         let b1 = (b0 + rng.gen_range(1..4)).min(blocks);
                         let mut crcs = Vec::new();
-                        let Some((seq, segs)) = lookup_hit(reader, dev, b0, b1, &mut crcs) else {
+                        let Some((seq, segs)) =
+                            lookup_hit(reader, dev, BackingBlock(b0), BackingBlock(b1), &mut crcs)
+                        else {
                             continue;
                         };
                         if !reader.valid(seq) {
@@ -915,14 +971,14 @@ mod lock_free_tests {
                 match rng.gen_range(0..10) {
                     0 => {
                         let bucket = rng.gen_range(0..nb);
-                        ix.drop_bucket(bucket);
+                        ix.drop_bucket(Bucket(bucket));
                     }
                     1 => {
                         let b = rng.gen_range(0..blocks);
-                        ix.remove_range(dev, b, b + 2);
+                        ix.remove_range(dev, BackingBlock(b), BackingBlock(b + 2));
                     }
                     2 => {
-                        if let Some(cb) = ix.get(dev, rng.gen_range(0..blocks)) {
+                        if let Some(cb) = ix.get(dev, BackingBlock(rng.gen_range(0..blocks))) {
                             let (d, b) = unpack(ix.owner_of(cb));
                             ix.mark_clean(d, b, 1, cb);
                         }
@@ -933,11 +989,12 @@ mod lock_free_tests {
                         let cb = next_cb;
                         // The target blocks must be unreferenced: free the bucket as it opens.
                         if cb.is_multiple_of(bpb) {
-                            ix.drop_bucket(cb / bpb);
+                            ix.drop_bucket(Bucket(cb / bpb));
                         }
-                        let crcs: Vec<u32> =
-                            (0..len).map(|i| tag(b + u64::from(i), cb + i)).collect();
-                        ix.insert(dev, b, ext(len, cb, rng.gen_bool(0.5)), &crcs);
+                        let crcs: Vec<u32> = (0..len)
+                            .map(|i| tag(BackingBlock(b + u64::from(i)), CacheBlock(cb + i)))
+                            .collect();
+                        ix.insert(dev, BackingBlock(b), ext(len, cb, rng.gen_bool(0.5)), &crcs);
                         next_cb = (cb + len) % (nb * bpb);
                     }
                 }
@@ -954,7 +1011,7 @@ mod lock_free_tests {
     fn ext(len: u32, cb: u32, dirty: bool) -> Extent {
         Extent {
             len,
-            cache_block: cb,
+            cache_block: CacheBlock(cb),
             dirty,
         }
     }

@@ -19,6 +19,7 @@
 use crate::codec::{frame, frame_header, round_up, unframe, Reader, Writer, FRAME_HEADER_BYTES};
 use crate::format::META_BLOCK;
 use crate::types::{DevId, Error, Result};
+use crate::units::{BackingBlock, Bucket, CacheBlock, Gen};
 use uuid::Uuid;
 
 pub const JOURNAL_MAGIC: &[u8; 8] = b"TCJRNL01";
@@ -30,24 +31,28 @@ pub enum Entry {
     /// Map `len` backing blocks from `block` to cache blocks from `cache_block`.
     Insert {
         dev: DevId,
-        block: u64,
+        block: BackingBlock,
         len: u32,
-        cache_block: u32,
-        gen: u8,
+        cache_block: CacheBlock,
+        gen: Gen,
         dirty: bool,
         crcs: Vec<u32>,
     },
     /// Forget whatever the cache holds for the range.
-    Invalidate { dev: DevId, block: u64, len: u64 },
+    Invalidate {
+        dev: DevId,
+        block: BackingBlock,
+        len: u64,
+    },
     /// The range, where it still maps to the given cache blocks, has been written back.
     MarkClean {
         dev: DevId,
-        block: u64,
+        block: BackingBlock,
         len: u32,
-        cache_block: u32,
+        cache_block: CacheBlock,
     },
     /// A bucket was emptied and its generation set to `gen`.
-    BucketGen { bucket: u32, gen: u8 },
+    BucketGen { bucket: Bucket, gen: Gen },
     /// A backing device joined the set.
     AttachDev { dev: DevId, uuid: Uuid },
     /// A backing device left the set (its entries are gone).
@@ -76,10 +81,10 @@ impl Entry {
                 assert_eq!(crcs.len(), *len as usize, "one checksum per block");
                 w.u8(TAG_INSERT);
                 w.u32(dev.0);
-                w.u64(*block);
+                w.u64(block.0);
                 w.u32(*len);
-                w.u32(*cache_block);
-                w.u8(*gen);
+                w.u32(cache_block.0);
+                w.u8(gen.0);
                 w.u8(u8::from(*dirty));
                 for c in crcs {
                     w.u32(*c);
@@ -88,7 +93,7 @@ impl Entry {
             Entry::Invalidate { dev, block, len } => {
                 w.u8(TAG_INVALIDATE);
                 w.u32(dev.0);
-                w.u64(*block);
+                w.u64(block.0);
                 w.u64(*len);
             }
             Entry::MarkClean {
@@ -99,14 +104,14 @@ impl Entry {
             } => {
                 w.u8(TAG_MARK_CLEAN);
                 w.u32(dev.0);
-                w.u64(*block);
+                w.u64(block.0);
                 w.u32(*len);
-                w.u32(*cache_block);
+                w.u32(cache_block.0);
             }
             Entry::BucketGen { bucket, gen } => {
                 w.u8(TAG_BUCKET_GEN);
-                w.u32(*bucket);
-                w.u8(*gen);
+                w.u32(bucket.0);
+                w.u8(gen.0);
             }
             Entry::AttachDev { dev, uuid } => {
                 w.u8(TAG_ATTACH);
@@ -124,10 +129,10 @@ impl Entry {
         Some(match r.u8()? {
             TAG_INSERT => {
                 let dev = DevId(r.u32()?);
-                let block = r.u64()?;
+                let block = BackingBlock(r.u64()?);
                 let len = r.u32()?;
-                let cache_block = r.u32()?;
-                let gen = r.u8()?;
+                let cache_block = CacheBlock(r.u32()?);
+                let gen = Gen(r.u8()?);
                 let dirty = match r.u8()? {
                     0 => false,
                     1 => true,
@@ -149,18 +154,18 @@ impl Entry {
             }
             TAG_INVALIDATE => Entry::Invalidate {
                 dev: DevId(r.u32()?),
-                block: r.u64()?,
+                block: BackingBlock(r.u64()?),
                 len: r.u64()?,
             },
             TAG_MARK_CLEAN => Entry::MarkClean {
                 dev: DevId(r.u32()?),
-                block: r.u64()?,
+                block: BackingBlock(r.u64()?),
                 len: r.u32()?,
-                cache_block: r.u32()?,
+                cache_block: CacheBlock(r.u32()?),
             },
             TAG_BUCKET_GEN => Entry::BucketGen {
-                bucket: r.u32()?,
-                gen: r.u8()?,
+                bucket: Bucket(r.u32()?),
+                gen: Gen(r.u8()?),
             },
             TAG_ATTACH => Entry::AttachDev {
                 dev: DevId(r.u32()?),
@@ -371,27 +376,27 @@ mod tests {
         vec![
             Entry::Insert {
                 dev: DevId(1),
-                block: 99,
+                block: BackingBlock(99),
                 len: 2,
-                cache_block: 7,
-                gen: 3,
+                cache_block: CacheBlock(7),
+                gen: Gen(3),
                 dirty: true,
                 crcs: vec![1, 2],
             },
             Entry::Invalidate {
                 dev: DevId(1),
-                block: 5,
+                block: BackingBlock(5),
                 len: 1 << 40,
             },
             Entry::MarkClean {
                 dev: DevId(2),
-                block: 1,
+                block: BackingBlock(1),
                 len: 3,
-                cache_block: 4,
+                cache_block: CacheBlock(4),
             },
             Entry::BucketGen {
-                bucket: 3,
-                gen: 255,
+                bucket: Bucket(3),
+                gen: Gen(255),
             },
             Entry::AttachDev {
                 dev: DevId(9),
@@ -418,6 +423,49 @@ mod tests {
             let (_, entries, size) = valid_record(&rec, &set, 0).expect("valid record");
             assert_eq!((entries.len(), size), (n, record_len(n)));
         }
+    }
+
+    /// The on-disk bytes of the entries that carry blocks, buckets and generations, written
+    /// out by hand: block numbers, buckets and generations must keep this encoding.
+    #[test]
+    fn entry_bytes_are_the_format() {
+        let entries = [
+            Entry::Insert {
+                dev: DevId(2),
+                block: BackingBlock(0x01_0203_0405),
+                len: 1,
+                cache_block: CacheBlock(0x0a0b_0c0d),
+                gen: Gen(7),
+                dirty: true,
+                crcs: vec![0xdead_beef],
+            },
+            Entry::Invalidate {
+                dev: DevId(1),
+                block: BackingBlock(9),
+                len: 3,
+            },
+            Entry::MarkClean {
+                dev: DevId(1),
+                block: BackingBlock(9),
+                len: 2,
+                cache_block: CacheBlock(300),
+            },
+            Entry::BucketGen {
+                bucket: Bucket(0x0102),
+                gen: Gen(255),
+            },
+        ];
+        #[rustfmt::skip]
+        let want: Vec<u8> = [
+            &[TAG_INSERT, 2, 0, 0, 0, 0x05, 0x04, 0x03, 0x02, 0x01, 0, 0, 0, 1, 0, 0, 0][..],
+            &[0x0d, 0x0c, 0x0b, 0x0a, 7, 1, 0xef, 0xbe, 0xad, 0xde],
+            &[TAG_INVALIDATE, 1, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0],
+            &[TAG_MARK_CLEAN, 1, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 44, 1, 0, 0],
+            &[TAG_BUCKET_GEN, 2, 1, 0, 0, 255],
+        ]
+        .concat();
+        assert_eq!(enc(&entries), want);
+        assert_eq!(decode_entries(&want).unwrap(), entries);
     }
 
     #[test]

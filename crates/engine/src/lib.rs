@@ -11,7 +11,8 @@
 //!   `alloc` (buckets, pins), `journal`, `checkpoint`, `format`, `readahead`, `rangelock`;
 //! - pure decisions: `policy` (admission, replacement order, miss fill, writeback rate),
 //!   driven alone by its tests;
-//! - leaves: `stats`, `clock`, `codec`, `bitset`, `guard`, `types`, `knobs`.
+//! - leaves: `stats`, `clock`, `codec`, `bitset`, `guard`, `types`, `units` (the numbering
+//!   units: buckets, cache blocks, generations, backing blocks), `knobs`.
 //!
 //! No sockets, no CLI parsing.
 //!
@@ -44,6 +45,7 @@ mod slots;
 mod space;
 pub mod stats;
 mod types;
+mod units;
 mod writeback;
 
 pub use check::{check_device, CheckReport};

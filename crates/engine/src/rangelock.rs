@@ -7,23 +7,24 @@
 //! The table is bounded by the number of requests in flight (bounded by the server).
 
 use crate::types::DevId;
+use crate::units::BackingBlock;
 use parking_lot::{Condvar, Mutex};
 
 #[derive(Default)]
 pub struct RangeLocks {
-    held: Mutex<Vec<(DevId, u64, u64)>>,
+    held: Mutex<Vec<(DevId, BackingBlock, BackingBlock)>>,
     cv: Condvar,
 }
 
 /// Releases its range when dropped.
 pub struct RangeGuard<'a> {
     locks: &'a RangeLocks,
-    range: (DevId, u64, u64),
+    range: (DevId, BackingBlock, BackingBlock),
 }
 
 impl RangeLocks {
     /// Locks blocks `[b0, b1)` of `dev`, waiting for overlapping holders to finish.
-    pub fn lock(&self, dev: DevId, b0: u64, b1: u64) -> RangeGuard<'_> {
+    pub fn lock(&self, dev: DevId, b0: BackingBlock, b1: BackingBlock) -> RangeGuard<'_> {
         assert!(b0 < b1, "empty range lock");
         let mut held = self.held.lock();
         while held.iter().any(|&(d, s, e)| d == dev && s < b1 && b0 < e) {
@@ -64,7 +65,7 @@ mod tests {
                 let (locks, inside) = (locks.clone(), inside.clone());
                 std::thread::spawn(move || {
                     for _ in 0..200 {
-                        let _g = locks.lock(DevId(0), i, i + 10);
+                        let _g = locks.lock(DevId(0), BackingBlock(i), BackingBlock(i + 10));
                         assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0);
                         inside.fetch_sub(1, Ordering::SeqCst);
                     }
@@ -73,8 +74,9 @@ mod tests {
             .collect();
         threads.into_iter().for_each(|t| t.join().unwrap());
         // Disjoint ranges and other devices do not block.
-        let _a = locks.lock(DevId(0), 0, 5);
-        let _b = locks.lock(DevId(0), 5, 9);
-        let _c = locks.lock(DevId(1), 0, 9);
+        let b = BackingBlock;
+        let _a = locks.lock(DevId(0), b(0), b(5));
+        let _b = locks.lock(DevId(0), b(5), b(9));
+        let _c = locks.lock(DevId(1), b(0), b(9));
     }
 }

@@ -32,6 +32,7 @@ use crate::policy::SeqDetector;
 use crate::rangelock::RangeLocks;
 use crate::stats::{Counters, History, Snapshot, Windows};
 use crate::types::{CacheMode, DevId, Error, IoContext, Result};
+use crate::units::{BackingBlock, Bucket, CacheBlock, Gen};
 use blockdev::BlockDevice;
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::collections::{BTreeMap, HashMap};
@@ -118,8 +119,8 @@ pub(crate) struct JournalState {
 /// A read miss being promoted; a write that overlaps it while in flight marks it collided.
 pub(crate) struct Promotion {
     pub dev: DevId,
-    pub b0: u64,
-    pub b1: u64,
+    pub b0: BackingBlock,
+    pub b1: BackingBlock,
     pub collided: bool,
 }
 
@@ -142,7 +143,7 @@ impl State {
     }
 
     /// Marks every in-flight promotion overlapping the range as collided.
-    pub fn collide(&mut self, dev: DevId, b0: u64, b1: u64) {
+    pub fn collide(&mut self, dev: DevId, b0: BackingBlock, b1: BackingBlock) {
         for p in self.promotions.values_mut() {
             if p.dev == dev && p.b0 < b1 && b0 < p.b1 {
                 p.collided = true;
@@ -155,7 +156,7 @@ impl State {
     pub fn insert_extent(
         &mut self,
         dev: DevId,
-        block: u64,
+        block: BackingBlock,
         ext: crate::index::Extent,
         crcs: Vec<u32>,
         now_ns: u64,
@@ -167,7 +168,7 @@ impl State {
                 .index
                 .any_overlapping(dev, block, block + u64::from(ext.len), |e| e.dirty);
         self.index.insert(dev, block, ext, &crcs);
-        let gen = self.buckets.gen[self.index.bucket_of(ext.cache_block) as usize];
+        let gen = self.buckets.gen[self.index.bucket_of(ext.cache_block).idx()];
         self.log(
             &Entry::Insert {
                 dev,
@@ -194,7 +195,7 @@ impl State {
     /// Drops a range from the index (journaled) if anything is cached there. Dropping dirty
     /// data is for a range the backing device was just written over: its entry waits for a
     /// flush of that device (see `flush_backing_first`).
-    pub fn invalidate(&mut self, dev: DevId, b0: u64, b1: u64, now_ns: u64) {
+    pub fn invalidate(&mut self, dev: DevId, b0: BackingBlock, b1: BackingBlock, now_ns: u64) {
         self.collide(dev, b0, b1);
         if self.index.any_overlapping(dev, b0, b1, |_| true) {
             let drops_dirty = self.index.any_overlapping(dev, b0, b1, |e| e.dirty);
@@ -384,14 +385,14 @@ impl Inner {
     }
 
     /// The bucket holding cache block `cb` (no lock needed: the layout is fixed).
-    pub fn bucket_of(&self, cb: u32) -> u32 {
-        cb / self.layout.blocks_per_bucket()
+    pub fn bucket_of(&self, cb: CacheBlock) -> Bucket {
+        cb.bucket(self.layout.blocks_per_bucket())
     }
 
     /// Drops a pin on bucket `b` without the state lock, taking it only to free a retired
     /// bucket on its last unpin (see the pin protocol in `alloc`). Call without holding the
     /// state lock.
-    pub fn unpin(&self, b: u32) {
+    pub fn unpin(&self, b: Bucket) {
         if self.pins.unpin(b) {
             let mut st = self.state.lock();
             let durable = st.journal.durable_epoch;
@@ -497,7 +498,7 @@ impl CacheSet {
             used: 0,
             next_seq: 1,
         };
-        let gens = vec![0u8; layout.nbuckets as usize];
+        let gens = vec![Gen(0); layout.nbuckets as usize];
         let image = checkpoint::encode_header(
             1,
             &checkpoint::Header {
@@ -802,7 +803,7 @@ impl CacheSet {
             {
                 let mut st = inner.state.lock();
                 let now = inner.now_ns();
-                st.invalidate(b.id, 0, crate::index::BLOCK_LIMIT, now);
+                st.invalidate(b.id, BackingBlock(0), crate::index::BLOCK_END, now);
                 st.devs.remove(&b.id);
                 st.log(&Entry::DetachDev { dev: b.id }, now);
             }

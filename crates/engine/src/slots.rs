@@ -22,6 +22,7 @@
 //!   what lets a hit pin without the lock (see `alloc`'s pin protocol).
 //! - the arrays are sized once and never reallocated, so a reader's `Arc` stays valid.
 
+use crate::units::CacheBlock;
 use std::sync::atomic::{fence, AtomicU16, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::Arc;
 
@@ -88,34 +89,34 @@ impl Slots {
         self.table[pos].store(v, Relaxed);
     }
 
-    pub fn owner(&self, cb: u32) -> u64 {
-        let i = cb as usize;
+    pub fn owner(&self, cb: CacheBlock) -> u64 {
+        let i = cb.idx();
         u64::from(self.owner_lo[i].load(Relaxed)) | u64::from(self.owner_hi[i].load(Relaxed)) << 32
     }
 
-    pub fn set_owner(&self, cb: u32, v: u64) {
+    pub fn set_owner(&self, cb: CacheBlock, v: u64) {
         debug_assert!(v < 1 << 48);
-        let i = cb as usize;
+        let i = cb.idx();
         self.owner_lo[i].store(v as u32, Relaxed);
         self.owner_hi[i].store((v >> 32) as u16, Relaxed);
     }
 
-    pub fn crc(&self, cb: u32) -> u32 {
-        self.crc[cb as usize].load(Relaxed)
+    pub fn crc(&self, cb: CacheBlock) -> u32 {
+        self.crc[cb.idx()].load(Relaxed)
     }
 
-    pub fn set_crc(&self, cb: u32, crc: u32) {
-        self.crc[cb as usize].store(crc, Relaxed);
+    pub fn set_crc(&self, cb: CacheBlock, crc: u32) {
+        self.crc[cb.idx()].store(crc, Relaxed);
     }
 
-    pub fn is_dirty(&self, cb: u32) -> bool {
-        self.dirty[cb as usize / 64].load(Relaxed) & (1 << (cb % 64)) != 0
+    pub fn is_dirty(&self, cb: CacheBlock) -> bool {
+        self.dirty[cb.idx() / 64].load(Relaxed) & (1 << (cb.0 % 64)) != 0
     }
 
     /// Sets or clears the dirty bit (writer only: a load and a store, not a read-modify-write).
-    pub fn set_dirty(&self, cb: u32, on: bool) {
-        let w = &self.dirty[cb as usize / 64];
-        let bit = 1 << (cb % 64);
+    pub fn set_dirty(&self, cb: CacheBlock, on: bool) {
+        let w = &self.dirty[cb.idx() / 64];
+        let bit = 1 << (cb.0 % 64);
         let v = w.load(Relaxed);
         w.store(if on { v | bit } else { v & !bit }, Relaxed);
     }
@@ -142,7 +143,7 @@ impl Slots {
     /// How far slot `pos` is from the home of the key it holds.
     pub fn displacement(&self, pos: usize) -> usize {
         let cb = self.slot(pos).wrapping_sub(1);
-        let home = self.home(self.owner(cb.min(self.blocks().saturating_sub(1))));
+        let home = self.home(self.owner(CacheBlock(cb.min(self.blocks().saturating_sub(1)))));
         (pos + self.table.len() - home) % self.table.len()
     }
 
@@ -155,15 +156,16 @@ impl Slots {
     }
 
     /// The slot holding `key` and its cache block. `Err(())`: gave up after `max_probes`.
-    fn probe(&self, key: u64, max_probes: usize) -> Result<Option<(usize, u32)>, ()> {
+    fn probe(&self, key: u64, max_probes: usize) -> Result<Option<(usize, CacheBlock)>, ()> {
         let mut pos = self.home(key);
         for dist in 0..max_probes {
             let s = self.slot(pos);
             if s == 0 {
                 return Ok(None);
             }
-            if self.owner(s - 1) == key {
-                return Ok(Some((pos, s - 1)));
+            let cb = CacheBlock(s - 1);
+            if self.owner(cb) == key {
+                return Ok(Some((pos, cb)));
             }
             if self.displacement(pos) < dist {
                 return Ok(None);
@@ -174,14 +176,14 @@ impl Slots {
     }
 
     /// The slot holding `key` and its cache block (writer, or any holder of the state lock).
-    pub fn find(&self, key: u64) -> Option<(usize, u32)> {
+    pub fn find(&self, key: u64) -> Option<(usize, CacheBlock)> {
         self.probe(key, self.table.len() + 1)
             .expect("a consistent table ends every probe run")
     }
 
     /// Adds `cb` (whose owner is already set, and not in the table) to the table.
-    pub fn table_insert(&self, cb: u32) {
-        let mut carry = cb + 1;
+    pub fn table_insert(&self, cb: CacheBlock) {
+        let mut carry = cb.0 + 1;
         let mut pos = self.home(self.owner(cb));
         let mut dist = 0;
         loop {
@@ -226,7 +228,7 @@ pub struct IndexReader {
 /// What a lock-free read of one block found: its cache block, crc and dirty bit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Found {
-    pub cache_block: u32,
+    pub cache_block: CacheBlock,
     pub crc: u32,
     pub dirty: bool,
 }

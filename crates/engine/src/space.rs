@@ -15,6 +15,7 @@ use crate::alloc::WritePoint;
 use crate::journal::Entry;
 use crate::set::Inner;
 use crate::types::{DevId, Error, IoContext, Result};
+use crate::units::{BackingBlock, Bucket, CacheBlock};
 
 /// Most buckets one space-management round empties.
 const RECLAIM_MAX: usize = 16;
@@ -24,7 +25,7 @@ const RECLAIM_MAX: usize = 16;
 /// state lock.
 pub struct Grant<'a> {
     inner: &'a Inner,
-    pub cb: u32,
+    pub cb: CacheBlock,
     pub n: u32,
 }
 
@@ -92,11 +93,11 @@ fn reclaim(inner: &Inner, target: usize, allow_gc: bool) -> Result<usize> {
 }
 
 /// Drops a clean bucket's entries, bumps its generation (journaled) and queues it for reuse.
-fn retire_bucket(inner: &Inner, st: &mut crate::set::State, b: u32) {
+fn retire_bucket(inner: &Inner, st: &mut crate::set::State, b: Bucket) {
     let dirty = st.index.drop_bucket(b);
     assert_eq!(dirty, 0, "reclaim must never drop dirty data");
     let now = inner.now_ns();
-    let gen = st.buckets.gen[b as usize].wrapping_add(1);
+    let gen = st.buckets.gen[b.idx()].next();
     st.log(&Entry::BucketGen { bucket: b, gen }, now);
     let tag = st.journal.appended_epoch;
     assert_eq!(st.buckets.retire(b, tag), gen);
@@ -152,7 +153,7 @@ fn gc_one(inner: &Inner) -> Result<bool> {
                 };
                 let (cb, n) = (grant.cb, grant.n);
                 let chunk = &data[done as usize * bs..(done + n) as usize * bs];
-                let off = inner.layout.block_offset(cb);
+                let off = inner.layout.cache_block_offset(cb);
                 inner
                     .cache
                     .write_at(chunk, off)
@@ -186,8 +187,8 @@ fn gc_one(inner: &Inner) -> Result<bool> {
     let durable = st.journal.durable_epoch;
     st.buckets.unpin(b, durable);
     let emptied = moved?
-        && st.index.bucket_live[b as usize] == 0
-        && st.buckets.state[b as usize] == crate::alloc::BucketState::Closed;
+        && st.index.bucket_live[b.idx()] == 0
+        && st.buckets.state[b.idx()] == crate::alloc::BucketState::Closed;
     if emptied {
         retire_bucket(inner, &mut st, b);
     }
@@ -199,12 +200,12 @@ fn gc_one(inner: &Inner) -> Result<bool> {
 pub(crate) fn read_verified(
     inner: &Inner,
     dev: DevId,
-    block: u64,
+    block: BackingBlock,
     e: crate::index::Extent,
 ) -> Result<Option<Vec<u8>>> {
     let bs = inner.block_size() as usize;
     let mut data = vec![0u8; e.len as usize * bs];
-    let off = inner.layout.block_offset(e.cache_block);
+    let off = inner.layout.cache_block_offset(e.cache_block);
     inner
         .cache
         .read_at(&mut data, off)

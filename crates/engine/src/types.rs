@@ -1,8 +1,8 @@
 //! Small value types shared by the engine: identifiers, cache modes, the error type.
 //!
 //! Invariants: every on-disk code of an enum is parsed with a checked conversion
-//! (`from_code`) that rejects unknown values. Backing blocks are `u64` and cache blocks `u32`
-//! throughout, so the compiler keeps the two apart at every call that mixes them.
+//! (`from_code`) that rejects unknown values. The numbering units (buckets, cache blocks,
+//! generations, backing blocks) are in `units`.
 
 use std::fmt;
 use std::io;

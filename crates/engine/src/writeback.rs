@@ -17,6 +17,7 @@ use crate::set::Inner;
 use crate::space::read_verified;
 use crate::stats::Counters;
 use crate::types::{DevId, Error, IoContext, Result};
+use crate::units::{BackingBlock, Bucket, CacheBlock};
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -39,9 +40,9 @@ pub(crate) const WRITEBACK_SHARE_SLEEP_MAX: Duration = Duration::from_millis(100
 /// blocks, a refill that visits only dirty buckets: never a scan of the whole cache.
 #[derive(Default)]
 pub(crate) struct WritebackPool {
-    pool: Vec<(DevId, u64, crate::index::Extent)>,
+    pool: Vec<(DevId, BackingBlock, crate::index::Extent)>,
     pos: usize,
-    cursor: u32,
+    cursor: Bucket,
 }
 
 /// Most dirty blocks one refill of the writeback pool collects (bounded work under the state
@@ -57,7 +58,7 @@ impl WritebackPool {
         budget: u64,
         only: Option<DevId>,
         wanted: impl Fn(DevId) -> bool,
-    ) -> Vec<(DevId, u64, crate::index::Extent)> {
+    ) -> Vec<(DevId, BackingBlock, crate::index::Extent)> {
         let mut out = Vec::new();
         let mut taken = 0u64;
         let mut refilled = false;
@@ -86,7 +87,7 @@ impl WritebackPool {
 }
 
 /// Cache blocks whose buckets a writeback pass pinned; unpinned when dropped.
-struct Pins<'a>(Vec<u32>, &'a Inner);
+struct Pins<'a>(Vec<CacheBlock>, &'a Inner);
 
 impl Drop for Pins<'_> {
     fn drop(&mut self) {
@@ -200,14 +201,14 @@ pub(crate) fn writeback_pass(
     };
     let best = strongest(&rates);
     // Merge backing-contiguous neighbours into runs.
-    let mut runs: Vec<Vec<(DevId, u64, crate::index::Extent)>> = Vec::new();
+    let mut runs: Vec<Vec<(DevId, BackingBlock, crate::index::Extent)>> = Vec::new();
     for x in entries {
         match runs.last_mut() {
             Some(run)
                 if {
                     let (d, s, e) = run.last().unwrap();
                     *d == x.0
-                        && s + u64::from(e.len) == x.1
+                        && *s + u64::from(e.len) == x.1
                         && (x.1 + u64::from(x.2.len) - run[0].1) * bs <= WRITEBACK_RUN_BYTES
                 } =>
             {
@@ -240,7 +241,7 @@ pub(crate) fn writeback_pass(
         };
         let (r0, r1) = (
             run[0].1,
-            run.last().map(|(_, s, e)| s + u64::from(e.len)).unwrap(),
+            run.last().map(|(_, s, e)| *s + u64::from(e.len)).unwrap(),
         );
         let _g = inner.ranges.lock(dev, r0, r1);
         // Keep only the pieces that are still the current dirty copy, and pin them.
@@ -264,14 +265,14 @@ pub(crate) fn writeback_pass(
             match read_verified(inner, d, s, e) {
                 Ok(Some(data)) => {
                     match &mut pending {
-                        Some((at, buf)) if *at + buf.len() as u64 == s * bs => {
+                        Some((at, buf)) if *at + buf.len() as u64 == s.offset(bs) => {
                             buf.extend_from_slice(&data)
                         }
                         _ => {
                             if let Some((at, buf)) = pending.take() {
                                 result = result.and(write_backing(backing, at, &buf));
                             }
-                            pending = Some((s * bs, data));
+                            pending = Some((s.offset(bs), data));
                         }
                     }
                     ok_pieces.push((d, s, e));

@@ -26,6 +26,7 @@ use crate::policy::is_sequential_bypass;
 use crate::set::{Backing, DevKnobs, DevStatus, Inner};
 use crate::stats::Counters;
 use crate::types::{CacheMode, Error, IoContext, Result};
+use crate::units::BackingBlock;
 use blockdev::BlockDevice;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -335,13 +336,19 @@ impl Volume {
         self.note_io(offset, len);
         let inner = &*self.inner;
         let bs = inner.block_size();
-        let (b0, b1) = (offset / bs, (offset + len).div_ceil(bs));
+        let (b0, b1) = (
+            BackingBlock::of_offset(offset, bs),
+            BackingBlock::ceil_of_offset(offset + len, bs),
+        );
         let _guard = inner.ranges.lock(self.backing.id, b0, b1);
         self.change_backing(offset, len, |d, at| d.discard(at, len))
             .ctx(|| format!("discarding backing device at {offset}"))?;
         // Only blocks wholly inside the range are dropped: a partly discarded dirty block
         // still holds live sectors.
-        let (f0, f1) = (offset.div_ceil(bs), (offset + len) / bs);
+        let (f0, f1) = (
+            BackingBlock::ceil_of_offset(offset, bs),
+            BackingBlock::of_offset(offset + len, bs),
+        );
         let now = inner.now_ns();
         let mut st = inner.state.lock();
         st.collide(self.backing.id, b0, b1);
@@ -384,12 +391,12 @@ impl Volume {
         let bs = self.inner.block_size();
         let segs = self.inner.state.lock().index.lookup(
             self.backing.id,
-            offset / bs,
-            (offset + len).div_ceil(bs),
+            BackingBlock::of_offset(offset, bs),
+            BackingBlock::ceil_of_offset(offset + len, bs),
         );
         Ok(segs
             .into_iter()
-            .filter_map(|s| s.ext.map(|e| (s.block * bs, s.len * bs, e.dirty)))
+            .filter_map(|s| s.ext.map(|e| (s.block.offset(bs), s.len * bs, e.dirty)))
             .collect())
     }
 }

@@ -25,6 +25,7 @@ use crate::readahead;
 use crate::set::Promotion;
 use crate::stats::Counters;
 use crate::types::{CacheMode, Error, IoContext, Result};
+use crate::units::BackingBlock;
 
 /// A bypassing stream of more than one request and at least this long is read ahead
 /// (`readahead::WINDOW_BYTES` at a time).
@@ -35,6 +36,10 @@ const PROMOTION_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(1
 
 /// Expected crcs of the cached blocks of a request: up to 16 blocks without allocating.
 type Crcs = smallvec::SmallVec<[u32; 16]>;
+
+/// The miss fill around a request `[b0, b1)`: the ranges `[p0, b0)` before it and `[b1, s1)`
+/// after it, as `((p0, b0), (b1, s1))`.
+type BlockRanges = ((BackingBlock, BackingBlock), (BackingBlock, BackingBlock));
 
 /// The first block of `data` (whole blocks of `bs` bytes) whose crc32c is not its entry in
 /// `crcs`. Call it with no lock held.
@@ -127,7 +132,10 @@ impl Volume {
         let dev = self.backing.id;
         let bs = inner.block_size();
         let end = offset + buf.len() as u64;
-        let (b0, b1) = (offset / bs, end.div_ceil(bs));
+        let (b0, b1) = (
+            BackingBlock::of_offset(offset, bs),
+            BackingBlock::ceil_of_offset(end, bs),
+        );
         let tick = inner.next_tick();
         let mut waited = false;
         // Expected crcs of the cached blocks, copied with the pins in one critical section (a
@@ -202,11 +210,11 @@ impl Volume {
         let result = (|| {
             let ((p0, p1), (s0, s1)) = around;
             if promo.is_some() && segs.len() == 1 && segs[0].ext.is_none() {
-                let from = p0 * bs;
+                let from = p0.offset(bs);
                 let to = if s1 > s0 {
-                    s1 * bs
+                    s1.offset(bs)
                 } else {
-                    (b1 * bs).min(self.size_bytes())
+                    b1.offset(bs).min(self.size_bytes())
                 };
                 let mut d = vec![0u8; (to - from) as usize];
                 self.backing_read(&mut d, from)?;
@@ -226,8 +234,9 @@ impl Volume {
                 (Some(first), Some(last))
                     if promo.is_some() && self.backing.dev.is_rotational() =>
                 {
-                    let from = if p1 > p0 { p0 } else { first.block } * bs;
-                    let to = (if s1 > s0 { s1 } else { last.block + last.len } * bs)
+                    let from = if p1 > p0 { p0 } else { first.block }.offset(bs);
+                    let to = if s1 > s0 { s1 } else { last.block + last.len }
+                        .offset(bs)
                         .min(self.size_bytes());
                     let mut d = vec![0u8; (to - from) as usize];
                     self.backing_read(&mut d, from)?;
@@ -235,8 +244,8 @@ impl Volume {
                 }
                 _ => None,
             };
-            let range = |b0: u64, b1: u64| -> Result<Vec<u8>> {
-                let (from, to) = (b0 * bs, b1 * bs);
+            let range = |b0: BackingBlock, b1: BackingBlock| -> Result<Vec<u8>> {
+                let (from, to) = (b0.offset(bs), b1.offset(bs));
                 if let Some((start, d)) = &span {
                     return Ok(d[(from - start) as usize..(to - start) as usize].to_vec());
                 }
@@ -304,7 +313,7 @@ impl Volume {
     /// piece's bucket pinned and the blocks' crcs in `crcs`, checked against the index's
     /// seqlock after the pins (see `slots` and `alloc`). `None` (nothing pinned, `crcs` empty):
     /// a miss, or the index changed meanwhile; the locked path decides.
-    fn lock_free_hit(&self, b0: u64, b1: u64, crcs: &mut Crcs) -> Option<Segs> {
+    fn lock_free_hit(&self, b0: BackingBlock, b1: BackingBlock, crcs: &mut Crcs) -> Option<Segs> {
         let inner = &*self.inner;
         let reader = &inner.index_reader;
         let Some((seq, segs)) = crate::index::lookup_hit(reader, self.backing.id, b0, b1, crcs)
@@ -330,15 +339,21 @@ impl Volume {
     /// the uncached blocks around `[b0, b1)` up to the enclosing `policy::miss_fill_window`
     /// window are read and promoted too. Returns the extra ranges before and after the request
     /// (empty when the device is not rotational or the neighbours are cached).
-    fn miss_fill(&self, index: &crate::index::Index, b0: u64, b1: u64) -> ((u64, u64), (u64, u64)) {
+    fn miss_fill(
+        &self,
+        index: &crate::index::Index,
+        b0: BackingBlock,
+        b1: BackingBlock,
+    ) -> BlockRanges {
         let bs = self.inner.block_size();
         let window = crate::policy::miss_fill_window(self.backing.dev.is_rotational(), bs);
         if window <= 1 {
             return ((b0, b0), (b1, b1));
         }
+        // The enclosing window (aligning is arithmetic on the raw block numbers).
         let dev_blocks = self.size_bytes() / bs;
-        let w0 = b0 / window * window;
-        let w1 = (b1.div_ceil(window) * window).min(dev_blocks).max(b1);
+        let w0 = BackingBlock(b0.0 / window * window);
+        let w1 = BackingBlock((b1.0.div_ceil(window) * window).min(dev_blocks)).max(b1);
         let before = index.lookup(self.backing.id, w0, b0);
         let p0 = match before.last() {
             Some(s) if s.ext.is_none() => s.block,
@@ -361,13 +376,13 @@ impl Volume {
         offset: u64,
         buf: &mut [u8],
         holes: Holes,
-    ) -> Result<Vec<(u64, Vec<u8>)>> {
+    ) -> Result<Vec<(BackingBlock, Vec<u8>)>> {
         let want_fills = matches!(holes, Holes::Fill | Holes::Span { .. });
         let bs = self.inner.block_size();
         let end = offset + buf.len() as u64;
         let mut fills = Vec::new();
         for s in segs {
-            let (seg_start, seg_end) = (s.block * bs, (s.block + s.len) * bs);
+            let (seg_start, seg_end) = (s.block.offset(bs), (s.block + s.len).offset(bs));
             let data = match s.ext {
                 Some(e) => {
                     let (expected, rest) = crcs.split_at(e.len as usize);
@@ -475,13 +490,13 @@ impl Volume {
     /// from the index (`out` then holds nothing useful).
     pub(super) fn read_cached(
         &self,
-        block: u64,
+        block: BackingBlock,
         e: crate::index::Extent,
         crcs: &[u32],
         out: &mut [u8],
     ) -> Result<bool> {
         let inner = &*self.inner;
-        let off = inner.layout.block_offset(e.cache_block);
+        let off = inner.layout.cache_block_offset(e.cache_block);
         Counters::add(&self.backing.counters.cache_read_bytes, out.len() as u64);
         inner
             .cache
@@ -530,7 +545,7 @@ impl Volume {
     }
 
     /// Inserts read-miss data into the cache unless a write overlapped it meanwhile.
-    fn promote(&self, id: u64, fills: Vec<(u64, Vec<u8>)>) {
+    fn promote(&self, id: u64, fills: Vec<(BackingBlock, Vec<u8>)>) {
         let inner = &*self.inner;
         for (block, data) in fills {
             if inner

@@ -14,6 +14,7 @@ use crate::format::BackingState;
 use crate::policy::WriteRoute as Route;
 use crate::stats::Counters;
 use crate::types::{IoContext, Result};
+use crate::units::BackingBlock;
 use std::sync::atomic::Ordering;
 
 impl Volume {
@@ -22,7 +23,7 @@ impl Volume {
     /// stored (fewer than given when the cache has no room).
     pub(super) fn cache_insert(
         &self,
-        block: u64,
+        block: BackingBlock,
         data: &[u8],
         dirty: bool,
         promotion: Option<u64>,
@@ -43,7 +44,7 @@ impl Volume {
             };
             let (cb, n) = (grant.cb, grant.n);
             let chunk = &data[(done * bs) as usize..((done + u64::from(n)) * bs) as usize];
-            let off = inner.layout.block_offset(cb);
+            let off = inner.layout.cache_block_offset(cb);
             Counters::add(
                 &self.backing.counters.cache_written_bytes,
                 chunk.len() as u64,
@@ -143,13 +144,17 @@ impl Volume {
         let inner = &*self.inner;
         let bs = inner.block_size();
         let end = offset + len;
-        let (b0, b1) = (offset / bs, end.div_ceil(bs));
+        let (b0, b1) = (
+            BackingBlock::of_offset(offset, bs),
+            BackingBlock::ceil_of_offset(end, bs),
+        );
         let _guard = inner.ranges.lock(self.backing.id, b0, b1);
         inner.state.lock().collide(self.backing.id, b0, b1);
         let piece =
             |from: u64, to: u64| data.map(|d| &d[(from - offset) as usize..(to - offset) as usize]);
         // Head and tail blocks that the request covers only partly.
-        let head_partial = !offset.is_multiple_of(bs) || end < (b0 + 1) * bs;
+        let head_end = (b0 + 1).offset(bs);
+        let head_partial = !offset.is_multiple_of(bs) || end < head_end;
         let tail_partial = b1 - 1 > b0 && !end.is_multiple_of(bs);
         let full0 = if head_partial { b0 + 1 } else { b0 };
         let full1 = if tail_partial { b1 - 1 } else { b1 };
@@ -157,16 +162,21 @@ impl Volume {
             self.write_partial(
                 b0,
                 offset,
-                end.min((b0 + 1) * bs),
-                piece(offset, end.min((b0 + 1) * bs)),
+                end.min(head_end),
+                piece(offset, end.min(head_end)),
                 route,
             )?;
         }
         if full1 > full0 {
-            self.write_blocks(full0, piece(full0 * bs, full1 * bs), full1 - full0, route)?;
+            self.write_blocks(
+                full0,
+                piece(full0.offset(bs), full1.offset(bs)),
+                full1 - full0,
+                route,
+            )?;
         }
         if tail_partial {
-            let from = (b1 - 1) * bs;
+            let from = (b1 - 1).offset(bs);
             self.write_partial(b1 - 1, from, end, piece(from, end), route)?;
         }
         Ok(())
@@ -175,7 +185,7 @@ impl Volume {
     /// A write covering `[from, to)` inside block `block` but not the whole block.
     fn write_partial(
         &self,
-        block: u64,
+        block: BackingBlock,
         from: u64,
         to: u64,
         data: Option<&[u8]>,
@@ -183,7 +193,7 @@ impl Volume {
     ) -> Result<()> {
         let inner = &*self.inner;
         let bs = inner.block_size();
-        let block_end = ((block + 1) * bs).min(self.size_bytes());
+        let block_end = (block + 1).offset(bs).min(self.size_bytes());
         let (seg, crc) = {
             let mut st = inner.state.lock();
             let seg = st.index.lookup(self.backing.id, block, block + 1)[0];
@@ -204,8 +214,8 @@ impl Volume {
             _ => None,
         };
         match cached {
-            Some(mut whole) if block_end == (block + 1) * bs => {
-                let at = (from - block * bs) as usize;
+            Some(mut whole) if block_end == (block + 1).offset(bs) => {
+                let at = (from - block.offset(bs)) as usize;
                 let n = (to - from) as usize;
                 match data {
                     Some(d) => whole[at..at + n].copy_from_slice(d),
@@ -237,11 +247,17 @@ impl Volume {
     }
 
     /// Writes whole blocks `[block, block + n)` (data, or zeroes when `None`) along `route`.
-    fn write_blocks(&self, block: u64, data: Option<&[u8]>, n: u64, route: Route) -> Result<()> {
+    fn write_blocks(
+        &self,
+        block: BackingBlock,
+        data: Option<&[u8]>,
+        n: u64,
+        route: Route,
+    ) -> Result<()> {
         let inner = &*self.inner;
         let bs = inner.block_size();
         let dev = self.backing.id;
-        let (from, len) = (block * bs, n * bs);
+        let (from, len) = (block.offset(bs), n * bs);
         let data = match (data, route) {
             (None, Route::Bypass) | (None, _) => {
                 // Zeroes always go down as a zeroing command, never through the cache.
