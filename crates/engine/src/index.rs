@@ -153,7 +153,7 @@ pub fn lookup_hit(
 
 /// Whether every block of `[b0, b1)` of `dev` was cached at one moment (a lock-free look
 /// that pins nothing: a hint, e.g. that a read will not wait on the backing device).
-pub fn all_cached(reader: &IndexReader, dev: DevId, b0: u64, b1: u64) -> bool {
+pub fn all_cached(reader: &IndexReader, dev: DevId, b0: BackingBlock, b1: BackingBlock) -> bool {
     struct Discard;
     impl Extend<u32> for Discard {
         fn extend<I: IntoIterator<Item = u32>>(&mut self, _: I) {}

@@ -93,8 +93,8 @@ impl Volume {
         crate::index::all_cached(
             &self.inner.index_reader,
             self.backing.id,
-            offset / bs,
-            end.div_ceil(bs),
+            BackingBlock::of_offset(offset, bs),
+            BackingBlock::ceil_of_offset(end, bs),
         )
     }
 
