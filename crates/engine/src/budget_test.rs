@@ -154,3 +154,28 @@ fn a_cached_4k_read_allocates_nothing() {
     assert_eq!(vol.status().stats.total.cache_hits, hits + 1, "a hit");
     assert_eq!(peak, before, "the hit allocated {} bytes", peak - before);
 }
+
+/// Resident memory of this process in bytes (Linux `/proc/self/statm`).
+fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+/// An empty index costs address space, not RAM: its arrays are allocated zeroed and the
+/// kernel maps their pages only as they are written (an index for a 64 GiB cache is about
+/// 240 MiB of arrays; writing them at creation, as an early version of `slots` did, made an
+/// empty 1 TiB cache start with 1 GiB resident).
+#[test]
+fn an_empty_index_is_not_resident() {
+    let (nbuckets, bpb) = (131_072, 128); // 64 GiB of 512 KiB buckets
+    let before = resident_bytes();
+    let index = Index::new(nbuckets, bpb);
+    let grown = resident_bytes().saturating_sub(before);
+    let arrays = index.heap_bytes();
+    assert!(arrays > 200 << 20, "the arrays are {arrays} bytes");
+    assert!(
+        grown < arrays / 8,
+        "creating an empty index made {grown} of its {arrays} bytes resident"
+    );
+}
