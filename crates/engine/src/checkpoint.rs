@@ -19,8 +19,12 @@
 //!   the snapshot; every entry sets what it touches (a mapping, a generation, a dirty bit)
 //!   rather than depending on what was there, except `MarkClean`, which applies only where the
 //!   mapping it names still holds, and the generation check, which drops inserts into a bucket
-//!   that was since reused; so replay reaches the same state whichever moment each bucket was
-//!   encoded at (the crash test checks this at every I/O);
+//!   that was since reused (the header's generations are from the checkpoint's end). A dropped
+//!   insert still unmaps its backing blocks, as the engine did when it made it: a chunk encoded
+//!   before it may hold the mapping it replaced, and nothing later in the journal would remove
+//!   that one (a mapping in a chunk that was made after it is made again by its own later
+//!   entry). So replay reaches the same state whichever moment each bucket was encoded at (the
+//!   crash test checks this at every I/O);
 //! - the superblock records the current checkpoint's sequence; a checkpoint whose sequence or
 //!   checksum (header or any chunk) disagrees is damage, reported, never silently replaced by an
 //!   older snapshot;
@@ -430,6 +434,11 @@ fn apply(
             };
             if check_extent(l, gens, dev, block, &e, gen)? {
                 index.insert_replayed(dev, block, e, &crcs);
+            } else {
+                // Stale: its bucket was retired later, so it maps nothing now. But when the
+                // engine made it, it also replaced whatever mapped these blocks before, and a
+                // checkpoint chunk written before it may still hold that older mapping.
+                index.remove_range(dev, block, block + u64::from(len));
             }
         }
         Entry::Invalidate { dev, block, len } => {

@@ -34,6 +34,12 @@ const REGRESSIONS: &[(u64, u64)] = &[
     // header still said dirty for this set, which attach refuses as lost dirty data (all of
     // it had been written back).
     (1000, 169),
+    // The end state (no crash point) after a fuzzy checkpoint during which a writethrough
+    // write replaced a cached block and the bucket it went to was retired before the
+    // checkpoint ended: replay dropped the write's insert as stale (the header's generation is
+    // from the end) and with it the removal of the older mapping that a chunk encoded before
+    // the write still held, so a flushed write read back as the one before it.
+    (1795483431867817277, 0),
 ];
 
 fn workload(seed: u64) -> Vec<Op> {
