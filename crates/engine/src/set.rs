@@ -6,8 +6,10 @@
 //! - `State` (index, buckets, pending journal entries) is changed only under its mutex, and
 //!   every index change appends the matching journal entry in the same critical section, so
 //!   replaying the journal in order reproduces the in-memory index exactly;
-//! - commits and checkpoints are serialized by `commit_lock`; a commit flushes the cache device
-//!   (data), writes one record, flushes again, then advances `durable_epoch`;
+//! - commits and checkpoints are serialized by `commit_lock`; a commit writes one record (both
+//!   copies in one write, see `journal.rs`) and flushes the cache device once, which makes the
+//!   record and the data its inserts point to durable together, then advances
+//!   `durable_epoch`;
 //! - a backing device's header says `Dirty` before any dirty entry for it can be durable, and
 //!   says `Clean` only when the set holds no dirty data for it;
 //! - an entry that drops dirty data (superseded by a write that went to the backing device)
@@ -499,8 +501,8 @@ impl Inner {
     }
 
     /// Writes every pending entry as one record (caller holds `commit_lock`): first flushes
-    /// the backing devices the entries owe a flush, then writes the record (both mirror
-    /// copies) and flushes the cache device once, which makes the data the record points to
+    /// the backing devices the entries owe a flush, then writes the record (both copies, one
+    /// write) and flushes the cache device once, which makes the data the record points to
     /// and the record durable together (recovery checks the last record's data; see
     /// `journal::replay`). A failed backing flush or a full ring writes nothing.
     fn write_record(&self) -> Result<Record> {
@@ -523,7 +525,7 @@ impl Inner {
                 return Ok(Record::Written);
             }
             // Only what was appended before the backing flush above goes in this record.
-            let rec_len = crate::journal::record_len(len);
+            let rec_len = crate::journal::record_space(len);
             let Some((pos, cost)) = j.ring.reserve(rec_len) else {
                 return Ok(Record::RingFull);
             };
@@ -536,14 +538,15 @@ impl Inner {
             j.ring.advance(pos, rec_len, cost);
             (payload, pos, seq)
         };
+        // Both copies, side by side, in one write (see `journal.rs` for why that is enough).
         let rec = encode_record(seq, &self.sb.lock().set_uuid, &payload);
-        debug_assert_eq!(rec.len() as u64, crate::journal::record_len(payload.len()));
-        let half = self.layout.journal_len / 2;
-        for copy in [0, half] {
-            self.cache
-                .write_at(&rec, self.layout.journal_off + copy + pos)
-                .ctx(|| format!("writing journal record {seq}"))?;
-        }
+        debug_assert_eq!(
+            rec.len() as u64,
+            crate::journal::record_space(payload.len())
+        );
+        self.cache
+            .write_at(&rec, self.layout.journal_off + pos)
+            .ctx(|| format!("writing journal record {seq}"))?;
         self.cache
             .flush()
             .ctx(|| "flushing journal record".into())?;
@@ -850,7 +853,7 @@ impl CacheSet {
             label: opts.label.clone(),
         };
         let ring = Ring {
-            len: layout.journal_len / 2,
+            len: layout.journal_len,
             head: 0,
             used: 0,
             next_seq: 1,
@@ -870,11 +873,9 @@ impl CacheSet {
         // Wipe the old journal's first block and the other checkpoint slot so nothing from a
         // previous format can be mistaken for ours.
         let zero = vec![0u8; 4096];
-        for copy in [0, layout.journal_len / 2] {
-            cache
-                .write_at(&zero, layout.journal_off + copy)
-                .ctx(|| "clearing journal".into())?;
-        }
+        cache
+            .write_at(&zero, layout.journal_off)
+            .ctx(|| "clearing journal".into())?;
         cache
             .write_at(&zero, layout.ckpt_offsets[1])
             .ctx(|| "clearing checkpoint slot".into())?;
@@ -898,15 +899,15 @@ impl CacheSet {
             notes,
             records_replayed,
             entries_replayed,
-            dropped_record_at,
+            dropped_record,
         } = checkpoint::load(&*cache)?;
-        if let Some(pos) = dropped_record_at {
-            // Erase the dropped record (both copies) so a new record with its sequence can
-            // never be mistaken for it; see `journal::replay`.
+        if let Some(d) = dropped_record {
+            // Erase the dropped record (the first block of both copies) so a new record with
+            // its sequence can never be mistaken for it; see `journal::replay`.
             let zero = vec![0u8; crate::format::META_BLOCK as usize];
-            for copy in [0, sb.layout.journal_len / 2] {
+            for at in [d.pos, d.pos + d.copy_len] {
                 cache
-                    .write_at(&zero, sb.layout.journal_off + copy + pos)
+                    .write_at(&zero, sb.layout.journal_off + at)
                     .ctx(|| "erasing a dropped journal record".into())?;
             }
             cache.flush().ctx(|| "flushing cache device".into())?;
