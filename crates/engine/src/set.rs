@@ -10,6 +10,10 @@
 //!   copies in one write, see `journal.rs`) and flushes the cache device once, which makes the
 //!   record and the data its inserts point to durable together, then advances
 //!   `durable_epoch`;
+//! - group commit (`commit_to`): a flush whose entries are durable already returns without a
+//!   commit; otherwise one flusher at a time commits for all (the leader) while the others
+//!   wait on a condition variable, so a flusher waits for at most the record being written
+//!   when it arrived and one more, which covers it;
 //! - a backing device's header says `Dirty` before any dirty entry for it can be durable, and
 //!   says `Clean` only when the set holds no dirty data for it;
 //! - an entry that drops dirty data (superseded by a write that went to the backing device)
@@ -321,6 +325,10 @@ pub(crate) struct Inner {
     /// The pin counts of `state.buckets`, shared so readers drop pins without the lock.
     pub pins: crate::alloc::Pins,
     pub commit_lock: Mutex<()>,
+    /// Group commit (`commit_to`): whether a leader is committing for the waiters, and the
+    /// condition they wait on. std's, whose `notify_all` wakes every waiter at once. Lock
+    /// order: `group` before `state`; it is never held while `commit_lock` is taken.
+    pub group: (std::sync::Mutex<bool>, std::sync::Condvar),
     /// Serializes checkpoints. Lock order: `ckpt_lock` before `commit_lock`; a committer that
     /// holds `commit_lock` only ever try-locks it, or waits for it with `commit_lock` released.
     pub ckpt_lock: Mutex<()>,
@@ -431,10 +439,49 @@ impl Inner {
         u64::from(self.layout.block_size)
     }
 
-    /// Makes every journal entry appended up to `target` durable (group commit).
+    /// Makes every journal entry appended up to `target` durable (group commit); `u64::MAX`:
+    /// everything appended so far, always through a commit of its own (which also releases
+    /// buckets whose generation bump became durable).
+    ///
+    /// One caller at a time writes the record (the leader, through `commit_locked`); the
+    /// others wait on `group` without holding or spinning on any lock. When the leader is done
+    /// every waiter wakes, those its record covered return at once, and one of the rest leads
+    /// the next commit, which takes every entry appended by then. So a flusher that arrives
+    /// while a record is being written waits for that one and then at most one more, and one
+    /// that finds its entries durable already returns without waiting for anything.
     pub fn commit_to(&self, target: u64) -> Result<()> {
+        if target == u64::MAX {
+            let mut c = self.commit_lock.lock();
+            return self.commit_locked(&mut c);
+        }
+        let durable = || self.state.lock().journal.durable_epoch >= target;
+        if durable() {
+            return Ok(());
+        }
+        let (lock, cv) = &self.group;
+        let mut leading = lock.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if durable() {
+                return Ok(());
+            }
+            if !*leading {
+                break;
+            }
+            leading = cv.wait(leading).unwrap_or_else(|e| e.into_inner());
+        }
+        *leading = true;
+        drop(leading);
+        // Clears the flag and wakes the waiters however the commit ends (a panic included).
+        struct Lead<'a>(&'a (std::sync::Mutex<bool>, std::sync::Condvar));
+        impl Drop for Lead<'_> {
+            fn drop(&mut self) {
+                *self.0 .0.lock().unwrap_or_else(|e| e.into_inner()) = false;
+                self.0 .1.notify_all();
+            }
+        }
+        let _lead = Lead(&self.group);
         let mut c = self.commit_lock.lock();
-        if self.state.lock().journal.durable_epoch >= target {
+        if durable() {
             return Ok(());
         }
         self.commit_locked(&mut c)
@@ -949,6 +996,7 @@ impl CacheSet {
             state: Mutex::new(state),
             pins,
             commit_lock: Mutex::new(()),
+            group: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
             ckpt_lock: Mutex::new(()),
             ranges: RangeLocks::default(),
             backings: RwLock::new(HashMap::new()),
