@@ -13,7 +13,8 @@
 //!   multi-device run; the N-th I/O itself fails (a write is recorded as in flight, so the
 //!   crash may tear it), and every later I/O on every attached device fails with EIO;
 //! - `SimDevice::crash_image` = durable image + each write since the last completed flush,
-//!   in order, kept whole, dropped, or torn (a random subset of its 512-byte sectors).
+//!   in order, kept whole, dropped, or torn (a random subset of its 512-byte sectors);
+//!   `crash_image_with` lets a test choose the surviving sectors of each write itself.
 //!   Sectors are never torn internally.
 //!
 //! Fault model (what tests can inject): EIO from rules (per device name, operation, byte range,
@@ -259,6 +260,29 @@ impl SimDevice {
                             out[o..o + s.len()].copy_from_slice(s);
                         }
                     }
+                }
+            }
+        }
+        out
+    }
+
+    /// What a crash leaves when `keep` decides, for each write since the last completed flush
+    /// (its offset and data, in order), which of its 512-byte sectors survive: the durable
+    /// image plus those sectors. For tests that need one particular torn write.
+    pub fn crash_image_with(&self, keep: &mut dyn FnMut(u64, &[u8]) -> Vec<bool>) -> Vec<u8> {
+        let img = self.img.lock();
+        let mut out = img.durable.clone();
+        for (off, data) in &img.pending {
+            let sectors = keep(*off, data);
+            assert_eq!(
+                sectors.len(),
+                data.len().div_ceil(SECTOR_SIZE as usize),
+                "one decision per sector"
+            );
+            for (i, s) in data.chunks(SECTOR_SIZE as usize).enumerate() {
+                if sectors[i] {
+                    let o = *off as usize + i * SECTOR_SIZE as usize;
+                    out[o..o + s.len()].copy_from_slice(s);
                 }
             }
         }

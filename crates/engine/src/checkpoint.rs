@@ -135,8 +135,8 @@ pub struct Loaded {
     pub notes: Vec<String>,
     pub records_replayed: usize,
     pub entries_replayed: usize,
-    /// Position of a last journal record dropped for missing data (erase before committing).
-    pub dropped_record_at: Option<u64>,
+    /// A last journal record dropped for missing data (erase both copies before committing).
+    pub dropped_record: Option<journal::Dropped>,
 }
 
 fn corrupt(m: impl Into<String>) -> Error {
@@ -273,9 +273,10 @@ pub fn load(cache: &dyn BlockDevice) -> Result<Loaded> {
     let mut check_data = |entries: &[Entry]| last_record_data_ok(cache, &l, entries);
     let replay = journal::replay(&region, &sb.set_uuid, jpos, jseq, &mut check_data)?;
     drop(region);
-    if let Some((seq, _)) = replay.dropped_last {
+    if let Some(d) = replay.dropped_last {
         notes.push(format!(
-            "journal record {seq} dropped: its data did not reach the cache device before the crash"
+            "journal record {} dropped: its data did not reach the cache device before the crash",
+            d.seq
         ));
     }
     let records_replayed = replay.records.len();
@@ -296,7 +297,7 @@ pub fn load(cache: &dyn BlockDevice) -> Result<Loaded> {
         notes,
         records_replayed,
         entries_replayed,
-        dropped_record_at: replay.dropped_last.map(|(_, pos)| pos),
+        dropped_record: replay.dropped_last,
     })
 }
 

@@ -3,9 +3,12 @@
 //!
 //! Invariants:
 //! - commits are serialized by `commit_lock`; a commit first flushes the backing devices its
-//!   entries owe a flush, then writes one record (both mirror copies) and flushes the cache
-//!   device once, which makes the record and the data it points to durable together
-//!   (recovery checks the last record's data), then advances `durable_epoch`;
+//!   entries owe a flush, then writes one record (both copies side by side, one write) and
+//!   flushes the cache device once, which makes the record and the data it points to durable
+//!   together (recovery checks the last record's data), then advances `durable_epoch`;
+//! - group commit: a flush whose entries are durable returns at once; otherwise one flusher
+//!   at a time (the leader) commits for all while the others wait, so a flush waits for at
+//!   most the record being written when it arrived and one more;
 //! - checkpoints are serialized by `ckpt_lock`, taken before `commit_lock`; a committer that
 //!   holds `commit_lock` only try-locks it or waits for it with `commit_lock` released;
 //! - a checkpoint's chunks are written with the state lock taken once per chunk and no commit
@@ -35,10 +38,49 @@ impl State {
 }
 
 impl Inner {
-    /// Makes every journal entry appended up to `target` durable (group commit).
+    /// Makes every journal entry appended up to `target` durable (group commit); `u64::MAX`:
+    /// everything appended so far, always through a commit of its own (which also releases
+    /// buckets whose generation bump became durable).
+    ///
+    /// One caller at a time writes the record (the leader, through `commit_locked`); the
+    /// others wait on `group` without holding or spinning on any lock. When the leader is done
+    /// every waiter wakes, those its record covered return at once, and one of the rest leads
+    /// the next commit, which takes every entry appended by then. So a flusher that arrives
+    /// while a record is being written waits for that one and then at most one more, and one
+    /// that finds its entries durable already returns without waiting for anything.
     pub fn commit_to(&self, target: u64) -> Result<()> {
+        if target == u64::MAX {
+            let mut c = self.commit_lock.lock();
+            return self.commit_locked(&mut c);
+        }
+        let durable = || self.state.lock().journal.durable_epoch >= target;
+        if durable() {
+            return Ok(());
+        }
+        let (lock, cv) = &self.group;
+        let mut leading = lock.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if durable() {
+                return Ok(());
+            }
+            if !*leading {
+                break;
+            }
+            leading = cv.wait(leading).unwrap_or_else(|e| e.into_inner());
+        }
+        *leading = true;
+        drop(leading);
+        // Clears the flag and wakes the waiters however the commit ends (a panic included).
+        struct Lead<'a>(&'a (std::sync::Mutex<bool>, std::sync::Condvar));
+        impl Drop for Lead<'_> {
+            fn drop(&mut self) {
+                *self.0 .0.lock().unwrap_or_else(|e| e.into_inner()) = false;
+                self.0 .1.notify_all();
+            }
+        }
+        let _lead = Lead(&self.group);
         let mut c = self.commit_lock.lock();
-        if self.state.lock().journal.durable_epoch >= target {
+        if durable() {
             return Ok(());
         }
         self.commit_locked(&mut c)
@@ -105,8 +147,8 @@ impl Inner {
     }
 
     /// Writes every pending entry as one record (caller holds `commit_lock`): first flushes
-    /// the backing devices the entries owe a flush, then writes the record (both mirror
-    /// copies) and flushes the cache device once, which makes the data the record points to
+    /// the backing devices the entries owe a flush, then writes the record (both copies, one
+    /// write) and flushes the cache device once, which makes the data the record points to
     /// and the record durable together (recovery checks the last record's data; see
     /// `journal::replay`). A failed backing flush or a full ring writes nothing.
     fn write_record(&self) -> Result<Record> {
@@ -129,7 +171,7 @@ impl Inner {
                 return Ok(Record::Written);
             }
             // Only what was appended before the backing flush above goes in this record.
-            let rec_len = crate::journal::record_len(len);
+            let rec_len = crate::journal::record_space(len);
             let Some((pos, cost)) = j.ring.reserve(rec_len) else {
                 return Ok(Record::RingFull);
             };
@@ -142,14 +184,15 @@ impl Inner {
             j.ring.advance(pos, rec_len, cost);
             (payload, pos, seq)
         };
+        // Both copies, side by side, in one write (see `journal.rs` for why that is enough).
         let rec = encode_record(seq, &self.sb.lock().set_uuid, &payload);
-        debug_assert_eq!(rec.len() as u64, crate::journal::record_len(payload.len()));
-        let half = self.layout.journal_len / 2;
-        for copy in [0, half] {
-            self.cache
-                .write_at(&rec, self.layout.journal_off + copy + pos)
-                .ctx(|| format!("writing journal record {seq}"))?;
-        }
+        debug_assert_eq!(
+            rec.len() as u64,
+            crate::journal::record_space(payload.len())
+        );
+        self.cache
+            .write_at(&rec, self.layout.journal_off + pos)
+            .ctx(|| format!("writing journal record {seq}"))?;
         self.cache
             .flush()
             .ctx(|| "flushing journal record".into())?;

@@ -86,7 +86,7 @@ impl Layout {
             return Err(too_small());
         }
         let sb_last = device_size - META_BLOCK;
-        // Two mirror halves, each a whole number of 4 KiB blocks.
+        // A multiple of 8 KiB (as when the region was split into two mirror halves).
         let journal_len = round_up((device_size / 64).clamp(1 << 20, 256 << 20), 2 * META_BLOCK);
         let bpb = u64::from(bucket_size / block_size);
         let mut nbuckets = (device_size / u64::from(bucket_size)) as u32;

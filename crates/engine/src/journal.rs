@@ -4,17 +4,47 @@
 //! Invariants:
 //! - records carry consecutive sequence numbers; a record is written at the ring head, or at
 //!   the ring start when it does not fit before the end (the reader tries the same two places);
-//! - a record is only ever written after the cache device was flushed, so every `Insert` in a
-//!   durable record points to durable data; the record itself is flushed before the commit
-//!   returns, and commits are serialized, so at most the last record can be torn by a crash;
+//! - every record is stored as two identical copies side by side — copy 0 at the record's
+//!   position, copy 1 right after it — written by one write and made durable by the commit's
+//!   one flush of the cache device; that flush also makes durable the data every `Insert` of
+//!   the record points to (written before the entry was appended), so at most the last record
+//!   can be on the device while data it points to is not (recovery checks it, see `replay`);
+//! - commits are serialized and each returns only after its flush, so every record but the
+//!   last was followed by a completed flush before the next one was written: at most the last
+//!   record can be torn by a crash;
 //! - ring space between the checkpoint's start position and the head is never overwritten
 //!   (`Ring::reserve` refuses, and the caller writes a checkpoint instead);
-//! - every record is written twice, at the same position in two mirror halves of the journal
-//!   region (one write each, then one flush), so media damage to one copy of any record —
-//!   including the newest, which a torn write could otherwise explain — is survived;
-//! - replay stops at the first record that is missing or fails its checksum; if any valid record
-//!   with a later sequence exists elsewhere in the ring, that was corruption in the middle of the
-//!   journal, not a torn tail, and replay reports damage instead of silently losing entries.
+//! - replay stops at the first record found in neither copy; if any valid record with a later
+//!   sequence exists elsewhere in the ring, that was corruption in the middle of the journal,
+//!   not a torn tail, and replay reports damage instead of silently losing entries.
+//!
+//! Why two copies, and why side by side (the durability argument). With one copy, damage to
+//! the newest record would look exactly like a torn final write, and its entries — acknowledged
+//! by a completed flush — would be dropped silently. With two:
+//! - after the commit's flush completed, damage to either copy (a flipped bit, an unreadable
+//!   sector) leaves the other whole: each copy is whole 4 KiB blocks, so the two share no
+//!   sector, and the reader finds copy 1 without trusting anything in copy 0 (below);
+//! - a crash during the write may leave any subset of its sectors (`docs/format.md`, media
+//!   assumptions): a copy that reads back valid is the whole record as it was meant to be, and
+//!   the last record's data check decides whether it stays; if neither copy is valid the
+//!   commit never returned (its flush had not completed), so dropping it is allowed;
+//! - one flush covers both copies, as it did when they were two writes: the record was never
+//!   durable in one copy before the other.
+//!
+//! What side by side gives up against copies in two halves of the region (the layout before
+//! journal records version 2, two writes per commit): damage that spans both copies of one
+//! record at once — a run of bad sectors across the boundary, a misdirected write over the
+//! range — is no longer survived. On flash the copies of either layout were written together
+//! and the device places them by its own mapping, so only such address-range damage tells the
+//! layouts apart; the second write was about a quarter of a commit's device time under W4's
+//! sync writes (`docs/decisions.md`).
+//!
+//! Finding copy 1 when copy 0 is damaged: every 4 KiB block after the record's position is
+//! probed for a valid copy with the expected sequence whose own size puts it exactly one copy
+//! after the position. A valid copy of a given sequence belongs to one record only: recovery
+//! either replays a record it finds (the next one gets the next sequence) or drops it and
+//! erases both copies before its sequence is written again; so a valid copy with the expected
+//! sequence at that distance is that record's copy 1.
 
 use crate::codec::{frame, frame_header, round_up, unframe, Reader, Writer, FRAME_HEADER_BYTES};
 use crate::format::META_BLOCK;
@@ -23,7 +53,10 @@ use crate::units::{BackingBlock, Bucket, CacheBlock, Gen};
 use uuid::Uuid;
 
 pub const JOURNAL_MAGIC: &[u8; 8] = b"TCJRNL01";
-pub const JOURNAL_VERSION: u32 = 1;
+/// Version 2: the two copies side by side. Version 1 (an earlier build of format 2) put them
+/// in two halves of the region; its records are refused by name (see `replay`).
+pub const JOURNAL_VERSION: u32 = 2;
+const JOURNAL_VERSION_HALVES: u32 = 1;
 
 /// One change to the index or the device table.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -179,24 +212,31 @@ impl Entry {
     }
 }
 
-/// Encodes a record holding already-encoded entries, padded to whole 4 KiB blocks. The payload
-/// starts with the cache set's uuid, so records left by an earlier format of the same device
-/// are never mistaken for ours.
+/// Encodes a record holding already-encoded entries as it goes on the device: one copy padded
+/// to whole 4 KiB blocks (`record_len`), then the same copy again. The payload starts with the
+/// cache set's uuid, so records left by an earlier format of the same device are never mistaken
+/// for ours.
 pub fn encode_record(seq: u64, set_uuid: &Uuid, entries: &[u8]) -> Vec<u8> {
+    let len = record_len(entries.len()) as usize;
     let mut payload = Vec::with_capacity(16 + entries.len());
     payload.extend_from_slice(set_uuid.as_bytes());
     payload.extend_from_slice(entries);
     let mut rec = frame(JOURNAL_MAGIC, JOURNAL_VERSION, seq, &payload);
-    let len = record_len(entries.len()) as usize;
     assert!(rec.len() <= len, "a record outgrew its reserved size");
+    rec.reserve_exact(2 * len - rec.len());
     rec.resize(len, 0);
+    rec.extend_from_within(..len);
     rec
 }
 
-/// The size of the record `encode_record` makes of `entries_len` bytes of entries (ring
-/// space is reserved with it before the record is encoded).
+/// The size of one copy of the record `encode_record` makes of `entries_len` bytes of entries.
 pub fn record_len(entries_len: usize) -> u64 {
     round_up((FRAME_HEADER_BYTES + 16 + entries_len) as u64, META_BLOCK)
+}
+
+/// The ring space such a record takes: both copies (reserved before the record is encoded).
+pub fn record_space(entries_len: usize) -> u64 {
+    2 * record_len(entries_len)
 }
 
 /// Decodes the entries of a record payload; `None` if any entry is malformed.
@@ -212,6 +252,7 @@ pub fn decode_entries(payload: &[u8]) -> Option<Vec<Entry>> {
 /// Position bookkeeping of the ring (relative byte offsets inside the journal region).
 #[derive(Clone, Debug)]
 pub struct Ring {
+    /// The whole journal region (a record's two copies are one piece of it).
     pub len: u64,
     /// Where the next record goes.
     pub head: u64,
@@ -222,8 +263,9 @@ pub struct Ring {
 }
 
 impl Ring {
-    /// Where a record of `size` bytes would go and how many ring bytes it consumes (including
-    /// the wasted tail when it wraps), or `None` if it does not fit without overwriting.
+    /// Where a record taking `size` bytes (both copies) would go and how many ring bytes it
+    /// consumes (including the wasted tail when it wraps), or `None` if it does not fit
+    /// without overwriting.
     pub fn reserve(&self, size: u64) -> Option<(u64, u64)> {
         let (pos, cost) = if self.head + size <= self.len {
             (self.head, size)
@@ -248,27 +290,55 @@ impl Ring {
     }
 }
 
+/// A last record dropped by replay because the data it points to is not there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dropped {
+    pub seq: u64,
+    /// Position of copy 0 (copy 1 is `copy_len` after it).
+    pub pos: u64,
+    pub copy_len: u64,
+}
+
 /// Result of reading the journal after a checkpoint.
 pub struct Replay {
     pub records: Vec<(u64, Vec<Entry>)>,
     pub ring: Ring,
-    /// `(sequence, position)` of a last record dropped because the data it points to is not
-    /// there. The opener must erase it before writing a new record: a new record with the same
-    /// sequence may go elsewhere (to the ring start), and this one must not be found instead.
-    pub dropped_last: Option<(u64, u64)>,
+    /// The opener must erase a dropped record (the first block of both copies) before writing
+    /// a new record: a new record with the same sequence may go elsewhere (to the ring start),
+    /// and this one must not be found instead.
+    pub dropped_last: Option<Dropped>,
 }
 
-/// Tries to parse a record with sequence `seq` at `pos` in either mirror half.
+/// The record with sequence `seq` stored at `pos`: copy 0 there, else copy 1 right after it.
+/// Copy 1 is looked for without trusting copy 0's header: each 4 KiB block after `pos` is
+/// probed for a valid copy with this sequence whose own size puts it exactly there. Returns
+/// the entries and the size of one copy.
 fn record_at(region: &[u8], set: &Uuid, pos: u64, seq: u64) -> Option<(Vec<Entry>, u64)> {
-    let half = region.len() / 2;
-    record_in(&region[..half], set, pos, seq).or_else(|| record_in(&region[half..], set, pos, seq))
+    if let Some(found) = copy_at(region, set, pos, seq) {
+        return Some(found);
+    }
+    let mut at = pos + META_BLOCK;
+    while at + FRAME_HEADER_BYTES as u64 <= region.len() as u64 {
+        if let Some((entries, size)) = copy_at(region, set, at, seq) {
+            if at - pos == size {
+                return Some((entries, size));
+            }
+        }
+        at += META_BLOCK;
+    }
+    None
 }
 
 /// A valid record of this cache set at `pos`: `(seq, payload after the uuid, size)`.
-fn valid_record<'a>(ring: &'a [u8], set: &Uuid, pos: u64) -> Option<(u64, &'a [u8], u64)> {
-    let data = ring.get(pos as usize..)?;
+fn valid_record<'a>(
+    region: &'a [u8],
+    set: &Uuid,
+    pos: u64,
+    version: u32,
+) -> Option<(u64, &'a [u8], u64)> {
+    let data = region.get(pos as usize..)?;
     frame_header(JOURNAL_MAGIC, data)?;
-    let (seq, payload) = unframe(JOURNAL_MAGIC, JOURNAL_VERSION, data).ok()?;
+    let (seq, payload) = unframe(JOURNAL_MAGIC, version, data).ok()?;
     if payload.get(..16)? != set.as_bytes() {
         return None;
     }
@@ -276,16 +346,17 @@ fn valid_record<'a>(ring: &'a [u8], set: &Uuid, pos: u64) -> Option<(u64, &'a [u
     Some((seq, &payload[16..], size))
 }
 
-fn record_in(ring: &[u8], set: &Uuid, pos: u64, seq: u64) -> Option<(Vec<Entry>, u64)> {
-    let h = frame_header(JOURNAL_MAGIC, ring.get(pos as usize..)?)?;
+/// One valid copy of record `seq` at `pos`: its entries and size.
+fn copy_at(region: &[u8], set: &Uuid, pos: u64, seq: u64) -> Option<(Vec<Entry>, u64)> {
+    let h = frame_header(JOURNAL_MAGIC, region.get(pos as usize..)?)?;
     if h.seq != seq {
         return None;
     }
-    let (_, entries, size) = valid_record(ring, set, pos)?;
+    let (_, entries, size) = valid_record(region, set, pos, JOURNAL_VERSION)?;
     Some((decode_entries(entries)?, size))
 }
 
-/// Replays the journal region (both mirror halves) from the checkpoint's position and sequence.
+/// Replays the journal region from the checkpoint's position and sequence.
 /// `last_ok` is asked about the last record of the chain: a commit writes its record and
 /// flushes the data and the record together, so after a crash the last record can be on the
 /// device while data it points to is not; that commit never returned, and when `last_ok`
@@ -298,7 +369,7 @@ pub fn replay(
     start_seq: u64,
     last_ok: &mut dyn FnMut(&[Entry]) -> Result<bool>,
 ) -> Result<Replay> {
-    let len = region.len() as u64 / 2;
+    let len = region.len() as u64;
     if start_pos >= len || !start_pos.is_multiple_of(META_BLOCK) {
         return Err(Error::Corrupt(format!(
             "checkpoint names journal position {start_pos} outside the {len}-byte journal"
@@ -312,7 +383,7 @@ pub fn replay(
     };
     let mut records = Vec::new();
     let mut before_last = ring.clone();
-    let mut last_pos = 0;
+    let mut last = (0, 0);
     loop {
         let seq = ring.next_seq;
         let found = record_at(region, set, ring.head, seq)
@@ -322,44 +393,59 @@ pub fn replay(
                     .then(|| record_at(region, set, 0, seq).map(|r| (0, r)))
                     .flatten()
             });
-        let Some((pos, (entries, size))) = found else {
+        let Some((pos, (entries, copy_len))) = found else {
             break;
         };
+        let size = 2 * copy_len;
         let cost = if pos == ring.head {
             size
         } else {
             len - ring.head + size
         };
-        if ring.used + cost > len {
+        if pos + size > len || ring.used + cost > len {
             return Err(Error::Corrupt("journal records overlap themselves".into()));
         }
         before_last = ring.clone();
-        last_pos = pos;
+        last = (pos, copy_len);
         ring.advance(pos, size, cost);
         records.push((seq, entries));
     }
     let mut dropped_last = None;
     if let Some((seq, entries)) = records.last() {
         if !last_ok(entries)? {
-            dropped_last = Some((*seq, last_pos));
+            dropped_last = Some(Dropped {
+                seq: *seq,
+                pos: last.0,
+                copy_len: last.1,
+            });
             records.pop();
             ring = before_last;
         }
     }
     // A valid record beyond the end of the chain means the chain was cut by damage.
-    for (copy, half) in region.chunks(len as usize).enumerate() {
-        let mut pos = 0;
-        while pos + FRAME_HEADER_BYTES as u64 <= len {
-            if let Some((seq, _, _)) = valid_record(half, set, pos) {
-                if seq >= ring.next_seq && dropped_last != Some((seq, pos)) {
-                    return Err(Error::Corrupt(format!(
-                        "journal damaged: record {} is unreadable but record {seq} exists at offset {pos} of copy {copy}",
-                        ring.next_seq
-                    )));
-                }
+    let dropped_copy = |seq: u64, pos: u64| {
+        dropped_last.is_some_and(|d| d.seq == seq && (pos == d.pos || pos == d.pos + d.copy_len))
+    };
+    let mut pos = 0;
+    while pos + FRAME_HEADER_BYTES as u64 <= len {
+        if let Some((seq, _, _)) = valid_record(region, set, pos, JOURNAL_VERSION) {
+            if seq >= ring.next_seq && !dropped_copy(seq, pos) {
+                return Err(Error::Corrupt(format!(
+                    "journal damaged: record {} is unreadable but record {seq} exists at offset {pos}",
+                    ring.next_seq
+                )));
             }
-            pos += META_BLOCK;
         }
+        if let Some((seq, _, _)) = valid_record(region, set, pos, JOURNAL_VERSION_HALVES) {
+            if seq >= ring.next_seq {
+                return Err(Error::Corrupt(format!(
+                    "the journal holds record {seq} in the layout of an earlier build of format 2 \
+                     (two mirror halves): open the device with that build, detach its backing \
+                     devices and format it again"
+                )));
+            }
+        }
+        pos += META_BLOCK;
     }
     Ok(Replay {
         records,
@@ -416,12 +502,15 @@ mod tests {
     fn record_len_is_the_encoded_size() {
         let set = Uuid::new_v4();
         for n in (0..3 * META_BLOCK as usize).chain([4064, 4065, 4080, 4081, 8128, 8160]) {
-            // `encode_record` refuses a frame longer than `record_len`; the padded record
-            // parses back whole.
+            // `encode_record` refuses a frame longer than `record_len`; both padded copies
+            // parse back whole, the second right after the first.
             let rec = encode_record(1, &set, &vec![0; n]);
-            assert_eq!(rec.len() as u64, record_len(n), "{n} bytes of entries");
-            let (_, entries, size) = valid_record(&rec, &set, 0).expect("valid record");
-            assert_eq!((entries.len(), size), (n, record_len(n)));
+            assert_eq!(rec.len() as u64, record_space(n), "{n} bytes of entries");
+            for at in [0, record_len(n)] {
+                let (_, entries, size) =
+                    valid_record(&rec, &set, at, JOURNAL_VERSION).expect("valid copy");
+                assert_eq!((entries.len(), size), (n, record_len(n)));
+            }
         }
     }
 
@@ -481,63 +570,143 @@ mod tests {
         }
     }
 
-    #[test]
-    fn replay_follows_wrap_and_stops_at_torn_tail() {
-        let len = 16 * META_BLOCK;
-        let mut region = vec![0u8; 2 * len as usize];
+    /// Writes one record per item of `records` the way a commit does, from `head` with
+    /// sequence 10 on; returns the ring and each record's (position, size of one copy).
+    fn write_records(
+        region: &mut [u8],
+        set: &Uuid,
+        head: u64,
+        records: &[Vec<Entry>],
+    ) -> (Ring, Vec<(u64, u64)>) {
         let mut ring = Ring {
-            len,
-            head: 12 * META_BLOCK,
+            len: region.len() as u64,
+            head,
             used: 0,
             next_seq: 10,
         };
-        let big = vec![Entry::DetachDev { dev: DevId(1) }; 1000]; // 5 KB -> 2 blocks
-        let set = Uuid::new_v4();
-        for _ in 0..4 {
-            let rec = encode_record(ring.next_seq, &set, &enc(&big));
+        let mut at = Vec::new();
+        for entries in records {
+            let rec = encode_record(ring.next_seq, set, &enc(entries));
             let (pos, cost) = ring.reserve(rec.len() as u64).unwrap();
             region[pos as usize..pos as usize + rec.len()].copy_from_slice(&rec);
-            let m = (len + pos) as usize;
-            region[m..m + rec.len()].copy_from_slice(&rec);
+            at.push((pos, rec.len() as u64 / 2));
             ring.advance(pos, rec.len() as u64, cost);
         }
-        let r = replay(&region, &set, 12 * META_BLOCK, 10, &mut |_| Ok(true)).unwrap();
+        (ring, at)
+    }
+
+    fn count(region: &[u8], set: &Uuid, head: u64) -> Result<usize> {
+        replay(region, set, head, 10, &mut |_| Ok(true)).map(|r| r.records.len())
+    }
+
+    #[test]
+    fn replay_follows_wrap_and_stops_at_torn_tail() {
+        let len = 32 * META_BLOCK;
+        let mut region = vec![0u8; len as usize];
+        let big = vec![Entry::DetachDev { dev: DevId(1) }; 1000]; // 5 KB -> 2 blocks a copy
+        let set = Uuid::new_v4();
+        let (ring, at) = write_records(&mut region, &set, 26 * META_BLOCK, &vec![big; 4]);
+        assert_eq!(at[1].0, 0, "the second record wrapped to the ring start");
+        let r = replay(&region, &set, 26 * META_BLOCK, 10, &mut |_| Ok(true)).unwrap();
         assert_eq!(r.records.len(), 4);
         assert_eq!(r.ring.head, ring.head);
-        // Damage one copy of the last record: the mirror copy is used.
-        let last = (ring.head - 2 * META_BLOCK) as usize;
-        region[last + 100] ^= 1;
-        assert_eq!(
-            replay(&region, &set, 12 * META_BLOCK, 10, &mut |_| Ok(true))
-                .unwrap()
-                .records
-                .len(),
-            4
-        );
+        assert_eq!(r.ring.used, ring.used);
+        // Damage either copy of the last record (header or body): the other one is used.
+        let (last, copy) = (at[3].0 as usize, at[3].1 as usize);
+        for spot in [last + 3, last + 100, last + copy + 3, last + copy + 100] {
+            region[spot] ^= 1;
+            assert_eq!(count(&region, &set, 26 * META_BLOCK).unwrap(), 4, "{spot}");
+            region[spot] ^= 1;
+        }
         // Tear both copies of the last record: replay ends before it, without reporting damage.
-        region[len as usize + last + 100] ^= 1;
-        assert_eq!(
-            replay(&region, &set, 12 * META_BLOCK, 10, &mut |_| Ok(true))
-                .unwrap()
-                .records
-                .len(),
-            3
-        );
+        region[last + 100] ^= 1;
+        region[last + copy + 100] ^= 1;
+        assert_eq!(count(&region, &set, 26 * META_BLOCK).unwrap(), 3);
         // Damage both copies of a middle record: reported, not silently truncated.
         region[last + 100] ^= 1;
-        region[len as usize + last + 100] ^= 1;
-        for base in [0, len as usize] {
-            region[base + (12 * META_BLOCK) as usize + 50] ^= 1;
-        }
-        assert!(replay(&region, &set, 12 * META_BLOCK, 10, &mut |_| Ok(true)).is_err());
+        region[last + copy + 100] ^= 1;
+        let (mid, copy) = (at[1].0 as usize, at[1].1 as usize);
+        region[mid + 50] ^= 1;
+        region[mid + copy + 50] ^= 1;
+        assert!(count(&region, &set, 26 * META_BLOCK).is_err());
         // Records of another cache set (an earlier format) are not ours.
-        assert!(
-            replay(&region, &Uuid::new_v4(), 12 * META_BLOCK, 10, &mut |_| Ok(
-                true
-            ))
-            .unwrap()
-            .records
-            .is_empty()
+        assert_eq!(count(&region, &Uuid::new_v4(), 26 * META_BLOCK).unwrap(), 0);
+    }
+
+    #[test]
+    fn the_second_copy_is_found_whatever_the_first_claims() {
+        let set = Uuid::new_v4();
+        let sizes = [
+            vec![Entry::DetachDev { dev: DevId(1) }; 1],
+            vec![Entry::DetachDev { dev: DevId(2) }; 2000], // 3 blocks a copy
+            vec![Entry::DetachDev { dev: DevId(3) }; 700],  // 1 block a copy
+        ];
+        let mut region = vec![0u8; 64 * META_BLOCK as usize];
+        let (_, at) = write_records(&mut region, &set, 0, &sizes);
+        for (i, &(pos, copy)) in at.iter().enumerate() {
+            // Copy 0 wiped whole, or its header claiming another size or sequence: copy 1 is
+            // found by its own size.
+            let original = region.clone();
+            region[pos as usize..(pos + copy) as usize].fill(0xA5);
+            assert_eq!(count(&region, &set, 0).unwrap(), 3, "record {i} wiped");
+            region.copy_from_slice(&original);
+            region[pos as usize + 24] ^= 0x40; // payload length
+            assert_eq!(count(&region, &set, 0).unwrap(), 3, "record {i} length");
+            region.copy_from_slice(&original);
+        }
+        // Every first copy wiped at once, then every second copy.
+        for second in [false, true] {
+            let mut r = region.clone();
+            for &(pos, copy) in &at {
+                let from = if second { pos + copy } else { pos };
+                r[from as usize..(from + copy) as usize].fill(0xA5);
+            }
+            assert_eq!(count(&r, &set, 0).unwrap(), 3, "second {second}");
+        }
+    }
+
+    #[test]
+    fn a_dropped_last_record_is_excused_in_both_copies_only() {
+        let set = Uuid::new_v4();
+        let mut region = vec![0u8; 32 * META_BLOCK as usize];
+        let e = vec![Entry::DetachDev { dev: DevId(1) }; 1000];
+        let (_, at) = write_records(&mut region, &set, 0, &vec![e; 3]);
+        let mut calls = 0;
+        let r = replay(&region, &set, 0, 10, &mut |_| {
+            calls += 1;
+            Ok(false)
+        })
+        .unwrap();
+        assert_eq!(calls, 1, "only the last record is checked");
+        assert_eq!(r.records.len(), 2);
+        assert_eq!(
+            r.dropped_last,
+            Some(Dropped {
+                seq: 12,
+                pos: at[2].0,
+                copy_len: at[2].1
+            })
+        );
+        assert_eq!(r.ring.head, at[2].0);
+    }
+
+    #[test]
+    fn records_of_the_halves_layout_are_refused_by_name() {
+        let set = Uuid::new_v4();
+        let mut region = vec![0u8; 16 * META_BLOCK as usize];
+        let mut payload = set.as_bytes().to_vec();
+        payload.extend_from_slice(&enc(&sample()));
+        let old = frame(JOURNAL_MAGIC, JOURNAL_VERSION_HALVES, 10, &payload);
+        region[..old.len()].copy_from_slice(&old);
+        let e = count(&region, &set, 0).unwrap_err().to_string();
+        assert!(e.contains("earlier build"), "{e}");
+        // Older than the checkpoint: left behind by a journal that was checkpointed; ignored.
+        assert_eq!(
+            replay(&region, &set, 0, 11, &mut |_| Ok(true))
+                .unwrap()
+                .records
+                .len(),
+            0
         );
     }
 }

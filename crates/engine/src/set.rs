@@ -8,6 +8,10 @@
 //!   every index change appends the matching journal entry in the same critical section, so
 //!   replaying the journal in order reproduces the in-memory index exactly;
 //! - commits are serialized by `commit_lock` and checkpoints by `ckpt_lock` (see `commit`);
+//! - group commit (`commit_to`, in `commit`): a flush whose entries are durable already returns
+//!   without a commit; otherwise one flusher at a time commits for all (the leader) while the
+//!   others wait on a condition variable, so a flusher waits for at most the record being
+//!   written when it arrived and one more, which covers it;
 //! - a backing device's header says `Dirty` before any dirty entry for it can be durable, and
 //!   says `Clean` only when the set holds no dirty data for it;
 //! - an entry that drops dirty data (superseded by a write that went to the backing device)
@@ -313,6 +317,10 @@ pub(crate) struct Inner {
     pub index_reader: crate::slots::IndexReader,
     pub touches: crate::alloc::Touches,
     pub commit_lock: Mutex<()>,
+    /// Group commit (`commit_to`): whether a leader is committing for the waiters, and the
+    /// condition they wait on. std's, whose `notify_all` wakes every waiter at once. Lock
+    /// order: `group` before `state`; it is never held while `commit_lock` is taken.
+    pub group: (std::sync::Mutex<bool>, std::sync::Condvar),
     /// Serializes checkpoints. Lock order: `ckpt_lock` before `commit_lock`; a committer that
     /// holds `commit_lock` only ever try-locks it, or waits for it with `commit_lock` released.
     pub ckpt_lock: Mutex<()>,
@@ -493,7 +501,7 @@ impl CacheSet {
             label: opts.label.clone(),
         };
         let ring = Ring {
-            len: layout.journal_len / 2,
+            len: layout.journal_len,
             head: 0,
             used: 0,
             next_seq: 1,
@@ -513,11 +521,9 @@ impl CacheSet {
         // Wipe the old journal's first block and the other checkpoint slot so nothing from a
         // previous format can be mistaken for ours.
         let zero = vec![0u8; 4096];
-        for copy in [0, layout.journal_len / 2] {
-            cache
-                .write_at(&zero, layout.journal_off + copy)
-                .ctx(|| "clearing journal".into())?;
-        }
+        cache
+            .write_at(&zero, layout.journal_off)
+            .ctx(|| "clearing journal".into())?;
         cache
             .write_at(&zero, layout.ckpt_offsets[1])
             .ctx(|| "clearing checkpoint slot".into())?;
@@ -541,15 +547,15 @@ impl CacheSet {
             notes,
             records_replayed,
             entries_replayed,
-            dropped_record_at,
+            dropped_record,
         } = checkpoint::load(&*cache)?;
-        if let Some(pos) = dropped_record_at {
-            // Erase the dropped record (both copies) so a new record with its sequence can
-            // never be mistaken for it; see `journal::replay`.
+        if let Some(d) = dropped_record {
+            // Erase the dropped record (the first block of both copies) so a new record with
+            // its sequence can never be mistaken for it; see `journal::replay`.
             let zero = vec![0u8; crate::format::META_BLOCK as usize];
-            for copy in [0, sb.layout.journal_len / 2] {
+            for at in [d.pos, d.pos + d.copy_len] {
                 cache
-                    .write_at(&zero, sb.layout.journal_off + copy + pos)
+                    .write_at(&zero, sb.layout.journal_off + at)
                     .ctx(|| "erasing a dropped journal record".into())?;
             }
             cache.flush().ctx(|| "flushing cache device".into())?;
@@ -595,6 +601,7 @@ impl CacheSet {
             index_reader,
             touches,
             commit_lock: Mutex::new(()),
+            group: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
             ckpt_lock: Mutex::new(()),
             ranges: RangeLocks::default(),
             backings: RwLock::new(HashMap::new()),

@@ -873,3 +873,93 @@ fn detach_racing_writeback_passes_completes() {
         assert!(set.volumes().is_empty());
     }
 }
+
+/// A cache device that counts the journal records written to it (writes inside the journal
+/// region, set once the layout is known) and makes every flush take a while, so flushes
+/// from many threads overlap.
+#[derive(Debug)]
+struct SlowFlushDevice {
+    inner: MemDevice,
+    journal: std::sync::Mutex<std::ops::Range<u64>>,
+    records: std::sync::atomic::AtomicU64,
+}
+
+impl BlockDevice for SlowFlushDevice {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        self.inner.read_at(buf, offset)
+    }
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+        if self.journal.lock().unwrap().contains(&offset) {
+            self.records
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.inner.write_at(buf, offset)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        self.inner.discard(offset, len)
+    }
+    fn describe(&self) -> String {
+        "slow flush".into()
+    }
+}
+
+/// Group commit: concurrent flushes share records, and a flush waits for at most two of them
+/// (the one being written when it arrived, then one that covers it), never one per waiter.
+#[test]
+fn concurrent_flushes_share_a_commit_and_wait_for_at_most_two() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let cache = Arc::new(SlowFlushDevice {
+        inner: MemDevice::new(128 << 20),
+        journal: std::sync::Mutex::new(0..0),
+        records: Default::default(),
+    });
+    let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((64 << 20) + 8192));
+    let (set, vol) = format_and_open(cache.clone(), backing, CacheMode::Writeback, no_threads());
+    let l = set.layout().clone();
+    *cache.journal.lock().unwrap() = l.journal_off..l.journal_off + l.journal_len;
+    let (threads, rounds) = (8u64, 10u64);
+    let most = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let (vol, cache) = (vol.clone(), cache.clone());
+                s.spawn(move || {
+                    let mut most = 0;
+                    for i in 0..rounds {
+                        let at = (t * rounds + i) * 4096;
+                        vol.write(at, &data(t * rounds + i + 1, at / 512, 4096), false)
+                            .unwrap();
+                        let before = cache.records.load(SeqCst);
+                        vol.flush().unwrap();
+                        most = most.max(cache.records.load(SeqCst) - before);
+                    }
+                    most
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().unwrap())
+            .max()
+            .unwrap()
+    });
+    let records = cache.records.load(SeqCst);
+    assert!(
+        records < threads * rounds,
+        "{records} records for {} flushes: none shared",
+        threads * rounds
+    );
+    assert!(most <= 2, "a flush waited for {most} records");
+    // Everything flushed reads back.
+    let mut buf = vec![0u8; 4096];
+    for n in 0..threads * rounds {
+        vol.read(n * 4096, &mut buf).unwrap();
+        assert_eq!(buf, data(n + 1, n * 8, 4096), "block {n}");
+    }
+}

@@ -1,5 +1,6 @@
 //! Metadata and data corruption: flip bytes in every metadata region (both superblock copies,
-//! both checkpoint slots, both journal mirrors, both backing header copies) and in cached data.
+//! both checkpoint slots, the journal records and each of their two copies, both backing
+//! header copies) and in cached data.
 //! Open must either recover or refuse with a clear error; it never serves wrong data. The
 //! images hold two backing devices and the metadata of attach, detach and close: attach and
 //! detach journal records after the checkpoint, the checkpoint's device table, and the
@@ -118,8 +119,8 @@ fn open_and_check(img: Images, models: &[Model]) -> Result<bool, String> {
     Ok(true)
 }
 
-/// The journal records written since the current checkpoint, in the first mirror: offset
-/// and length on the cache device (the part after the ring's wrap if it wrapped).
+/// The journal records written since the current checkpoint (both copies of each): offset and
+/// length on the cache device (the part after the ring's wrap if it wrapped).
 fn records_since_checkpoint(cache_img: &[u8]) -> (u64, u64) {
     let probe = SimDevice::from_image("probe", cache_img.to_vec(), FaultController::new(0));
     let loaded = engine::load_metadata(&probe).unwrap();
@@ -132,6 +133,31 @@ fn records_since_checkpoint(cache_img: &[u8]) -> (u64, u64) {
         (ring.len - ring.used, ring.used)
     };
     (l.journal_off + start, len)
+}
+
+/// Every journal record on the cache image, current or left behind: the offset of its first
+/// copy on the device and the size of one copy (the second copy follows the first, byte for
+/// byte the same).
+fn journal_records(cache_img: &[u8], l: &engine::format::Layout) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut at = l.journal_off;
+    while at + 32 <= l.journal_off + l.journal_len {
+        let b = &cache_img[at as usize..];
+        if &b[..8] == b"TCJRNL01" {
+            let frame = 32 + u64::from_le_bytes(b[24..32].try_into().unwrap());
+            let copy = frame.div_ceil(4096) * 4096;
+            let end = at + 2 * copy;
+            if end <= l.journal_off + l.journal_len
+                && b[..copy as usize] == b[copy as usize..2 * copy as usize]
+            {
+                out.push((at, copy));
+                at = end;
+                continue;
+            }
+        }
+        at += 4096;
+    }
+    out
 }
 
 #[test]
@@ -149,8 +175,12 @@ fn flipped_metadata_never_serves_wrong_data() {
         let probe = SimDevice::from_image("probe", img.cache.clone(), ctrl);
         let sb = engine::format::Superblock::read(&probe).unwrap().0;
         let l = &sb.layout;
-        let half = l.journal_len / 2;
         let (recs, recs_len) = records_since_checkpoint(&img.cache);
+        // The newest record ends where the records since the checkpoint end.
+        let (first, copy) = journal_records(&img.cache, l)
+            .into_iter()
+            .find(|&(at, copy)| at + 2 * copy == recs + recs_len)
+            .expect("the newest journal record");
         assert!(
             recs_len > 0,
             "seed {seed}: no journal records after the checkpoint"
@@ -160,14 +190,11 @@ fn flipped_metadata_never_serves_wrong_data() {
             ("superblock copy 1", l.sb_offsets[1], 4096),
             ("checkpoint slot 0", l.ckpt_offsets[0], 8192),
             ("checkpoint slot 1", l.ckpt_offsets[1], 8192),
-            ("journal copy 0", l.journal_off, 16384),
-            ("journal copy 1", l.journal_off + half, 16384),
-            ("records since the checkpoint, copy 0", recs, recs_len),
-            (
-                "records since the checkpoint, copy 1",
-                recs + half,
-                recs_len,
-            ),
+            ("journal start", l.journal_off, 16384),
+            ("records since the checkpoint", recs, recs_len),
+            ("records since the checkpoint, again", recs, recs_len),
+            ("newest record, copy 0", first, copy),
+            ("newest record, copy 1", first + copy, copy),
         ];
         let flip = |r: &mut rand_chacha::ChaCha8Rng, img: &mut Vec<u8>, off: u64, len: u64| {
             let at = (off + r.gen_range(0..len)) as usize;
@@ -229,17 +256,29 @@ fn one_damaged_copy_of_mirrored_metadata_is_survived() {
                 .unwrap()
                 .0;
         let l = sb.layout.clone();
-        for (off, len) in [
-            (l.sb_offsets[0], 4096u64),
-            (l.sb_offsets[1], 4096),
-            (l.journal_off, l.journal_len / 2),
-            (l.journal_off + l.journal_len / 2, l.journal_len / 2),
-        ] {
+        for (off, len) in [(l.sb_offsets[0], 4096u64), (l.sb_offsets[1], 4096)] {
             let mut i = img.clone();
             i.cache[off as usize..(off + len) as usize].fill(0xA5);
             assert!(
                 open_and_check(i, &models).unwrap(),
                 "seed {seed}: wiping {off}+{len} was not survived (detached {detached})"
+            );
+        }
+        // The first copy of every journal record wiped at once, then the second copy of every
+        // record: the other copies hold the whole journal.
+        let records = journal_records(&img.cache, &l);
+        assert!(records.len() > 2, "seed {seed}: too few journal records");
+        for second in [false, true] {
+            let mut i = img.clone();
+            for &(at, copy) in &records {
+                let from = if second { at + copy } else { at };
+                i.cache[from as usize..(from + copy) as usize].fill(0xA5);
+            }
+            assert!(
+                open_and_check(i, &models).unwrap(),
+                "seed {seed}: wiping copy {} of all {} journal records was not survived (detached {detached})",
+                u8::from(second),
+                records.len()
             );
         }
         for off in [0usize, 4096] {

@@ -358,7 +358,7 @@ fn show(path: &Path) -> Result<()> {
         println!("bucket_size     {}", l.bucket_size);
         println!("nbuckets        {}", l.nbuckets);
         println!(
-            "journal         offset {} length {} (two mirrors)",
+            "journal         offset {} length {} (a ring; each record twice, side by side)",
             l.journal_off, l.journal_len
         );
         println!(

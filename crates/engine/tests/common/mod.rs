@@ -171,6 +171,9 @@ pub fn test_config(clock: Arc<ManualClock>) -> Config {
     }
 }
 
+/// Chooses which 512-byte sectors of an unflushed write (offset, data) a crash keeps.
+pub type KeepSectors<'a> = dyn FnMut(u64, &[u8]) -> Vec<bool> + 'a;
+
 /// Engine on simulated devices sharing one fault controller.
 pub struct Rig {
     pub ctrl: Arc<FaultController>,
@@ -301,7 +304,17 @@ impl Rig {
 
     /// Simulates power loss: the devices keep only what a crash may keep (not reopened).
     pub fn crash(&mut self) {
+        self.crash_with(None);
+    }
+
+    /// Like `crash`, with `cache_keep` choosing which sectors of each unflushed cache write
+    /// survive (see `SimDevice::crash_image_with`); the other devices as `crash` leaves them.
+    pub fn crash_with(&mut self, cache_keep: Option<&mut KeepSectors<'_>>) {
         self.ctrl.crash_now();
+        let cache_img = match cache_keep {
+            Some(keep) => self.cache.crash_image_with(keep),
+            None => self.cache.crash_image(),
+        };
         self.vol = None;
         self.second_vol = None;
         self.set = None; // dropped without close: nothing more is written
@@ -312,7 +325,9 @@ impl Rig {
             new.set_rotational(d.is_rotational());
             Arc::new(new)
         };
-        self.cache = survive(&self.cache, "cache", &self.ctrl);
+        let cache = SimDevice::from_image("cache", cache_img, self.ctrl.clone());
+        cache.set_rotational(self.cache.is_rotational());
+        self.cache = Arc::new(cache);
         self.backing = survive(&self.backing, "backing", &self.ctrl);
         self.second = self
             .second
