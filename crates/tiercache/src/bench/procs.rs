@@ -345,8 +345,12 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes, limit: Option<&Limiter>) ->
         mode if mode.starts_with("tiercache-") => {
             let mode = mode.trim_start_matches("tiercache-");
             let hdd = emulate("hdd", &disk, &hdd_sock, &[])?;
+            // Written in full, like the `ssd` row's file: the cache stands for an SSD, where a
+            // first write to a block costs what any write does. In a sparse file it also
+            // allocates the block, and the next flush commits that allocation (measured: twice
+            // the flush time of W4's sync writes).
             let cache = dir.join("cache.img");
-            std::fs::File::create(&cache)?.set_len(sizes.cache_bytes)?;
+            write_whole_file(&cache, sizes.cache_bytes)?;
             run_tool(
                 tiercache()?
                     .args([
