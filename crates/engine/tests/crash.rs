@@ -43,6 +43,8 @@ const REGRESSIONS: &[(u64, u64)] = &[
     // from the end) and with it the removal of the older mapping that a chunk encoded before
     // the write still held, so a flushed write read back as the one before it.
     (1795483431867817277, 0),
+    // The same bug, found independently (a write read back as zeroes from before it).
+    (1795487036286049249, 0),
 ];
 
 fn workload(seed: u64) -> Vec<Op> {
