@@ -955,7 +955,12 @@ fn concurrent_flushes_share_a_commit_and_wait_for_at_most_two() {
         "{records} records for {} flushes: none shared",
         threads * rounds
     );
-    assert!(most <= 2, "a flush waited for {most} records");
+    // The count starts before `flush` is called, so besides the record being written when the
+    // flush arrived and the one that covers it, a third one can count: one whose write was
+    // still under way when the count began (it ends before the flush arrives, and the next
+    // record was started before the flush read its target). One record per waiter (the old
+    // lock queue: 9 to 10 here) fails. A clean-clone CI run saw 3 once with a bound of 2.
+    assert!(most <= 3, "a flush waited for {most} records");
     // Everything flushed reads back.
     let mut buf = vec![0u8; 4096];
     for n in 0..threads * rounds {
