@@ -427,24 +427,13 @@ impl Index {
     /// Maps `[block, block + ext.len)` to `ext`, replacing anything there. The target cache
     /// blocks must be unreferenced (the allocator hands out each block once per generation).
     pub fn insert(&mut self, dev: DevId, block: BackingBlock, ext: Extent, crcs: &[u32]) {
-        self.insert_inner(dev, block, ext, crcs, false);
+        self.change(|ix| ix.insert_raw(dev, block, ext, crcs, false));
     }
 
     /// Like `insert`, for replay: an older entry that still references the target cache
     /// blocks (the journal recorded their reuse) loses them.
     pub fn insert_replayed(&mut self, dev: DevId, block: BackingBlock, ext: Extent, crcs: &[u32]) {
-        self.insert_inner(dev, block, ext, crcs, true);
-    }
-
-    fn insert_inner(
-        &mut self,
-        dev: DevId,
-        block: BackingBlock,
-        ext: Extent,
-        crcs: &[u32],
-        steal: bool,
-    ) {
-        self.change(|ix| ix.insert_raw(dev, block, ext, crcs, steal));
+        self.change(|ix| ix.insert_raw(dev, block, ext, crcs, true));
     }
 
     fn insert_raw(

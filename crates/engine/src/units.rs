@@ -121,6 +121,14 @@ impl BackingBlock {
         BackingBlock(off.div_ceil(bs))
     }
 
+    /// The blocks `[b0, b1)` that the byte range `[off, off + len)` touches.
+    pub fn touched_by(off: u64, len: u64, bs: u64) -> (BackingBlock, BackingBlock) {
+        (
+            BackingBlock::of_offset(off, bs),
+            BackingBlock::ceil_of_offset(off + len, bs),
+        )
+    }
+
     /// The byte offset where this block starts.
     pub fn offset(self, bs: u64) -> u64 {
         self.0 * bs

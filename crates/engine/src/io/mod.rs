@@ -88,14 +88,8 @@ impl Volume {
         if !self.backing.dev.is_rotational() {
             return true;
         }
-        let bs = self.inner.block_size();
-        let end = offset.saturating_add(len);
-        crate::index::all_cached(
-            &self.inner.index_reader,
-            self.backing.id,
-            BackingBlock::of_offset(offset, bs),
-            BackingBlock::ceil_of_offset(end, bs),
-        )
+        let (b0, b1) = BackingBlock::touched_by(offset, len, self.inner.block_size());
+        crate::index::all_cached(&self.inner.index_reader, self.backing.id, b0, b1)
     }
 
     /// Whether a write of `len` bytes at `offset` will not wait on a slow device: the backing
@@ -336,10 +330,7 @@ impl Volume {
         self.note_io(offset, len);
         let inner = &*self.inner;
         let bs = inner.block_size();
-        let (b0, b1) = (
-            BackingBlock::of_offset(offset, bs),
-            BackingBlock::ceil_of_offset(offset + len, bs),
-        );
+        let (b0, b1) = BackingBlock::touched_by(offset, len, bs);
         let _guard = inner.ranges.lock(self.backing.id, b0, b1);
         self.change_backing(offset, len, |d, at| d.discard(at, len))
             .ctx(|| format!("discarding backing device at {offset}"))?;
@@ -389,11 +380,13 @@ impl Volume {
     fn cached_ranges_unguarded(&self, offset: u64, len: u64) -> Result<Vec<(u64, u64, bool)>> {
         self.check(offset, len)?;
         let bs = self.inner.block_size();
-        let segs = self.inner.state.lock().index.lookup(
-            self.backing.id,
-            BackingBlock::of_offset(offset, bs),
-            BackingBlock::ceil_of_offset(offset + len, bs),
-        );
+        let (b0, b1) = BackingBlock::touched_by(offset, len, bs);
+        let segs = self
+            .inner
+            .state
+            .lock()
+            .index
+            .lookup(self.backing.id, b0, b1);
         Ok(segs
             .into_iter()
             .filter_map(|s| s.ext.map(|e| (s.block.offset(bs), s.len * bs, e.dirty)))

@@ -132,10 +132,7 @@ impl Volume {
         let dev = self.backing.id;
         let bs = inner.block_size();
         let end = offset + buf.len() as u64;
-        let (b0, b1) = (
-            BackingBlock::of_offset(offset, bs),
-            BackingBlock::ceil_of_offset(end, bs),
-        );
+        let (b0, b1) = BackingBlock::touched_by(offset, buf.len() as u64, bs);
         let tick = inner.next_tick();
         let mut waited = false;
         // Expected crcs of the cached blocks, copied with the pins in one critical section (a

@@ -144,10 +144,7 @@ impl Volume {
         let inner = &*self.inner;
         let bs = inner.block_size();
         let end = offset + len;
-        let (b0, b1) = (
-            BackingBlock::of_offset(offset, bs),
-            BackingBlock::ceil_of_offset(end, bs),
-        );
+        let (b0, b1) = BackingBlock::touched_by(offset, len, bs);
         let _guard = inner.ranges.lock(self.backing.id, b0, b1);
         inner.state.lock().collide(self.backing.id, b0, b1);
         let piece =
