@@ -407,6 +407,41 @@ pub enum BackingState {
     Dirty,
 }
 
+/// Which of the cache set's copies of a backing device may no longer match it, because the
+/// device was written while the cache set was not in use (a degraded cache set, or `serve`
+/// without the cache device). Attach drops them before the device is served through the set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StaleCopies {
+    /// Every copy the set holds is current.
+    #[default]
+    None,
+    /// Clean copies may be stale; dirty ones are still the newest data (nothing overlapping
+    /// them was written meanwhile).
+    Clean,
+    /// Every copy may be stale: the device was served without its dirty data, which the
+    /// operator gave up (`serve --without-cache-discard-dirty`).
+    All,
+}
+
+impl StaleCopies {
+    fn code(self) -> u8 {
+        match self {
+            StaleCopies::None => 0,
+            StaleCopies::Clean => 1,
+            StaleCopies::All => 2,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<StaleCopies> {
+        Some(match c {
+            0 => StaleCopies::None,
+            1 => StaleCopies::Clean,
+            2 => StaleCopies::All,
+            _ => return None,
+        })
+    }
+}
+
 /// The header at the start of a backing device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BackingHeader {
@@ -422,6 +457,9 @@ pub struct BackingHeader {
     /// The other knobs, so every knob set survives a restart. Headers written before these
     /// fields existed end after the label and decode with the defaults.
     pub tunables: Tunables,
+    /// Copies in the cache set that attach must drop first. Headers written before this field
+    /// existed end before it and decode as `None`.
+    pub stale: StaleCopies,
 }
 
 impl BackingHeader {
@@ -442,6 +480,7 @@ impl BackingHeader {
         w.u32(t.writeback_percent);
         w.u64(t.writeback_delay_secs);
         w.u8(u8::from(t.writeback_running));
+        w.u8(self.stale.code());
         let mut out = frame(BACKING_MAGIC, BACKING_VERSION, self.seq, &w.buf);
         out.resize(META_BLOCK as usize, 0);
         out
@@ -486,6 +525,10 @@ impl BackingHeader {
             }
             t
         };
+        let stale = match r.u8() {
+            None => StaleCopies::None,
+            Some(c) => StaleCopies::from_code(c).ok_or(format!("unknown stale-copies code {c}"))?,
+        };
         if data_offset != BACKING_DATA_OFFSET || data_size % 512 != 0 {
             return Err(format!("bad data offset {data_offset} or size {data_size}"));
         }
@@ -499,6 +542,7 @@ impl BackingHeader {
             state,
             label,
             tunables,
+            stale,
         })
     }
 
@@ -655,6 +699,7 @@ mod tests {
                 writeback_delay_secs: 7,
                 writeback_running: false,
             },
+            stale: StaleCopies::Clean,
         };
         h.write(&dev).unwrap();
         assert_eq!(BackingHeader::read(&dev).unwrap().0, h);

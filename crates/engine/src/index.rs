@@ -663,6 +663,35 @@ impl Index {
             .map(|b| Bucket(b as u32))
     }
 
+    /// Removes, without a journal entry, the clean (with `all`: every) cached blocks of `dev`,
+    /// a bucket at a time; returns how many. Only for copies known stale as a whole (see
+    /// `health`): the caller writes a checkpoint before anything relies on them being gone,
+    /// and until it is durable the reason they are stale must still be on record (the backing
+    /// header's `stale` field), so a crash meanwhile drops them again at the next attach.
+    pub fn forget_copies(&mut self, dev: DevId, all: bool) -> u64 {
+        let mut n = 0;
+        let mut from = Bucket(0);
+        while let Some(b) = self.next_live_bucket(from) {
+            let keys: Vec<u64> = b
+                .blocks(self.bpb)
+                .filter_map(|cb| {
+                    let v = self.owner_of(cb);
+                    (v != 0 && unpack(v).0 == dev && (all || !self.is_dirty(cb))).then_some(v)
+                })
+                .collect();
+            if !keys.is_empty() {
+                n += keys.len() as u64;
+                self.change(|ix| {
+                    for k in keys {
+                        ix.take_key(k);
+                    }
+                });
+            }
+            from = Bucket(b.0 + 1);
+        }
+        n
+    }
+
     /// Every entry as runs, in cache order (for `check`).
     pub fn runs(&self) -> Vec<(DevId, BackingBlock, Extent)> {
         let mut out = Vec::new();

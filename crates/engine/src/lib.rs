@@ -3,8 +3,8 @@
 //!
 //! Layers inside (imports point down; a module uses only those below it, and `Inner`/`State`
 //! from `set`, the shared state every mechanism module works on):
-//! - lifecycle: `set` (format, open and recovery, attach, detach, close) and `background`
-//!   (the threads);
+//! - lifecycle: `set` (format, open and recovery, attach, detach, close), `health` (stale
+//!   copies, the degraded state) and `background` (the threads);
 //! - mechanism: `io` (request paths: `io::read`, `io::write`), `writeback`, `space`
 //!   (allocation, reclaim, GC), `commit` (group commit and checkpoints);
 //! - state and its persistence: `index` (over `slots`, its lock-free readable arrays),
@@ -33,6 +33,7 @@ mod codec;
 mod commit;
 pub mod format;
 pub mod guard;
+mod health;
 mod index;
 mod io;
 mod journal;

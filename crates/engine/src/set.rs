@@ -26,8 +26,8 @@ use crate::checkpoint::{self, Loaded};
 use crate::clock::{Clock, SystemClock};
 use crate::codec::Writer;
 use crate::format::{
-    detect_signature, BackingHeader, BackingState, Layout, Superblock, BACKING_DATA_OFFSET,
-    DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_SIZE, MAX_DEVS,
+    detect_signature, BackingHeader, BackingState, Layout, StaleCopies, Superblock,
+    BACKING_DATA_OFFSET, DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_SIZE, MAX_DEVS,
 };
 use crate::index::Index;
 use crate::journal::{Entry, Ring};
@@ -464,6 +464,7 @@ pub fn format_backing(
         state: BackingState::Clean,
         label: label.to_string(),
         tunables: Tunables::default(),
+        stale: StaleCopies::None,
     };
     h.write(dev)?;
     Ok(h)
@@ -686,7 +687,18 @@ impl CacheSet {
                 .map(|(d, _)| *d)
         };
         let id = match known {
-            Some(id) if header.set_uuid == set_uuid => id,
+            Some(id) if header.set_uuid == set_uuid => {
+                if header.stale != StaleCopies::None {
+                    inner.forget_stale_copies(id, header.stale)?;
+                    let dirty = inner.state.lock().index.dev_dirty_blocks(id) > 0;
+                    header.stale = StaleCopies::None;
+                    if !dirty {
+                        header.state = BackingState::Clean;
+                    }
+                    header.write(&*dev)?;
+                }
+                id
+            }
             _ => {
                 if header.set_uuid == set_uuid && header.state == BackingState::Dirty {
                     return Err(Error::State(format!(
@@ -700,6 +712,7 @@ impl CacheSet {
                         header.dev_uuid, header.set_uuid
                     )));
                 }
+                let mut drop_all = None;
                 let id = {
                     let mut st = inner.state.lock();
                     // Known to the set but its header names no set: an attach stopped (a
@@ -708,7 +721,14 @@ impl CacheSet {
                     // same uuid would leave `known` finding the stale one after the next
                     // restart, hiding everything cached under the new one.
                     let id = match known {
-                        Some(id) => id,
+                        // Whatever the set still holds for it is stale (the device may have
+                        // been served elsewhere since); normally there is nothing.
+                        Some(id) => {
+                            if st.index.dev_live_blocks(id) > 0 {
+                                drop_all = Some(id);
+                            }
+                            id
+                        }
                         None => (0..MAX_DEVS as u32)
                             .map(DevId)
                             .find(|d| !st.devs.contains_key(d))
@@ -727,10 +747,14 @@ impl CacheSet {
                     );
                     id
                 };
+                if let Some(id) = drop_all {
+                    inner.forget_stale_copies(id, StaleCopies::All)?;
+                }
                 let mut c = inner.commit_lock.lock();
                 inner.commit_locked(&mut c)?;
                 header.set_uuid = set_uuid;
                 header.state = BackingState::Clean;
+                header.stale = StaleCopies::None;
                 header.write(&*dev)?;
                 id
             }
