@@ -1,5 +1,7 @@
-//! The background threads: writeback (paced by the writeback rate) and maintenance
-//! (space, commits, checkpoints). The work itself lives in `space` and `writeback`.
+//! The background threads: writeback (paced by the writeback rate), maintenance (space,
+//! commits, checkpoints) and the cache device's watchdog (`health`). The work itself lives in
+//! `space`, `writeback` and `health`; none of it runs while the set is degraded except the
+//! watchdog.
 //!
 //! Invariants: every step a thread takes is bounded (see `space` and `writeback`), runs under
 //! `contain` (a panic fails the set, not the process), and sleeps at most `BACKGROUND_PERIOD`
@@ -17,6 +19,7 @@ use std::time::{Duration, Instant};
 /// Pending journal bytes after which a writer commits at once.
 pub const JOURNAL_BUF_MAX: usize = 256 * 1024;
 const BACKGROUND_PERIOD: Duration = Duration::from_millis(50);
+const WATCHDOG_PERIOD: Duration = Duration::from_millis(100);
 
 fn sleep(inner: &Inner, d: Duration) {
     let mut g = inner.wake.0.lock();
@@ -32,6 +35,10 @@ fn sleep(inner: &Inner, d: Duration) {
 pub fn writeback_thread(inner: &Arc<Inner>) {
     let mut owed = Duration::ZERO;
     while !inner.stop.load(Ordering::SeqCst) {
+        if inner.is_degraded() {
+            sleep(inner, Duration::from_millis(100));
+            continue;
+        }
         if !owed.is_zero() {
             if matches!(current_rate(inner), WritebackRate::Share(_)) {
                 let t = Instant::now();
@@ -57,6 +64,19 @@ pub fn writeback_thread(inner: &Arc<Inner>) {
     }
 }
 
+/// Watchdog loop: checks the cache device for hung I/Os and failures no request path
+/// checked (see `Inner::watch_cache_device`). A thread of its own, so a maintenance or
+/// writeback step stuck in a hung I/O cannot stop it.
+pub fn watchdog_thread(inner: &Arc<Inner>) {
+    while !inner.stop.load(Ordering::SeqCst) {
+        let _ = contain(inner, "watchdog", || {
+            inner.watch_cache_device();
+            Ok(())
+        });
+        sleep(inner, WATCHDOG_PERIOD);
+    }
+}
+
 /// Maintenance loop: commits journal entries older than `journal_delay_ms`, checkpoints when
 /// the journal ring is half full (a committer wakes it), keeps free
 /// buckets in reserve, records statistics history.
@@ -70,6 +90,9 @@ pub fn maintenance_thread(inner: &Arc<Inner>) {
             .oldest_pending_ns
             .is_some_and(|t| now.saturating_sub(t) >= inner.config.journal_delay_ms * 1_000_000);
         let res = contain(inner, "maintenance", || {
+            if inner.is_degraded() {
+                return Ok(());
+            }
             if due {
                 inner.commit_to(u64::MAX)?;
             }

@@ -17,6 +17,7 @@
 //! - a full journal ring is freed by a checkpoint: a running one finishes, else a whole one is
 //!   written with requests held (logged: writes are outpacing checkpoints).
 
+use blockdev::BlockDevice;
 use crate::checkpoint;
 use crate::format::Layout;
 use crate::journal::{encode_record, Ring};
@@ -38,6 +39,12 @@ impl State {
 }
 
 impl Inner {
+    /// A metadata write failed: the journal can no longer be trusted to record changes, so
+    /// the set degrades (see `health`); what is durable on the cache device stays valid.
+    fn metadata_failed(&self, e: &Error) {
+        self.degrade(format!("writing metadata to the cache device failed: {e}"));
+    }
+
     /// Makes every journal entry appended up to `target` durable (group commit); `u64::MAX`:
     /// everything appended so far, always through a commit of its own (which also releases
     /// buckets whose generation bump became durable).
@@ -92,6 +99,11 @@ impl Inner {
     /// this commit only (nothing is written; the next commit tries again), not the set.
     pub fn commit_locked(&self, commit: &mut MutexGuard<'_, ()>) -> Result<()> {
         self.check_failed()?;
+        if self.is_degraded() {
+            return Err(Error::State(
+                "the cache set is degraded: nothing is committed to the cache device".into(),
+            ));
+        }
         loop {
             match self.write_record() {
                 Ok(Record::Written) => break,
@@ -110,7 +122,7 @@ impl Inner {
                             );
                             let res = self.checkpoint_whole();
                             if let Err(e) = &res {
-                                self.fail(e);
+                                self.metadata_failed(e);
                             }
                             res?;
                         }
@@ -119,7 +131,7 @@ impl Inner {
                     self.check_failed()?;
                 }
                 Err(e) => {
-                    self.fail(&e);
+                    self.metadata_failed(&e);
                     return Err(e);
                 }
             }
@@ -175,7 +187,8 @@ impl Inner {
             let Some((pos, cost)) = j.ring.reserve(rec_len) else {
                 return Ok(Record::RingFull);
             };
-            let payload: Vec<u8> = j.buf.buf.drain(..len).collect();
+            let payload: Arc<Vec<u8>> = Arc::new(j.buf.buf.drain(..len).collect());
+            j.inflight = Some(payload.clone());
             if j.buf.buf.is_empty() {
                 j.oldest_pending_ns = None;
             }
@@ -197,6 +210,7 @@ impl Inner {
             .flush()
             .ctx(|| "flushing journal record".into())?;
         let mut st = self.state.lock();
+        st.journal.inflight = None;
         st.journal.durable_epoch = st.journal.durable_epoch.max(epoch);
         st.buckets.release(epoch);
         Ok(Record::Written)
@@ -211,7 +225,7 @@ impl Inner {
         }
         let _k = self.ckpt_lock.lock();
         let mut c = self.commit_lock.lock();
-        if !due(self) {
+        if !due(self) || self.is_degraded() {
             return Ok(());
         }
         self.check_failed()?;
@@ -238,7 +252,7 @@ impl Inner {
     ) -> Result<()> {
         let res = self.checkpoint_fuzzy_inner(commit, between);
         if let Err(e) = &res {
-            self.fail(e);
+            self.metadata_failed(e);
         }
         res
     }
@@ -297,7 +311,8 @@ impl Inner {
         }
         let (chunks, body_bytes) = (body.chunks, body.bytes);
         let epoch = st.journal.appended_epoch;
-        st.journal.buf.buf.clear();
+        let pending = std::mem::take(&mut st.journal.buf.buf);
+        st.journal.inflight = Some(Arc::new(pending));
         st.journal.oldest_pending_ns = None;
         st.journal.flush_backing_first.clear();
         drop(st);
@@ -305,6 +320,7 @@ impl Inner {
             ring.checkpointed()
         })?;
         let mut st = self.state.lock();
+        st.journal.inflight = None;
         st.journal.durable_epoch = epoch;
         st.buckets.release(epoch);
         Ok(())

@@ -1,7 +1,20 @@
-//! Copies a backing device's cache set holds that no longer match it: dropping them at
-//! attach (the backing header's `stale` field says which).
+//! The cache device's health: the degraded state (every volume served from its backing
+//! device while the cache device fails), re-admission, and copies a cache set holds that no
+//! longer match their backing device (dropped at attach; the backing header's `stale` field
+//! says which).
 //!
 //! Invariants:
+//! - degraded, nothing is read from or written to the cache device by requests, writeback or
+//!   maintenance; a write reaches a backing device only after its header says its clean
+//!   copies are stale, and never over a range that holds dirty data or whose journal entries
+//!   may not be durable (`Uncertain`): so after any crash or re-admission the cache device's
+//!   durable dirty copies are still the newest data of their ranges;
+//! - a degraded read of a range with dirty data is an error, never older data from the
+//!   backing device; a degraded flush of a device whose dirty data changed in entries that
+//!   may not be durable is an error, never a promise the cache device cannot keep;
+//! - re-admission drops the clean copies (stale), then writes a checkpoint of what the set
+//!   holds (which makes every uncertain entry durable as memory has it), then clears the
+//!   headers, and only then serves through the cache again;
 //! - a backing device is written while its set is not in use (degraded, or served without
 //!   its cache device) only after its header says which copies are stale, and the header
 //!   says `StaleCopies::None` again only after a checkpoint without those copies is durable;
@@ -10,8 +23,13 @@
 //!   an entry per run; the header keeps the reason on record until it is durable).
 
 use crate::format::StaleCopies;
+use crate::journal::Entry;
 use crate::set::Inner;
 use crate::types::{DevId, Result};
+use crate::units::BackingBlock;
+use parking_lot::Mutex;
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 impl Inner {
     /// Drops the copies of `dev` that `stale` names and makes the drop durable with a
@@ -32,5 +50,272 @@ impl Inner {
             self.checkpoint_now(&mut || {})?;
         }
         Ok(n)
+    }
+}
+
+// ----- the degraded state -----
+
+/// Why and since when the set is degraded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Degraded {
+    pub reason: String,
+    /// Seconds since the Unix epoch.
+    pub since_unix: u64,
+}
+
+/// The cache device's health as `status` shows it.
+#[derive(Clone, Debug, Default)]
+pub struct HealthReport {
+    /// `Some` while the set serves its volumes from their backing devices.
+    pub degraded: Option<Degraded>,
+    /// Cache-device failures since open (I/O errors, timeouts, checksum mismatches).
+    pub errors_total: u64,
+    /// The decayed failure count compared with `io_error_limit`.
+    pub error_count: f64,
+    pub io_error_limit: u32,
+    /// Recent cache-device latency (µs; 0: no recent sample).
+    pub read_latency_us: u64,
+    pub write_latency_us: u64,
+}
+
+/// The set's health: degraded or not, and the lock that orders entering the state.
+#[derive(Default)]
+pub(crate) struct Health {
+    degraded: AtomicBool,
+    info: Mutex<Option<Degraded>>,
+    /// Serializes entering and leaving the degraded state.
+    transition: Mutex<()>,
+}
+
+/// What a degraded set cannot serve from the backing device alone: ranges whose journal
+/// entries may not be durable (the cache device may hold an older dirty copy that a restart
+/// would bring back), and devices with dirty data or dropped dirty data not yet durable
+/// (their flushes cannot be honoured).
+#[derive(Default, Debug)]
+pub(crate) struct Uncertain {
+    ranges: Vec<(DevId, BackingBlock, BackingBlock)>,
+    unsafe_devs: BTreeSet<DevId>,
+}
+
+impl Uncertain {
+    /// Notes an entry that is not (or may not be) durable.
+    pub fn note(&mut self, e: &Entry) {
+        let (dev, b0, len) = match *e {
+            Entry::Insert {
+                dev,
+                block,
+                len,
+                dirty,
+                ..
+            } => {
+                if dirty {
+                    self.unsafe_devs.insert(dev);
+                }
+                (dev, block, u64::from(len))
+            }
+            Entry::Invalidate { dev, block, len } => (dev, block, len),
+            Entry::MarkClean {
+                dev, block, len, ..
+            } => (dev, block, u64::from(len)),
+            _ => return,
+        };
+        let b1 = b0 + len;
+        if let Some(last) = self.ranges.last_mut() {
+            if last.0 == dev && last.1 <= b1 && b0 <= last.2 {
+                last.1 = last.1.min(b0);
+                last.2 = last.2.max(b1);
+                return;
+            }
+        }
+        self.ranges.push((dev, b0, b1));
+    }
+
+    /// Notes that a non-durable entry of `dev` dropped dirty data.
+    pub fn note_dropped_dirty(&mut self, dev: DevId) {
+        self.unsafe_devs.insert(dev);
+    }
+
+    fn note_payload(&mut self, payload: &[u8]) {
+        match crate::journal::decode_entries(payload) {
+            Some(entries) => entries.iter().for_each(|e| self.note(e)),
+            // Our own encoding: cannot happen; be safe and distrust every device.
+            None => self.ranges.push((DevId(u32::MAX), BackingBlock(0), BackingBlock(0))),
+        }
+    }
+
+    fn overlaps(&self, dev: DevId, b0: BackingBlock, b1: BackingBlock) -> bool {
+        self.ranges
+            .iter()
+            .any(|&(d, r0, r1)| (d == dev || d.0 == u32::MAX) && r0 < b1 && b0 < r1)
+    }
+
+    fn is_unsafe(&self, dev: DevId) -> bool {
+        self.unsafe_devs.contains(&dev) || self.ranges.iter().any(|r| r.0 .0 == u32::MAX)
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl Inner {
+    /// Whether the set is degraded (requests go to the backing devices).
+    pub(crate) fn is_degraded(&self) -> bool {
+        self.health.degraded.load(Ordering::Acquire)
+    }
+
+    /// Called after a cache-device failure was counted (by `CacheDev`, or `note_error` for a
+    /// checksum mismatch): degrades the set once the decayed count reaches the limit.
+    pub(crate) fn after_cache_error(&self, what: &dyn std::fmt::Display) {
+        let n = self.cache.error_count();
+        let limit = self.config.io_error_limit;
+        if n >= f64::from(limit.max(1)) || limit == 0 {
+            self.degrade(format!(
+                "{n:.1} cache device errors reached io_error_limit {limit}; last: {what}"
+            ));
+        }
+    }
+
+    /// Enters the degraded state (nothing if it is already): every backing device's header
+    /// first says its clean copies are stale, then the ranges whose entries may not be
+    /// durable are set aside, then requests go to the backing devices. A header that cannot
+    /// be written fails the set instead (it could not be served without risking a stale
+    /// copy later).
+    pub(crate) fn degrade(&self, reason: String) {
+        if self.is_degraded() {
+            return;
+        }
+        let _t = self.health.transition.lock();
+        if self.is_degraded() {
+            return;
+        }
+        log::error!(
+            "cache set degraded: {reason}; serving every volume from its backing device (dirty data stays on the cache device)"
+        );
+        let backings: Vec<_> = self.backings.read().values().cloned().collect();
+        for b in &backings {
+            let r = b.update_header(|h| {
+                if h.stale == StaleCopies::None {
+                    h.stale = StaleCopies::Clean;
+                }
+            });
+            if let Err(e) = r {
+                self.fail(&crate::Error::State(format!(
+                    "{reason}, and the header of backing device {} could not be marked: {e}",
+                    b.id.0
+                )));
+                return;
+            }
+        }
+        {
+            let mut st = self.state.lock();
+            let mut u = Uncertain::default();
+            u.note_payload(&st.journal.buf.buf);
+            if let Some(p) = &st.journal.inflight {
+                u.note_payload(p);
+            }
+            for d in st.journal.flush_backing_first.keys() {
+                u.note_dropped_dirty(*d);
+            }
+            st.uncertain = Some(u);
+            self.health.degraded.store(true, Ordering::Release);
+        }
+        *self.health.info.lock() = Some(Degraded {
+            reason,
+            since_unix: unix_now(),
+        });
+        self.wake_background();
+    }
+
+    /// Whether a degraded set must refuse a request over `[b0, b1)` of `dev`: a write when
+    /// the range holds dirty data or may have entries that are not durable; a read when it
+    /// holds dirty data (the cache device has the only current copy).
+    pub(crate) fn degraded_blocks(
+        &self,
+        dev: DevId,
+        b0: BackingBlock,
+        b1: BackingBlock,
+        write: bool,
+    ) -> bool {
+        let st = self.state.lock();
+        st.index.any_overlapping(dev, b0, b1, |e| e.dirty)
+            || (write && st.uncertain.as_ref().is_some_and(|u| u.overlaps(dev, b0, b1)))
+    }
+
+    /// Whether a degraded set can honour a flush of `dev` by flushing the backing device: no
+    /// dirty data of it was written, or dropped, by entries that may not be durable.
+    pub(crate) fn degraded_flush_ok(&self, dev: DevId) -> bool {
+        let st = self.state.lock();
+        !st.uncertain.as_ref().is_some_and(|u| u.is_unsafe(dev))
+    }
+
+    /// Leaves the degraded state, if the cache device answers again: clean copies (stale
+    /// now) are dropped, a checkpoint of what the set holds is written, and the backing
+    /// headers stop saying their copies are stale. On failure the set stays degraded.
+    pub(crate) fn readmit(&self) -> Result<()> {
+        if !self.is_degraded() {
+            return Err(crate::Error::State(
+                "the cache set is not degraded: nothing to re-admit".into(),
+            ));
+        }
+        let backings: Vec<_> = self.backings.read().values().cloned().collect();
+        {
+            let mut st = self.state.lock();
+            for b in &backings {
+                st.index.forget_copies(b.id, false);
+            }
+        }
+        self.cache.reset_errors();
+        self.checkpoint_now(&mut || {})?;
+        for b in &backings {
+            b.update_header(|h| {
+                if h.stale == StaleCopies::Clean {
+                    h.stale = StaleCopies::None;
+                }
+            })?;
+        }
+        let _t = self.health.transition.lock();
+        {
+            let mut st = self.state.lock();
+            st.uncertain = None;
+            self.health.degraded.store(false, Ordering::Release);
+        }
+        *self.health.info.lock() = None;
+        log::warn!("cache device re-admitted: volumes are served through the cache again");
+        self.wake_background();
+        Ok(())
+    }
+
+    pub(crate) fn health_report(&self) -> HealthReport {
+        let (r, w) = self.cache.latency_us();
+        HealthReport {
+            degraded: self.health.info.lock().clone(),
+            errors_total: self.cache.total_errors(),
+            error_count: self.cache.error_count(),
+            io_error_limit: self.config.io_error_limit,
+            read_latency_us: r,
+            write_latency_us: w,
+        }
+    }
+
+    /// The watchdog's check: a cache-device I/O in flight longer than the timeout degrades
+    /// the set; one in flight long enough to matter counts toward congestion; failures that
+    /// no request path checked (writeback, GC) are compared with the limit.
+    pub(crate) fn watch_cache_device(&self) {
+        self.cache.note_stuck();
+        if self.is_degraded() {
+            return;
+        }
+        if let Some(age) = self.cache.hung() {
+            self.degrade(format!(
+                "a cache device I/O has not completed in {} ms (cache_io_timeout {} ms)",
+                age.as_millis(),
+                self.config.cache_io_timeout_ms
+            ));
+        } else if self.cache.total_errors() > 0 {
+            self.after_cache_error(&"failures counted in the background");
+        }
     }
 }

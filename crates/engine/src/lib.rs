@@ -24,6 +24,7 @@
 mod alloc;
 mod background;
 mod bitset;
+mod cachedev;
 #[cfg(test)]
 mod budget_test;
 mod check;
@@ -60,6 +61,7 @@ pub use set::{
     format_backing, Backing, CacheSet, Config, DevKnobs, DevStatus, FormatOptions, Occupancy,
     RecoveryReport,
 };
+pub use health::{Degraded, HealthReport};
 pub use types::{CacheMode, DevId, Error, Result};
 
 /// The seed of a randomized test: `TIERCACHE_SEED` if set, else the clock; printed so a

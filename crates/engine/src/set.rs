@@ -46,6 +46,10 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 use uuid::Uuid;
 
+/// How long stopping waits for a background thread of a degraded set (one may be stuck in an
+/// I/O of a hung cache device).
+const STOP_WAIT_HUNG: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Options for formatting a cache device.
 #[derive(Clone, Debug)]
 pub struct FormatOptions {
@@ -64,6 +68,16 @@ impl Default for FormatOptions {
     }
 }
 
+/// Cache-device failures tolerated before the set degrades (bcache's default).
+pub const DEFAULT_IO_ERROR_LIMIT: u32 = 8;
+/// Cache-device I/Os over which the failure count halves.
+pub const DEFAULT_IO_ERROR_HALFLIFE: u64 = 100_000;
+/// Longest a cache-device I/O may take (the Linux SCSI layer's default command timeout).
+pub const DEFAULT_CACHE_IO_TIMEOUT_MS: u64 = 30_000;
+/// bcache's congestion thresholds.
+pub const DEFAULT_CONGESTED_READ_US: u64 = 2_000;
+pub const DEFAULT_CONGESTED_WRITE_US: u64 = 20_000;
+
 /// Run-time configuration of an open cache set.
 #[derive(Clone)]
 pub struct Config {
@@ -80,6 +94,21 @@ pub struct Config {
     /// worth in any case). Tests set 1 so checkpoints of small caches are fuzzy too.
     pub checkpoint_buckets_per_lock: u32,
     pub clock: Arc<dyn Clock>,
+    /// Cache-device failures (I/O errors, timeouts, checksum mismatches), decayed, past which
+    /// the set becomes degraded (bcache's `io_error_limit`; 0: the first failure does it).
+    pub io_error_limit: u32,
+    /// Cache-device I/Os after which the failure count halves (bcache's `io_error_halflife`;
+    /// 0: it never decays).
+    pub io_error_halflife: u64,
+    /// A cache-device I/O that takes longer than this has failed; one still in flight after
+    /// it makes the set degraded (0: no limit).
+    pub cache_io_timeout_ms: u64,
+    /// Clean reads avoid the cache device while its reads take longer than this on average
+    /// (bcache's `congested_read_threshold_us`; 0: never).
+    pub congested_read_threshold_us: u64,
+    /// Writes that need not go to the cache device (all but writeback) avoid it while its
+    /// writes take longer than this (bcache's `congested_write_threshold_us`; 0: never).
+    pub congested_write_threshold_us: u64,
 }
 
 impl Default for Config {
@@ -91,6 +120,11 @@ impl Default for Config {
             journal_delay_ms: 100,
             checkpoint_buckets_per_lock: u32::MAX,
             clock: Arc::new(SystemClock::default()),
+            io_error_limit: DEFAULT_IO_ERROR_LIMIT,
+            io_error_halflife: DEFAULT_IO_ERROR_HALFLIFE,
+            cache_io_timeout_ms: DEFAULT_CACHE_IO_TIMEOUT_MS,
+            congested_read_threshold_us: DEFAULT_CONGESTED_READ_US,
+            congested_write_threshold_us: DEFAULT_CONGESTED_WRITE_US,
         }
     }
 }
@@ -118,6 +152,9 @@ pub(crate) struct JournalState {
     /// Backing devices to flush before the next record or checkpoint is written, each with
     /// the epoch of its latest entry that dropped dirty data.
     pub flush_backing_first: BTreeMap<DevId, u64>,
+    /// The entries of the record or whole checkpoint being written, until it is durable (a
+    /// set degraded meanwhile treats them as uncertain; see `health`).
+    pub inflight: Option<Arc<Vec<u8>>>,
 }
 
 /// A read miss being promoted; a write that overlaps it while in flight marks it collided.
@@ -136,6 +173,8 @@ pub(crate) struct State {
     pub promotions: HashMap<u64, Promotion>,
     pub next_promotion: u64,
     pub writeback: crate::writeback::WritebackPool,
+    /// While degraded: what entries that may not be durable touched (see `health`).
+    pub uncertain: Option<crate::health::Uncertain>,
 }
 
 impl State {
@@ -143,6 +182,9 @@ impl State {
     pub fn log(&mut self, entry: &Entry, now_ns: u64) {
         entry.encode(&mut self.journal.buf);
         self.journal.appended_epoch += 1;
+        if let Some(u) = &mut self.uncertain {
+            u.note(entry);
+        }
         self.journal.oldest_pending_ns.get_or_insert(now_ns);
     }
 
@@ -194,6 +236,9 @@ impl State {
     fn owe_backing_flush(&mut self, dev: DevId) {
         let epoch = self.journal.appended_epoch;
         self.journal.flush_backing_first.insert(dev, epoch);
+        if let Some(u) = &mut self.uncertain {
+            u.note_dropped_dirty(dev);
+        }
     }
 
     /// Drops a range from the index (journaled) if anything is cached there. Dropping dirty
@@ -307,7 +352,8 @@ impl Backing {
 }
 
 pub(crate) struct Inner {
-    pub cache: Arc<dyn BlockDevice>,
+    /// Every I/O to the cache device goes through this (timing, failures; see `cachedev`).
+    pub cache: Arc<crate::cachedev::CacheDev>,
     pub layout: Layout,
     pub sb: Mutex<Superblock>,
     pub state: Mutex<State>,
@@ -336,6 +382,7 @@ pub(crate) struct Inner {
     pub promoted: Condvar,
     pub tick: AtomicU64,
     pub reserve_buckets: usize,
+    pub health: crate::health::Health,
 }
 
 /// An open cache set. Dropping it without [`CacheSet::close`] is like a crash: nothing more is
@@ -584,15 +631,22 @@ impl CacheSet {
                 ckpt_slot: sb.ckpt_slot,
                 ckpt_seq: sb.ckpt_seq,
                 flush_backing_first: BTreeMap::new(),
+                inflight: None,
             },
             devs,
             promotions: HashMap::new(),
             next_promotion: 0,
             writeback: Default::default(),
+            uncertain: None,
         };
         let pins = state.buckets.pins();
         let index_reader = state.index.reader();
         let touches = state.buckets.touches();
+        let cache = Arc::new(crate::cachedev::CacheDev::new(
+            cache,
+            std::time::Duration::from_millis(config.cache_io_timeout_ms),
+            config.io_error_halflife,
+        ));
         let inner = Arc::new(Inner {
             cache,
             layout,
@@ -614,6 +668,7 @@ impl CacheSet {
             promoted: Condvar::new(),
             tick: AtomicU64::new(0),
             reserve_buckets,
+            health: Default::default(),
         });
         log::info!(
             "cache set {} recovered in {} ms: {} records, {} entries replayed, {} blocks cached ({} dirty)",
@@ -654,6 +709,12 @@ impl CacheSet {
     fn attach_unguarded(&self, dev: Arc<dyn BlockDevice>) -> Result<crate::Volume> {
         let inner = &self.inner;
         inner.check_failed()?;
+        if inner.is_degraded() {
+            return Err(Error::State(
+                "the cache set is degraded: re-admit the repaired cache device before attaching"
+                    .into(),
+            ));
+        }
         let (mut header, notes) = BackingHeader::read(&*dev)?;
         for n in notes {
             log::warn!("{n}");
@@ -822,6 +883,11 @@ impl CacheSet {
     ) -> Result<()> {
         let inner = &self.inner;
         let b = &vol.backing;
+        if inner.is_degraded() {
+            return Err(Error::State(
+                "the cache set is degraded: re-admit the repaired cache device before detaching (its dirty data and records are on it)".into(),
+            ));
+        }
         b.detaching.store(true, Ordering::SeqCst);
         let res = (|| {
             crate::writeback::drain_dirty(inner, b.id, progress)?;
@@ -853,6 +919,23 @@ impl CacheSet {
         }
         inner.backings.write().remove(&b.id);
         Ok(())
+    }
+
+    /// The cache device's health: degraded or not (why, since when), failures, latency.
+    pub fn health(&self) -> crate::health::HealthReport {
+        self.inner.health_report()
+    }
+
+    /// Re-admits a repaired cache device to a degraded set (see `health`): its clean copies
+    /// are dropped, what the set holds is checkpointed, and volumes are served through the
+    /// cache again. Fails, and the set stays degraded, if the device still fails.
+    pub fn readmit(&self) -> Result<()> {
+        crate::guard::contain(&self.inner, "readmit", || self.inner.readmit())
+    }
+
+    /// Degrades the set by hand (an operator who distrusts the cache device; tests).
+    pub fn degrade(&self, reason: &str) {
+        self.inner.degrade(format!("by request: {reason}"));
     }
 
     /// Cache device occupancy.
@@ -895,6 +978,14 @@ impl CacheSet {
         self.stop_background();
         let inner = &self.inner;
         inner.check_failed()?;
+        if inner.is_degraded() {
+            // Nothing more can be written to the cache device; what it holds durably is
+            // consistent (see `health`), and the backing headers say their clean copies
+            // are stale.
+            *inner.failed.lock() = Some("the cache set was closed".into());
+            inner.is_failed.store(true, Ordering::Release);
+            return Ok(());
+        }
         for b in inner.backings.read().values() {
             b.flush_if_written()?;
         }
@@ -923,6 +1014,10 @@ impl CacheSet {
                 "tc-maint",
                 crate::background::maintenance_thread as fn(&Arc<Inner>),
             ),
+            (
+                "tc-watchdog",
+                crate::background::watchdog_thread as fn(&Arc<Inner>),
+            ),
         ] {
             let inner = self.inner.clone();
             threads.push(
@@ -934,11 +1029,25 @@ impl CacheSet {
         }
     }
 
+    /// Stops the background threads. A thread stuck in an I/O of a hung cache device (the
+    /// set is degraded then) is left behind after `STOP_WAIT_HUNG` rather than waited for.
     fn stop_background(&self) {
         self.inner.stop.store(true, Ordering::SeqCst);
         self.inner.wake_background();
+        let started = Instant::now();
         for t in self.threads.lock().drain(..) {
-            let _ = t.join();
+            while !t.is_finished()
+                && (started.elapsed() < STOP_WAIT_HUNG || !self.inner.is_degraded())
+            {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                log::warn!(
+                    "a background thread is stuck in a cache device I/O; leaving it behind"
+                );
+            }
         }
     }
 

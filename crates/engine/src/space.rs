@@ -11,6 +11,7 @@
 //!   it is still the current copy;
 //! - every loop here is bounded (`RECLAIM_MAX` buckets a round) so one step takes bounded time.
 
+use blockdev::BlockDevice;
 use crate::alloc::WritePoint;
 use crate::journal::Entry;
 use crate::set::Inner;

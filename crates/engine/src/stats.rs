@@ -58,6 +58,12 @@ counters!(
     writeback_bytes,
     checksum_repairs,
     io_errors,
+    // Cache-device failures this device's requests met and served from the backing device.
+    cache_io_errors,
+    // Requests sent to the backing device because the cache device was slow (congested).
+    congested,
+    // Bytes served by the backing device alone while the cache set was degraded.
+    degraded_bytes,
 );
 
 impl Counters {

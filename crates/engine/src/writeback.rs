@@ -179,6 +179,12 @@ pub(crate) fn writeback_pass(
     only: Option<DevId>,
 ) -> Result<(u64, WritebackRate)> {
     inner.check_failed()?;
+    if inner.is_degraded() {
+        return Err(crate::Error::State(
+            "the cache set is degraded: dirty data waits on the cache device until it is re-admitted"
+                .into(),
+        ));
+    }
     let bs = inner.block_size();
     let backings: Vec<_> = inner.backings.read().values().cloned().collect();
     let (rates, entries) = {

@@ -15,6 +15,7 @@
 //! - every write to the backing device invalidates the readahead windows it overlaps after it
 //!   completes.
 
+mod around;
 mod read;
 mod write;
 
@@ -88,6 +89,9 @@ impl Volume {
         if !self.backing.dev.is_rotational() {
             return true;
         }
+        if self.inner.is_degraded() {
+            return false;
+        }
         let (b0, b1) = BackingBlock::touched_by(offset, len, self.inner.block_size());
         crate::index::all_cached(&self.inner.index_reader, self.backing.id, b0, b1)
     }
@@ -99,6 +103,7 @@ impl Volume {
         let bs = self.inner.block_size();
         !self.backing.dev.is_rotational()
             || (self.mode() == CacheMode::Writeback
+                && !self.inner.is_degraded()
                 && offset.is_multiple_of(bs)
                 && len.is_multiple_of(bs))
     }
@@ -199,7 +204,9 @@ impl Volume {
             size_bytes: b.data_size,
             dirty_bytes: dirty * bs,
             cached_bytes: cached * bs,
-            state: if b.detaching.load(Ordering::Relaxed) {
+            state: if self.inner.is_degraded() {
+                "degraded"
+            } else if b.detaching.load(Ordering::Relaxed) {
                 "detaching"
             } else if dirty > 0 {
                 "dirty"
@@ -233,6 +240,34 @@ impl Volume {
             return Err(Error::State("device has been detached".into()));
         }
         Ok(())
+    }
+
+    /// Notes a failed cache-device I/O of this device's request (the request goes on without
+    /// the cache where it can): counted, logged without flooding, and checked against the
+    /// set's error limit.
+    fn cache_failed(&self, e: &Error) {
+        Counters::add(&self.backing.counters.cache_io_errors, 1);
+        static LOG: crate::guard::Throttled = crate::guard::Throttled::new();
+        LOG.log(
+            log::Level::Warn,
+            format_args!("cache device failure, served without the cache: {e}"),
+        );
+        self.inner.after_cache_error(e);
+    }
+
+    /// Whether requests of `kind` should avoid the cache device now (it is slower than its
+    /// congestion threshold; see `cachedev`); counted when they do.
+    fn cache_congested(&self, kind: crate::cachedev::Kind) -> bool {
+        let c = &self.inner.config;
+        let threshold = match kind {
+            crate::cachedev::Kind::Read => c.congested_read_threshold_us,
+            _ => c.congested_write_threshold_us,
+        };
+        let congested = self.inner.cache.congested(kind, threshold);
+        if congested {
+            Counters::add(&self.backing.counters.congested, 1);
+        }
+        congested
     }
 
     /// Feeds the sequential detector; returns the length of the stream the request continues.
@@ -309,8 +344,18 @@ impl Volume {
 
     fn flush_unguarded(&self) -> Result<()> {
         self.inner.check_failed()?;
+        if self.inner.is_degraded() {
+            return self.degraded_flush();
+        }
         let target = self.inner.state.lock().journal.appended_epoch;
-        self.inner.commit_to(target)?;
+        if let Err(e) = self.inner.commit_to(target) {
+            // A commit that failed degraded the set (or found it degraded): the flush is
+            // honoured as a degraded set honours it, or fails.
+            if self.inner.is_degraded() {
+                return self.degraded_flush();
+            }
+            return Err(e);
+        }
         // Deferred flush: the backing device is flushed only if something reached it.
         self.backing.flush_if_written()
     }
@@ -326,6 +371,9 @@ impl Volume {
         self.check(offset, len)?;
         if len == 0 {
             return Ok(());
+        }
+        if self.inner.is_degraded() {
+            return self.degraded_change(offset, len, None, true);
         }
         self.note_io(offset, len);
         let inner = &*self.inner;
@@ -361,8 +409,12 @@ impl Volume {
         if len == 0 {
             return Ok(());
         }
-        self.note_io(offset, len);
-        self.write_range(offset, len, None, Route::Bypass)?;
+        if self.inner.is_degraded() {
+            self.degraded_change(offset, len, None, false)?;
+        } else {
+            self.note_io(offset, len);
+            self.write_range(offset, len, None, Route::Bypass)?;
+        }
         if fua {
             self.flush()?;
         }
@@ -379,6 +431,9 @@ impl Volume {
 
     fn cached_ranges_unguarded(&self, offset: u64, len: u64) -> Result<Vec<(u64, u64, bool)>> {
         self.check(offset, len)?;
+        if self.inner.is_degraded() {
+            return Ok(Vec::new());
+        }
         let bs = self.inner.block_size();
         let (b0, b1) = BackingBlock::touched_by(offset, len, bs);
         let segs = self

@@ -19,12 +19,14 @@
 //! - sequential reads that bypass the cache are served through `readahead` windows only for
 //!   blocks the index shows uncached.
 
+use blockdev::BlockDevice;
 use super::Volume;
+use crate::cachedev::Kind;
 use crate::index::{Seg, Segs};
 use crate::readahead;
 use crate::set::Promotion;
 use crate::stats::Counters;
-use crate::types::{CacheMode, Error, IoContext, Result};
+use crate::types::{CacheMode, Error, Result};
 use crate::units::BackingBlock;
 
 /// A bypassing stream of more than one request and at least this long is read ahead
@@ -88,8 +90,18 @@ impl Volume {
         if buf.is_empty() {
             return Ok(());
         }
+        if self.inner.is_degraded() {
+            return self.degraded_read(offset, buf);
+        }
         let stream = self.note_io(offset, buf.len() as u64);
-        let bypass = !crate::policy::admit_read(self.mode(), self.seq_bypass(stream));
+        if let Some(r) = self.read_around_congestion(offset, buf) {
+            return r;
+        }
+        let mut bypass = !crate::policy::admit_read(self.mode(), self.seq_bypass(stream));
+        if !bypass && self.cache_congested(Kind::Write) {
+            // Promoting would wait on the slow cache device: the miss is served alone.
+            bypass = true;
+        }
         let len = buf.len() as u64;
         let read = if bypass && stream > len && stream >= READAHEAD_AFTER_BYTES {
             Read::Ahead
@@ -110,7 +122,7 @@ impl Volume {
 
     fn prefetch_unguarded(&self, offset: u64, len: u64) -> Result<()> {
         self.check(offset, len)?;
-        if self.mode() == CacheMode::None {
+        if self.mode() == CacheMode::None || self.inner.is_degraded() {
             // Nothing would be kept: the hint is honoured by doing nothing.
             return Ok(());
         }
@@ -306,6 +318,26 @@ impl Volume {
         Ok(())
     }
 
+    /// A read while the cache device's reads are slower than `congested_read_threshold_us`
+    /// (see `cachedev`): served by the backing device unless part of it is dirty (then the
+    /// cache device has the only current copy). `None`: not congested, or dirty.
+    fn read_around_congestion(&self, offset: u64, buf: &mut [u8]) -> Option<Result<()>> {
+        if !self.cache_congested(Kind::Read) {
+            return None;
+        }
+        let (b0, b1) = BackingBlock::touched_by(offset, buf.len() as u64, self.inner.block_size());
+        let dirty = self.inner.state.lock().index.any_overlapping(
+            self.backing.id,
+            b0,
+            b1,
+            |e| e.dirty,
+        );
+        if dirty {
+            return None;
+        }
+        Some(self.backing_read(buf, offset))
+    }
+
     /// A hit found and pinned without the state lock: every block of `[b0, b1)` cached, each
     /// piece's bucket pinned and the blocks' crcs in `crcs`, checked against the index's
     /// seqlock after the pins (see `slots` and `alloc`). `None` (nothing pinned, `crcs` empty):
@@ -495,10 +527,16 @@ impl Volume {
         let inner = &*self.inner;
         let off = inner.layout.cache_block_offset(e.cache_block);
         Counters::add(&self.backing.counters.cache_read_bytes, out.len() as u64);
-        inner
-            .cache
-            .read_at(out, off)
-            .ctx(|| format!("reading cache device at {off}"))?;
+        if let Err(err) = inner.cache.read_at(out, off) {
+            let err = Error::io(format!("reading cache device at {off}"), err);
+            self.cache_failed(&err);
+            if e.dirty {
+                // The cache device holds the only current copy.
+                return Err(err);
+            }
+            self.drop_copy(block, e);
+            return Ok(false);
+        }
         let Some(i) = first_bad_block(out, crcs, inner.block_size()) else {
             return Ok(true);
         };
@@ -530,6 +568,16 @@ impl Volume {
             );
         }
         Counters::add(&self.backing.counters.checksum_repairs, 1);
+        inner.cache.note_error();
+        inner.after_cache_error(&format_args!("checksum mismatch on clean data: {what}"));
+        self.drop_copy(block, e);
+        Ok(false)
+    }
+
+    /// Drops the clean copy `e` of `block` (unreadable, or failed its checksum) if the index
+    /// still maps it there; the caller re-reads the backing device.
+    fn drop_copy(&self, block: BackingBlock, e: crate::index::Extent) {
+        let inner = &*self.inner;
         let mut st = inner.state.lock();
         if st
             .index
@@ -538,7 +586,6 @@ impl Volume {
             let now = inner.now_ns();
             st.invalidate(self.backing.id, block, block + u64::from(e.len), now);
         }
-        Ok(false)
     }
 
     /// Inserts read-miss data into the cache unless a write overlapped it meanwhile.
@@ -555,10 +602,7 @@ impl Volume {
                 break;
             }
             if let Err(e) = self.cache_insert(block, &data, false, Some(id)) {
-                {
-                    static LOG: crate::guard::Throttled = crate::guard::Throttled::new();
-                    LOG.log(log::Level::Warn, format_args!("promotion failed: {e}"));
-                }
+                self.cache_failed(&e);
                 break;
             }
         }

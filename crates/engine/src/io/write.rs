@@ -8,6 +8,7 @@
 //! - data is written to the cache before its index entry is inserted, and the entry's journal
 //!   record is what makes it survive a crash (see `docs/durability.md`).
 
+use blockdev::BlockDevice;
 use super::Volume;
 use crate::alloc::WritePoint;
 use crate::format::BackingState;
@@ -37,7 +38,7 @@ impl Volume {
             WritePoint::Clean
         };
         let mut done = 0u64;
-        while done < nblocks {
+        while done < nblocks && !inner.is_degraded() {
             let want = (nblocks - done).min(u64::from(u32::MAX)) as u32;
             let Some(grant) = crate::space::alloc_blocks(inner, point, want)? else {
                 break;
@@ -60,6 +61,10 @@ impl Volume {
                     drop(st);
                     return Ok(done);
                 }
+            }
+            if st.uncertain.is_some() {
+                // Degraded since the loop checked: nothing more enters the cache.
+                return Ok(done);
             }
             let dev = self.backing.id;
             let b = block + done;
@@ -104,8 +109,19 @@ impl Volume {
             return Ok(());
         }
         let len = data.len() as u64;
+        if self.inner.is_degraded() {
+            self.degraded_change(offset, len, Some(data), false)?;
+            if fua {
+                self.flush()?;
+            }
+            return Ok(());
+        }
         let stream = self.note_io(offset, len);
-        let route = self.route(self.seq_bypass(stream));
+        let mut route = self.route(self.seq_bypass(stream));
+        if route == Route::Through && self.cache_congested(crate::cachedev::Kind::Write) {
+            // The slow cache device would hold the write up; the backing device has it.
+            route = Route::Bypass;
+        }
         if route == Route::Bypass {
             Counters::add(&self.backing.counters.bypassed, len);
         }
@@ -237,7 +253,7 @@ impl Volume {
         }
     }
 
-    fn backing_zero(&self, offset: u64, len: u64) -> Result<()> {
+    pub(super) fn backing_zero(&self, offset: u64, len: u64) -> Result<()> {
         Counters::add(&self.backing.counters.backing_written_bytes, len);
         self.change_backing(offset, len, |d, at| d.write_zeroes(at, len))
             .ctx(|| format!("zeroing backing device at {offset}"))
@@ -269,8 +285,8 @@ impl Volume {
             self.backing_write(data, from)?;
         }
         let stored = match route {
-            Route::Bypass => 0,
-            Route::Through => self.cache_insert(block, data, false, None)?,
+            Route::Bypass => Ok(0),
+            Route::Through => self.cache_insert(block, data, false, None),
             Route::Back => {
                 if self.backing.header.lock().state != BackingState::Dirty {
                     self.backing.set_state(BackingState::Dirty)?;
@@ -280,9 +296,15 @@ impl Volume {
                         .dirty_since_ns
                         .store(inner.now_ns(), Ordering::Relaxed);
                 }
-                self.cache_insert(block, data, true, None)?
+                self.cache_insert(block, data, true, None)
             }
         };
+        // The cache device failed: the write goes on without it, as when it has no room (a
+        // part already inserted is dropped below once the backing device has the data).
+        let stored = stored.unwrap_or_else(|e| {
+            self.cache_failed(&e);
+            0
+        });
         if stored < n {
             // No room in the cache for the rest: write it around (writeback) and drop any
             // stale copy.
