@@ -18,8 +18,8 @@
 //!   Sectors are never torn internally.
 //!
 //! Fault model (what tests can inject): EIO from rules (per device name, operation, byte range,
-//! probability, firing budget), seeded latency per operation, and a crash at a chosen I/O
-//! number or on demand. Requests rejected as `InvalidInput` reach no device and are not
+//! probability, firing budget, matching requests let through first), seeded latency per
+//! operation, and a crash at a chosen I/O number or on demand. Requests rejected as `InvalidInput` reach no device and are not
 //! counted. `write_zeroes` counts as a write and `discard` as a discard; on a `SimDevice` both
 //! are recorded as writes of zeroes.
 
@@ -60,6 +60,9 @@ pub struct FaultRule {
     pub probability: f64,
     /// How many more times the rule may fire (None: unlimited).
     pub remaining: Option<u64>,
+    /// Matching requests let through before the rule starts firing (so "fail the N-th
+    /// cache-device I/O" is `skip: N - 1`).
+    pub skip: u64,
 }
 
 #[derive(Debug)]
@@ -164,12 +167,14 @@ impl FaultController {
             let range_ok = rule
                 .range
                 .is_none_or(|(s, e)| len > 0 && offset < e && s < offset.saturating_add(len));
-            if dev_ok
-                && range_ok
-                && rule.op.matches(op)
-                && rule.remaining != Some(0)
-                && self.rng.lock().gen_bool(rule.probability.clamp(0.0, 1.0))
-            {
+            if dev_ok && range_ok && rule.op.matches(op) && rule.remaining != Some(0) {
+                if rule.skip > 0 {
+                    rule.skip -= 1;
+                    continue;
+                }
+                if !self.rng.lock().gen_bool(rule.probability.clamp(0.0, 1.0)) {
+                    continue;
+                }
                 if let Some(r) = &mut rule.remaining {
                     *r -= 1;
                 }
@@ -517,6 +522,7 @@ mod tests {
             range: Some((4096, 8192)),
             probability: 1.0,
             remaining: Some(2),
+            skip: 0,
         });
         d.write_at(&[1; 512], 0).unwrap();
         assert!(d.write_at(&[1; 512], 4096).is_err());
@@ -606,6 +612,7 @@ mod tests {
             range: Some((0, 4096)),
             probability: 1.0,
             remaining: None,
+            skip: 0,
         });
         assert_eq!(
             d.read_at(&mut [0; 512], u64::MAX - 511).unwrap_err().kind(),

@@ -53,8 +53,8 @@ impl Estimate {
     fn sample(&self, ns: u64, now: u64) {
         let old = self.avg_ns.load(Ordering::Relaxed);
         // Weight 1/8 for the new sample; the first sample (or one after a long gap) sets it.
-        let fresh = now.saturating_sub(self.at_ns.load(Ordering::Relaxed))
-            > SAMPLE_TTL.as_nanos() as u64;
+        let fresh =
+            now.saturating_sub(self.at_ns.load(Ordering::Relaxed)) > SAMPLE_TTL.as_nanos() as u64;
         let new = if old == 0 || fresh {
             ns
         } else {
@@ -149,7 +149,11 @@ impl CacheDev {
         InFlight(None)
     }
 
-    fn run<T>(&self, kind: Kind, io: impl FnOnce(&dyn BlockDevice) -> io::Result<T>) -> io::Result<T> {
+    fn run<T>(
+        &self,
+        kind: Kind,
+        io: impl FnOnce(&dyn BlockDevice) -> io::Result<T>,
+    ) -> io::Result<T> {
         let n = self.ios.fetch_add(1, Ordering::Relaxed);
         let start = self.now();
         let slot = self.claim(start, n);
@@ -338,7 +342,11 @@ mod tests {
     #[test]
     fn failures_and_timeouts_are_counted() {
         let ctrl = FaultController::new(1);
-        let faulty = Arc::new(FaultyDevice::new("cache", MemDevice::new(1 << 20), ctrl.clone()));
+        let faulty = Arc::new(FaultyDevice::new(
+            "cache",
+            MemDevice::new(1 << 20),
+            ctrl.clone(),
+        ));
         let d = CacheDev::new(faulty, Duration::from_millis(20), 0);
         let mut buf = vec![0u8; 4096];
         d.read_at(&mut buf, 0).unwrap();
@@ -349,13 +357,18 @@ mod tests {
             range: None,
             probability: 1.0,
             remaining: Some(2),
+            skip: 0,
         });
         assert!(d.read_at(&mut buf, 0).is_err());
         assert!(d.read_at(&mut buf, 0).is_err());
         d.read_at(&mut buf, 0).unwrap();
         assert_eq!(d.total_errors(), 2);
         assert!((d.error_count() - 2.0).abs() < 1e-9);
-        ctrl.set_latency(FaultOp::Write, Duration::from_millis(40), Duration::from_millis(40));
+        ctrl.set_latency(
+            FaultOp::Write,
+            Duration::from_millis(40),
+            Duration::from_millis(40),
+        );
         let e = d.write_at(&buf, 0).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
         assert_eq!(d.total_errors(), 3);
@@ -366,12 +379,20 @@ mod tests {
     #[test]
     fn congestion_follows_latency_with_probes() {
         let ctrl = FaultController::new(2);
-        let faulty = Arc::new(FaultyDevice::new("cache", MemDevice::new(1 << 20), ctrl.clone()));
+        let faulty = Arc::new(FaultyDevice::new(
+            "cache",
+            MemDevice::new(1 << 20),
+            ctrl.clone(),
+        ));
         let d = CacheDev::new(faulty, Duration::ZERO, 0);
         let mut buf = vec![0u8; 4096];
         d.read_at(&mut buf, 0).unwrap();
         assert!(!d.congested(Kind::Read, 2000));
-        ctrl.set_latency(FaultOp::Read, Duration::from_millis(5), Duration::from_millis(5));
+        ctrl.set_latency(
+            FaultOp::Read,
+            Duration::from_millis(5),
+            Duration::from_millis(5),
+        );
         for _ in 0..30 {
             d.read_at(&mut buf, 0).unwrap();
         }
@@ -382,6 +403,9 @@ mod tests {
         assert!(d.congested(Kind::Read, 2000));
         assert!(!d.congested(Kind::Read, 0), "0 disables");
         assert!(!d.congested(Kind::Read, 10_000), "below the threshold");
-        assert!(!d.congested(Kind::Write, 2000), "writes have their own estimate");
+        assert!(
+            !d.congested(Kind::Write, 2000),
+            "writes have their own estimate"
+        );
     }
 }

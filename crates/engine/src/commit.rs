@@ -17,12 +17,12 @@
 //! - a full journal ring is freed by a checkpoint: a running one finishes, else a whole one is
 //!   written with requests held (logged: writes are outpacing checkpoints).
 
-use blockdev::BlockDevice;
 use crate::checkpoint;
 use crate::format::Layout;
 use crate::journal::{encode_record, Ring};
 use crate::set::{Backing, Inner, State};
 use crate::types::{DevId, Error, IoContext, Result};
+use blockdev::BlockDevice;
 use parking_lot::MutexGuard;
 use std::sync::Arc;
 
@@ -178,7 +178,7 @@ impl Inner {
             let st = &mut *st;
             let j = &mut st.journal;
             if len == 0 {
-                j.durable_epoch = j.durable_epoch.max(epoch);
+                j.durable_to(epoch);
                 st.buckets.release(j.durable_epoch);
                 return Ok(Record::Written);
             }
@@ -187,8 +187,7 @@ impl Inner {
             let Some((pos, cost)) = j.ring.reserve(rec_len) else {
                 return Ok(Record::RingFull);
             };
-            let payload: Arc<Vec<u8>> = Arc::new(j.buf.buf.drain(..len).collect());
-            j.inflight = Some(payload.clone());
+            let payload: Vec<u8> = j.buf.buf.drain(..len).collect();
             if j.buf.buf.is_empty() {
                 j.oldest_pending_ns = None;
             }
@@ -210,8 +209,7 @@ impl Inner {
             .flush()
             .ctx(|| "flushing journal record".into())?;
         let mut st = self.state.lock();
-        st.journal.inflight = None;
-        st.journal.durable_epoch = st.journal.durable_epoch.max(epoch);
+        st.journal.durable_to(epoch);
         st.buckets.release(epoch);
         Ok(Record::Written)
     }
@@ -311,8 +309,7 @@ impl Inner {
         }
         let (chunks, body_bytes) = (body.chunks, body.bytes);
         let epoch = st.journal.appended_epoch;
-        let pending = std::mem::take(&mut st.journal.buf.buf);
-        st.journal.inflight = Some(Arc::new(pending));
+        st.journal.buf.buf.clear();
         st.journal.oldest_pending_ns = None;
         st.journal.flush_backing_first.clear();
         drop(st);
@@ -320,8 +317,7 @@ impl Inner {
             ring.checkpointed()
         })?;
         let mut st = self.state.lock();
-        st.journal.inflight = None;
-        st.journal.durable_epoch = epoch;
+        st.journal.durable_to(epoch);
         st.buckets.release(epoch);
         Ok(())
     }

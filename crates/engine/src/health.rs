@@ -23,7 +23,6 @@
 //!   an entry per run; the header keeps the reason on record until it is durable).
 
 use crate::format::StaleCopies;
-use crate::journal::Entry;
 use crate::set::Inner;
 use crate::types::{DevId, Result};
 use crate::units::BackingBlock;
@@ -87,10 +86,11 @@ pub(crate) struct Health {
     transition: Mutex<()>,
 }
 
-/// What a degraded set cannot serve from the backing device alone: ranges whose journal
-/// entries may not be durable (the cache device may hold an older dirty copy that a restart
-/// would bring back), and devices with dirty data or dropped dirty data not yet durable
-/// (their flushes cannot be honoured).
+/// What a degraded set cannot serve from the backing device alone: ranges that entries not
+/// yet durable left less dirty in memory than on the cache device (a restart or re-admission
+/// could bring an older dirty copy back there, so nothing may be written over them), and
+/// devices with dirty data inserted or dropped by entries not yet durable (their flushes
+/// cannot be honoured by flushing the backing device).
 #[derive(Default, Debug)]
 pub(crate) struct Uncertain {
     ranges: Vec<(DevId, BackingBlock, BackingBlock)>,
@@ -98,28 +98,34 @@ pub(crate) struct Uncertain {
 }
 
 impl Uncertain {
-    /// Notes an entry that is not (or may not be) durable.
-    pub fn note(&mut self, e: &Entry) {
-        let (dev, b0, len) = match *e {
-            Entry::Insert {
-                dev,
-                block,
-                len,
-                dirty,
-                ..
-            } => {
-                if dirty {
-                    self.unsafe_devs.insert(dev);
-                }
-                (dev, block, u64::from(len))
+    /// From the journal's entries that are not durable.
+    fn of(j: &crate::set::JournalState) -> Uncertain {
+        let mut u = Uncertain::default();
+        for &(_, dev, b0, b1, dropped) in &j.less_dirty {
+            u.note_less_dirty(dev, b0, b1, dropped);
+        }
+        for (&dev, &epoch) in &j.dirty_insert_epoch {
+            if epoch > j.durable_epoch {
+                u.note_dirty(dev);
             }
-            Entry::Invalidate { dev, block, len } => (dev, block, len),
-            Entry::MarkClean {
-                dev, block, len, ..
-            } => (dev, block, u64::from(len)),
-            _ => return,
-        };
-        let b1 = b0 + len;
+        }
+        u
+    }
+
+    pub fn note_dirty(&mut self, dev: DevId) {
+        self.unsafe_devs.insert(dev);
+    }
+
+    pub fn note_less_dirty(
+        &mut self,
+        dev: DevId,
+        b0: BackingBlock,
+        b1: BackingBlock,
+        dropped: bool,
+    ) {
+        if dropped {
+            self.unsafe_devs.insert(dev);
+        }
         if let Some(last) = self.ranges.last_mut() {
             if last.0 == dev && last.1 <= b1 && b0 <= last.2 {
                 last.1 = last.1.min(b0);
@@ -130,27 +136,14 @@ impl Uncertain {
         self.ranges.push((dev, b0, b1));
     }
 
-    /// Notes that a non-durable entry of `dev` dropped dirty data.
-    pub fn note_dropped_dirty(&mut self, dev: DevId) {
-        self.unsafe_devs.insert(dev);
-    }
-
-    fn note_payload(&mut self, payload: &[u8]) {
-        match crate::journal::decode_entries(payload) {
-            Some(entries) => entries.iter().for_each(|e| self.note(e)),
-            // Our own encoding: cannot happen; be safe and distrust every device.
-            None => self.ranges.push((DevId(u32::MAX), BackingBlock(0), BackingBlock(0))),
-        }
-    }
-
     fn overlaps(&self, dev: DevId, b0: BackingBlock, b1: BackingBlock) -> bool {
         self.ranges
             .iter()
-            .any(|&(d, r0, r1)| (d == dev || d.0 == u32::MAX) && r0 < b1 && b0 < r1)
+            .any(|&(d, r0, r1)| d == dev && r0 < b1 && b0 < r1)
     }
 
     fn is_unsafe(&self, dev: DevId) -> bool {
-        self.unsafe_devs.contains(&dev) || self.ranges.iter().any(|r| r.0 .0 == u32::MAX)
+        self.unsafe_devs.contains(&dev)
     }
 }
 
@@ -211,15 +204,7 @@ impl Inner {
         }
         {
             let mut st = self.state.lock();
-            let mut u = Uncertain::default();
-            u.note_payload(&st.journal.buf.buf);
-            if let Some(p) = &st.journal.inflight {
-                u.note_payload(p);
-            }
-            for d in st.journal.flush_backing_first.keys() {
-                u.note_dropped_dirty(*d);
-            }
-            st.uncertain = Some(u);
+            st.uncertain = Some(Uncertain::of(&st.journal));
             self.health.degraded.store(true, Ordering::Release);
         }
         *self.health.info.lock() = Some(Degraded {
@@ -241,7 +226,11 @@ impl Inner {
     ) -> bool {
         let st = self.state.lock();
         st.index.any_overlapping(dev, b0, b1, |e| e.dirty)
-            || (write && st.uncertain.as_ref().is_some_and(|u| u.overlaps(dev, b0, b1)))
+            || (write
+                && st
+                    .uncertain
+                    .as_ref()
+                    .is_some_and(|u| u.overlaps(dev, b0, b1)))
     }
 
     /// Whether a degraded set can honour a flush of `dev` by flushing the backing device: no

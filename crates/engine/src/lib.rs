@@ -24,9 +24,9 @@
 mod alloc;
 mod background;
 mod bitset;
-mod cachedev;
 #[cfg(test)]
 mod budget_test;
+mod cachedev;
 mod check;
 mod checkpoint;
 pub mod clock;
@@ -52,6 +52,7 @@ mod writeback;
 
 pub use check::{check_device, CheckReport};
 pub use checkpoint::{load as load_metadata, Loaded};
+pub use health::{Degraded, HealthReport};
 pub use io::Volume;
 pub use knobs::{
     Knob, Tunables, DEFAULT_SEQUENTIAL_CUTOFF, DEFAULT_WRITEBACK_DELAY_SECS,
@@ -61,7 +62,6 @@ pub use set::{
     format_backing, Backing, CacheSet, Config, DevKnobs, DevStatus, FormatOptions, Occupancy,
     RecoveryReport,
 };
-pub use health::{Degraded, HealthReport};
 pub use types::{CacheMode, DevId, Error, Result};
 
 /// The seed of a randomized test: `TIERCACHE_SEED` if set, else the clock; printed so a

@@ -152,9 +152,21 @@ pub(crate) struct JournalState {
     /// Backing devices to flush before the next record or checkpoint is written, each with
     /// the epoch of its latest entry that dropped dirty data.
     pub flush_backing_first: BTreeMap<DevId, u64>,
-    /// The entries of the record or whole checkpoint being written, until it is durable (a
-    /// set degraded meanwhile treats them as uncertain; see `health`).
-    pub inflight: Option<Arc<Vec<u8>>>,
+    /// Entries not yet durable that left a range less dirty in memory than on the cache
+    /// device (dirty data dropped, or written back): `(epoch, dev, b0, b1, dropped)`. A set
+    /// degraded meanwhile must not let writes reach those ranges (see `health`).
+    pub less_dirty: Vec<(u64, DevId, BackingBlock, BackingBlock, bool)>,
+    /// The epoch of each device's latest entry inserting dirty data.
+    pub dirty_insert_epoch: BTreeMap<DevId, u64>,
+}
+
+impl JournalState {
+    /// Entries up to `epoch` are durable.
+    pub fn durable_to(&mut self, epoch: u64) {
+        self.durable_epoch = self.durable_epoch.max(epoch);
+        let d = self.durable_epoch;
+        self.less_dirty.retain(|e| e.0 > d);
+    }
 }
 
 /// A read miss being promoted; a write that overlaps it while in flight marks it collided.
@@ -182,8 +194,20 @@ impl State {
     pub fn log(&mut self, entry: &Entry, now_ns: u64) {
         entry.encode(&mut self.journal.buf);
         self.journal.appended_epoch += 1;
-        if let Some(u) = &mut self.uncertain {
-            u.note(entry);
+        match *entry {
+            Entry::Insert {
+                dev, dirty: true, ..
+            } => {
+                let epoch = self.journal.appended_epoch;
+                self.journal.dirty_insert_epoch.insert(dev, epoch);
+                if let Some(u) = &mut self.uncertain {
+                    u.note_dirty(dev);
+                }
+            }
+            Entry::MarkClean {
+                dev, block, len, ..
+            } => self.less_dirty(dev, block, block + u64::from(len), false),
+            _ => {}
         }
         self.journal.oldest_pending_ns.get_or_insert(now_ns);
     }
@@ -228,16 +252,24 @@ impl State {
             now_ns,
         );
         if drops_dirty {
-            self.owe_backing_flush(dev);
+            self.owe_backing_flush(dev, block, block + u64::from(ext.len));
         }
     }
 
-    /// Notes that the entry just appended dropped dirty data of `dev`.
-    fn owe_backing_flush(&mut self, dev: DevId) {
+    /// Notes that the entry just appended dropped dirty data of `dev` in `[b0, b1)`.
+    fn owe_backing_flush(&mut self, dev: DevId, b0: BackingBlock, b1: BackingBlock) {
         let epoch = self.journal.appended_epoch;
         self.journal.flush_backing_first.insert(dev, epoch);
+        self.less_dirty(dev, b0, b1, true);
+    }
+
+    /// Notes that the entry just appended left `[b0, b1)` less dirty than before (`dropped`:
+    /// dirty data dropped; else written back).
+    fn less_dirty(&mut self, dev: DevId, b0: BackingBlock, b1: BackingBlock, dropped: bool) {
+        let epoch = self.journal.appended_epoch;
+        self.journal.less_dirty.push((epoch, dev, b0, b1, dropped));
         if let Some(u) = &mut self.uncertain {
-            u.note_dropped_dirty(dev);
+            u.note_less_dirty(dev, b0, b1, dropped);
         }
     }
 
@@ -258,7 +290,7 @@ impl State {
                 now_ns,
             );
             if drops_dirty {
-                self.owe_backing_flush(dev);
+                self.owe_backing_flush(dev, b0, b1);
             }
         }
     }
@@ -631,7 +663,8 @@ impl CacheSet {
                 ckpt_slot: sb.ckpt_slot,
                 ckpt_seq: sb.ckpt_seq,
                 flush_backing_first: BTreeMap::new(),
-                inflight: None,
+                less_dirty: Vec::new(),
+                dirty_insert_epoch: BTreeMap::new(),
             },
             devs,
             promotions: HashMap::new(),
@@ -1044,9 +1077,7 @@ impl CacheSet {
             if t.is_finished() {
                 let _ = t.join();
             } else {
-                log::warn!(
-                    "a background thread is stuck in a cache device I/O; leaving it behind"
-                );
+                log::warn!("a background thread is stuck in a cache device I/O; leaving it behind");
             }
         }
     }

@@ -11,12 +11,12 @@
 //!   it is still the current copy;
 //! - every loop here is bounded (`RECLAIM_MAX` buckets a round) so one step takes bounded time.
 
-use blockdev::BlockDevice;
 use crate::alloc::WritePoint;
 use crate::journal::Entry;
 use crate::set::Inner;
 use crate::types::{DevId, Error, IoContext, Result};
 use crate::units::{BackingBlock, Bucket, CacheBlock};
+use blockdev::BlockDevice;
 
 /// Most buckets one space-management round empties.
 const RECLAIM_MAX: usize = 16;

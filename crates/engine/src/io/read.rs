@@ -19,7 +19,6 @@
 //! - sequential reads that bypass the cache are served through `readahead` windows only for
 //!   blocks the index shows uncached.
 
-use blockdev::BlockDevice;
 use super::Volume;
 use crate::cachedev::Kind;
 use crate::index::{Seg, Segs};
@@ -28,6 +27,7 @@ use crate::set::Promotion;
 use crate::stats::Counters;
 use crate::types::{CacheMode, Error, Result};
 use crate::units::BackingBlock;
+use blockdev::BlockDevice;
 
 /// A bypassing stream of more than one request and at least this long is read ahead
 /// (`readahead::WINDOW_BYTES` at a time).
@@ -326,12 +326,12 @@ impl Volume {
             return None;
         }
         let (b0, b1) = BackingBlock::touched_by(offset, buf.len() as u64, self.inner.block_size());
-        let dirty = self.inner.state.lock().index.any_overlapping(
-            self.backing.id,
-            b0,
-            b1,
-            |e| e.dirty,
-        );
+        let dirty = self
+            .inner
+            .state
+            .lock()
+            .index
+            .any_overlapping(self.backing.id, b0, b1, |e| e.dirty);
         if dirty {
             return None;
         }

@@ -8,7 +8,6 @@
 //! - data is written to the cache before its index entry is inserted, and the entry's journal
 //!   record is what makes it survive a crash (see `docs/durability.md`).
 
-use blockdev::BlockDevice;
 use super::Volume;
 use crate::alloc::WritePoint;
 use crate::format::BackingState;
@@ -16,6 +15,7 @@ use crate::policy::WriteRoute as Route;
 use crate::stats::Counters;
 use crate::types::{IoContext, Result};
 use crate::units::BackingBlock;
+use blockdev::BlockDevice;
 use std::sync::atomic::Ordering;
 
 impl Volume {

@@ -193,6 +193,8 @@ pub struct Rig {
     /// `open` attaches the second device: it is part of the set, or an attach or detach of
     /// it was under way (after a crash it is attached again).
     pub second_member: bool,
+    /// Applied to the configuration at every open (tests of failure handling set limits).
+    pub tune: Option<fn(&mut Config)>,
 }
 
 impl Rig {
@@ -244,6 +246,7 @@ impl Rig {
             second,
             second_vol: None,
             second_member: false,
+            tune: None,
         };
         rig.open().expect("open fresh set");
         rig
@@ -252,10 +255,11 @@ impl Rig {
     /// Opens the set and attaches the backing device (and the second one if it is a member).
     /// Every I/O may be a crash point: errors are returned, and nothing is kept on failure.
     pub fn open(&mut self) -> engine::Result<()> {
-        let (set, _report) = CacheSet::open(
-            self.cache.clone() as Arc<dyn BlockDevice>,
-            test_config(self.clock.clone()),
-        )?;
+        let mut config = test_config(self.clock.clone());
+        if let Some(tune) = self.tune {
+            tune(&mut config);
+        }
+        let (set, _report) = CacheSet::open(self.cache.clone() as Arc<dyn BlockDevice>, config)?;
         let vol = set.attach(self.backing.clone() as Arc<dyn BlockDevice>)?;
         self.configure(&vol)?;
         let second_vol = match &self.second {
