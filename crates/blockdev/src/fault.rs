@@ -119,6 +119,11 @@ impl FaultController {
         self.rules.lock().push(rule);
     }
 
+    /// The rules as they stand (`skip` and `remaining` count down as requests match).
+    pub fn rules(&self) -> Vec<FaultRule> {
+        self.rules.lock().clone()
+    }
+
     pub fn clear_rules(&self) {
         self.rules.lock().clear();
     }

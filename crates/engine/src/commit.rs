@@ -120,11 +120,8 @@ impl Inner {
                                     "journal full: writing a whole checkpoint with requests held (writes are outpacing checkpoints)"
                                 ),
                             );
-                            let res = self.checkpoint_whole();
-                            if let Err(e) = &res {
-                                self.metadata_failed(e);
-                            }
-                            res?;
+                            self.checkpoint_whole()
+                                .map_err(|f| self.checkpoint_failed(f))?;
                         }
                         None => MutexGuard::unlocked(commit, || drop(self.ckpt_lock.lock())),
                     }
@@ -240,6 +237,18 @@ impl Inner {
         self.checkpoint_fuzzy(&mut c, between)
     }
 
+    /// Writes a checkpoint that covers every entry appended so far, pending ones included
+    /// (they are not written to the journal: the checkpoint supersedes them). For changes
+    /// made to the index without entries (`health`): a pending entry from before such a change
+    /// must not be replayed after it.
+    pub fn checkpoint_covering_all(&self) -> Result<()> {
+        let _k = self.ckpt_lock.lock();
+        let _c = self.commit_lock.lock();
+        self.check_failed()?;
+        self.checkpoint_whole()
+            .map_err(|f| self.checkpoint_failed(f))
+    }
+
     /// Writes a fuzzy checkpoint (see `checkpoint.rs`). The caller holds `ckpt_lock` and
     /// `commit_lock`; the commit lock is released while the chunks are encoded and written, so
     /// client flushes go on, and the state lock is taken once per chunk.
@@ -248,18 +257,27 @@ impl Inner {
         commit: &mut MutexGuard<'_, ()>,
         between: &mut dyn FnMut(),
     ) -> Result<()> {
-        let res = self.checkpoint_fuzzy_inner(commit, between);
-        if let Err(e) = &res {
-            self.metadata_failed(e);
+        self.checkpoint_fuzzy_inner(commit, between)
+            .map_err(|f| self.checkpoint_failed(f))
+    }
+
+    /// A checkpoint that failed on the cache device degrades the set; one whose backing
+    /// flush failed is just abandoned (its slot is not the current one).
+    fn checkpoint_failed(&self, f: CkptFailed) -> Error {
+        match f {
+            CkptFailed::Cache(e) => {
+                self.metadata_failed(&e);
+                e
+            }
+            CkptFailed::Backing(e) => e,
         }
-        res
     }
 
     fn checkpoint_fuzzy_inner(
         &self,
         commit: &mut MutexGuard<'_, ()>,
         between: &mut dyn FnMut(),
-    ) -> Result<()> {
+    ) -> Result<(), CkptFailed> {
         // No record is being written (we hold the commit lock): the journal from the head on
         // holds every entry not yet reflected in the state.
         let (jpos, jseq, used_before, slot, seq) = {
@@ -280,20 +298,22 @@ impl Inner {
             Record::Written => {}
             // The ring filled while the chunks were written: write the whole thing at once.
             Record::RingFull => return self.checkpoint_whole(),
-            Record::BackingFailed(e) => return Err(e),
+            Record::BackingFailed(e) => return Err(CkptFailed::Backing(e)),
         }
-        self.install(slot, seq, jpos, jseq, chunks, body_bytes, |ring| {
-            ring.used -= used_before;
-        })
+        Ok(
+            self.install(slot, seq, jpos, jseq, chunks, body_bytes, |ring| {
+                ring.used -= used_before;
+            })?,
+        )
     }
 
     /// Writes a checkpoint with the state lock held throughout, so it covers every entry and
     /// the pending ones are dropped (the fallback when the journal ring is full). The caller
     /// holds `ckpt_lock` and `commit_lock`.
-    fn checkpoint_whole(&self) -> Result<()> {
+    fn checkpoint_whole(&self) -> Result<(), CkptFailed> {
         let mut st = self.state.lock();
         let owed: Vec<DevId> = st.journal.flush_backing_first.keys().copied().collect();
-        self.flush_backings(&owed)?;
+        self.flush_backings(&owed).map_err(CkptFailed::Backing)?;
         let (slot, seq) = (1 - st.journal.ckpt_slot, st.journal.ckpt_seq + 1);
         let (jpos, jseq) = (st.journal.ring.head, st.journal.ring.next_seq);
         let mut body = Body::default();
@@ -430,6 +450,19 @@ struct Body {
     cursor: crate::units::Bucket,
     chunks: u64,
     bytes: u64,
+}
+
+/// Why a checkpoint failed: the cache device (the set degrades), or a backing device's
+/// flush owed before it (only this checkpoint fails).
+enum CkptFailed {
+    Cache(Error),
+    Backing(Error),
+}
+
+impl From<Error> for CkptFailed {
+    fn from(e: Error) -> Self {
+        CkptFailed::Cache(e)
+    }
 }
 
 /// What `write_record` did.

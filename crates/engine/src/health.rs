@@ -20,7 +20,9 @@
 //!   says `StaleCopies::None` again only after a checkpoint without those copies is durable;
 //!   so whatever crashes when, the next attach drops them before the device is served;
 //! - the copies are dropped from memory without journal entries (one checkpoint instead of
-//!   an entry per run; the header keeps the reason on record until it is durable).
+//!   an entry per run; the header keeps the reason on record until it is durable). That
+//!   checkpoint covers every entry appended before it, pending ones too, so no entry older
+//!   than the drop (an insert of a copy now stale) is replayed after it.
 
 use crate::format::StaleCopies;
 use crate::set::Inner;
@@ -46,7 +48,7 @@ impl Inner {
                 if all { "clean and dirty" } else { "clean" },
                 dev.0
             );
-            self.checkpoint_now(&mut || {})?;
+            self.checkpoint_covering_all()?;
         }
         Ok(n)
     }
@@ -257,7 +259,7 @@ impl Inner {
             }
         }
         self.cache.reset_errors();
-        self.checkpoint_now(&mut || {})?;
+        self.checkpoint_covering_all()?;
         for b in &backings {
             b.update_header(|h| {
                 if h.stale == StaleCopies::Clean {
