@@ -506,7 +506,13 @@ impl Link {
         uri: &str,
     ) -> io::Result<()> {
         let mut header = [0u8; 16];
-        r.read_exact(&mut header)?;
+        r.read_exact(&mut header).map_err(|e| {
+            if e.kind() == io::ErrorKind::UnexpectedEof {
+                io::Error::new(e.kind(), "the server closed the connection")
+            } else {
+                e
+            }
+        })?;
         let (cookie, error) = match decode_reply(&header, 0).map_err(io::Error::from)? {
             Decoded::Done {
                 value: Reply::Simple { cookie, error },
