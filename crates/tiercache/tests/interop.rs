@@ -411,6 +411,88 @@ fn remote_backing_device_over_nbd_from_emulate() {
     stop_child(&mut emu);
 }
 
+/// A remote backing device that stops answering (SIGSTOP) and then dies (SIGKILL): a client
+/// read that misses the cache fails within the backing device's timeout instead of hanging,
+/// and `tiercache stop` still ends the server within a bound (the NBD client's requests are
+/// bounded by its timeout, `?timeout=1` here, and its threads stop at close).
+#[test]
+fn serve_stops_within_bounds_when_its_nbd_backing_dies() {
+    if !(have("nbdkit") && have("qemu-io")) {
+        return;
+    }
+    let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+    let (kit_sock, pidfile) = (dir.path().join("kit.sock"), dir.path().join("kit.pid"));
+    let mut kit = Command::new("nbdkit")
+        .args(["-f", "--exit-with-parent", "-P"])
+        .arg(&pidfile)
+        .arg("-U")
+        .arg(&kit_sock)
+        .args(["memory", "32M"])
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::fs::metadata(&pidfile).map_or(true, |m| m.len() == 0) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "nbdkit did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let remote = format!("nbd+unix:///?socket={}", kit_sock.display());
+    let fast = dir.path().join("fast.img");
+    std::fs::File::create(&fast)
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
+    run(tc()
+        .args(["make", "--label", "net", "--backing", &remote, "--cache"])
+        .arg(&fast));
+    let sock = dir.path().join("tc.sock");
+    let mut server = tc()
+        .arg("serve")
+        .arg("--cache")
+        .arg(&fast)
+        .args(["--backing", &format!("{remote}&timeout=1"), "--socket"])
+        .arg(&sock)
+        .spawn()
+        .unwrap();
+    let admin = format!("{}.admin", sock.display());
+    while !Path::new(&admin).exists() {
+        assert!(t.elapsed() < Duration::from_secs(30), "serve did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let uri = format!("nbd+unix:///net?socket={}", sock.display());
+    let qemu_io = |cmd: &str| {
+        let mut c = Command::new("qemu-io");
+        c.args(["-f", "raw", "-c", cmd, &uri]);
+        c
+    };
+    run(&mut qemu_io("write -P 0x42 0 64k"));
+    // A hung backing server: the miss fails within the timeout (and a few retries of it).
+    run(Command::new("kill").args(["-STOP", &kit.id().to_string()]));
+    let o = output_within(&mut qemu_io("read 4M 4k"), Duration::from_secs(60))
+        .expect("a read of a hung backing device did not end");
+    let out = stdout(&o) + &String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() || out.contains("failed"),
+        "the read of a hung backing device succeeded: {out}"
+    );
+    // A dead one (the socket file stays, connections are refused), with a read in flight.
+    kit.kill().unwrap();
+    kit.wait().unwrap();
+    let mut reader = qemu_io("read 8M 4k").spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    run(tc().args(["stop", "--admin", &admin]));
+    let status = wait_for(&mut server, Duration::from_secs(60));
+    let _ = reader.kill();
+    let _ = reader.wait();
+    if status.is_none() {
+        stop_child(&mut server);
+    }
+    let status = status.expect("tiercache serve did not exit after stop with a dead backing");
+    println!("serve exited with {status} (its backing device is gone)");
+}
+
 fn stop_child(c: &mut Child) {
     let _ = c.kill();
     let _ = c.wait();

@@ -1,0 +1,550 @@
+//! `NbdDevice`: a remote block device reached over NBD (unix socket or TCP), using the client
+//! side of `nbd-proto`. Used for remote backing devices and by the demo and benchmarks to
+//! drive a server through a real NBD connection.
+//!
+//! URIs: `nbd+unix:///NAME?socket=PATH` and `nbd://HOST[:PORT]/NAME` (port 10809 by default),
+//! with optional query parameters `connections=N` (1–16, default 4; used only when the server
+//! advertises multi-conn) and `timeout=SECS` (1–3600, default 30). [`NbdDevice::connect_with`]
+//! takes the same as [`NbdOptions`] (the URI's parameters win).
+//!
+//! Owns: the connections to one export ([`link`]), one thread per connection that reads its
+//! replies and reconnects it, and the durability bookkeeping ([`durability`]).
+//!
+//! Invariants:
+//! - many requests are in flight on each connection at once (up to 64), each with its own
+//!   cookie; the connection's thread hands each reply to the caller waiting for that cookie.
+//!   Simple replies only (structured replies are not negotiated);
+//! - with `NBD_FLAG_CAN_MULTI_CONN` the device opens N connections and spreads requests over
+//!   them round robin; without it, one. A flush is sent on one connection: with multi-conn
+//!   the server makes it cover the writes answered on every connection, and a flush is sent
+//!   only after the replies of the writes it is counted as covering (the spec's rule for
+//!   clients that use several connections);
+//! - requests longer than the server's maximum block size are split; the device is read-only
+//!   if the server says so and then refuses writes locally;
+//! - every request is answered within the timeout: it waits at most that long for a
+//!   connection, room on it, its send and its reply, then fails with `TimedOut`. A reply that
+//!   arrives after its caller gave up is recognised by its cookie and dropped;
+//! - dropping the device (or [`NbdDevice::close`]) sends `NBD_CMD_DISC`, shuts every socket
+//!   down and stops the connection threads, whatever state the server is in.
+//!
+//! Fault model: a server error becomes the matching `io::Error`. A connection that breaks
+//! (reset, EOF, a failed send, a protocol violation) is reconnected by its thread, with
+//! backoff from 50 ms doubling to 5 s, for as long as the device lives; a reconnection must
+//! find the same export (size, flags, block size). Requests issued meanwhile use the other
+//! connections or wait for one (bounded by the timeout). A server that restarts loses the
+//! writes it had answered but not flushed, and the client cannot tell a restart from a
+//! network blip, so:
+//! - **the reconnect rule**: if a connection breaks while some write (write, trim, write
+//!   zeroes) has not been covered by a successful flush, every request in flight on it fails
+//!   (`ConnectionAborted`), and the next flush sent fails too, even if the server completes
+//!   it — so a caller that relies on flush never believes lost writes durable. That flush is
+//!   still carried out (later writes are flushed by it) and the failure is reported once:
+//!   the flush after it succeeds if nothing else was lost. Callers sharing the device must
+//!   treat a failed flush as device-wide, as the [`BlockDevice`] fault model says. If every
+//!   write had been flushed, nothing can have been lost: requests in flight are sent again
+//!   on a working connection within their timeout and no flush fails;
+//! - reads after a loss may return data older than the lost writes (what the server has);
+//! - a hung server (no replies, connection open) makes requests time out; the connection is
+//!   kept, so late replies can still free its slots. Over TCP, data unacknowledged for the
+//!   timeout (`TCP_USER_TIMEOUT`) breaks the connection, so a vanished host is reconnected.
+
+mod durability;
+mod link;
+mod uri;
+
+use uri::CONNECTIONS_MAX;
+pub use uri::{parse_uri, NbdOptions, Target};
+
+use crate::{check_range, BlockDevice};
+use durability::Durability;
+use link::{Export, Link, Outcome, Req, Sock, Waited};
+use nbd_proto::{Command, TransmissionFlags};
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::io::{self, BufReader};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// First wait before reconnecting a broken connection; doubled after each failed attempt.
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+/// Longest wait between reconnection attempts.
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Longest `close` waits for the connection threads to exit.
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+/// Failed reconnection attempts, logged at most once a minute.
+static RECONNECT_FAILED: lograte::Throttled = lograte::Throttled::new();
+
+/// A remote block device over one or more NBD connections.
+pub struct NbdDevice {
+    shared: Arc<Shared>,
+}
+
+/// What the device's callers and its connection threads share.
+#[derive(Debug)]
+struct Shared {
+    uri: String,
+    target: Target,
+    options: NbdOptions,
+    export: Export,
+    /// One slot per connection, `None` while it reconnects.
+    links: Mutex<Vec<Option<Arc<Link>>>>,
+    /// Signalled when a link comes back, and at close.
+    links_changed: Condvar,
+    /// Sockets of connection attempts in their handshake, by connection (shut down at close).
+    connecting: Mutex<HashMap<usize, Sock>>,
+    /// Round-robin position.
+    next: AtomicUsize,
+    closed: AtomicBool,
+    durability: Mutex<Durability>,
+    threads_live: Mutex<usize>,
+    thread_exited: Condvar,
+}
+
+impl std::fmt::Debug for NbdDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NbdDevice")
+            .field("uri", &self.shared.uri)
+            .field("export", &self.shared.export)
+            .field("options", &self.shared.options)
+            .finish()
+    }
+}
+
+impl NbdDevice {
+    /// Connects with the default options (or those in the URI) and negotiates the export.
+    pub fn connect(uri: &str) -> io::Result<NbdDevice> {
+        Self::connect_with(uri, NbdOptions::default())
+    }
+
+    /// Connects with `options`, overridden by the URI's query parameters. Fails at once if
+    /// the server cannot be reached (no retry at connect time).
+    pub fn connect_with(uri: &str, options: NbdOptions) -> io::Result<NbdDevice> {
+        assert!(
+            (1..=CONNECTIONS_MAX).contains(&options.connections) && !options.timeout.is_zero(),
+            "bad NbdOptions {options:?}"
+        );
+        let (target, options) = parse_uri(uri, options)?;
+        let context = |e: io::Error| io::Error::new(e.kind(), format!("{uri}: {e}"));
+        let (sock, export) = link::open(&target, options.timeout, |_| Ok(())).map_err(context)?;
+        let count = if export.flags.contains(TransmissionFlags::CAN_MULTI_CONN) {
+            options.connections
+        } else {
+            1
+        };
+        let mut socks = vec![sock];
+        while socks.len() < count {
+            let (sock, other) =
+                link::open(&target, options.timeout, |_| Ok(())).map_err(context)?;
+            if other != export {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("{uri}: the export changed between connections"),
+                ));
+            }
+            socks.push(sock);
+        }
+        let mut links = Vec::new();
+        for sock in socks {
+            links.push(Link::new(sock)?);
+        }
+        let shared = Arc::new(Shared {
+            uri: uri.to_string(),
+            target,
+            options,
+            export,
+            links: Mutex::new(links.iter().map(|(l, _)| Some(l.clone())).collect()),
+            links_changed: Condvar::new(),
+            connecting: Mutex::new(HashMap::new()),
+            next: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+            durability: Mutex::new(Durability::default()),
+            threads_live: Mutex::new(0),
+            thread_exited: Condvar::new(),
+        });
+        // From here on, dropping the device closes the connections and stops the threads.
+        let device = NbdDevice {
+            shared: shared.clone(),
+        };
+        for (index, (link, reader)) in links.into_iter().enumerate() {
+            *shared.threads_live.lock() += 1;
+            let s = shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("nbd-conn-{index}"))
+                .spawn(move || run_connection(s, index, link, reader));
+            if let Err(e) = spawned {
+                *shared.threads_live.lock() -= 1;
+                return Err(e);
+            }
+        }
+        Ok(device)
+    }
+
+    pub fn read_only(&self) -> bool {
+        self.flags().contains(TransmissionFlags::READ_ONLY)
+    }
+
+    /// Connections opened (the option, or 1 when the server does not advertise multi-conn).
+    pub fn connections(&self) -> usize {
+        self.shared.links.lock().len()
+    }
+
+    /// The options in force (the URI's parameters applied).
+    pub fn options(&self) -> NbdOptions {
+        self.shared.options
+    }
+
+    /// Closes every connection and waits (at most 5 s) for the connection threads to exit;
+    /// an error names the ones still running (they exit on their own). Dropping the device
+    /// does the same and logs that error.
+    pub fn close(self) -> io::Result<()> {
+        self.shared.close()
+    }
+
+    fn flags(&self) -> TransmissionFlags {
+        self.shared.export.flags
+    }
+
+    /// Splits `[offset, offset + len)` into requests the server accepts.
+    fn chunks(&self, offset: u64, len: u64) -> impl Iterator<Item = (u64, u32)> {
+        let max = self.shared.export.max_request_bytes;
+        (0..len.div_ceil(max)).map(move |i| (offset + i * max, (len - i * max).min(max) as u32))
+    }
+
+    fn writable(&self) -> io::Result<()> {
+        if self.read_only() {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("{} is read-only", self.shared.uri),
+            ));
+        }
+        Ok(())
+    }
+
+    fn request(
+        &self,
+        command: Command,
+        offset: u64,
+        length: u32,
+        payload: &[u8],
+    ) -> io::Result<()> {
+        self.shared.request(
+            Req {
+                command,
+                offset,
+                length,
+            },
+            payload,
+            &mut [],
+        )
+    }
+}
+
+impl Drop for NbdDevice {
+    fn drop(&mut self) {
+        if let Err(e) = self.shared.close() {
+            log::warn!("{e}");
+        }
+    }
+}
+
+impl Shared {
+    fn timed_out(&self, what: &str) -> io::Error {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("{}: {what} within {:?}", self.uri, self.options.timeout),
+        )
+    }
+
+    /// One request, answered within the timeout; a read's data goes to `read_into`.
+    fn request(&self, req: Req, payload: &[u8], read_into: &mut [u8]) -> io::Result<()> {
+        let deadline = Instant::now() + self.options.timeout;
+        loop {
+            let link = self.pick_link(deadline)?;
+            match link.exchange(&self.durability, &req, payload, deadline) {
+                Outcome::Reply(reply) => {
+                    let data = reply?;
+                    assert_eq!(data.len(), read_into.len(), "reply data of another size");
+                    read_into.copy_from_slice(&data);
+                    return Ok(());
+                }
+                Outcome::Retry => continue,
+                Outcome::TimedOut(Waited::Room) => {
+                    return Err(self.timed_out("no room on the connection (requests in flight)"))
+                }
+                Outcome::TimedOut(Waited::Send) => {
+                    return Err(self.timed_out("the request could not be sent"))
+                }
+                Outcome::TimedOut(Waited::Reply) => return Err(self.timed_out("no reply")),
+            }
+        }
+    }
+
+    /// The next connection that is up, round robin; waits for one until `deadline`.
+    fn pick_link(&self, deadline: Instant) -> io::Result<Arc<Link>> {
+        let mut links = self.links.lock();
+        loop {
+            if self.closed.load(Ordering::SeqCst) {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotConnected,
+                    format!("{}: closed", self.uri),
+                ));
+            }
+            let n = links.len();
+            let start = self.next.fetch_add(1, Ordering::Relaxed);
+            if let Some(link) = (0..n).find_map(|i| links[(start + i) % n].clone()) {
+                return Ok(link);
+            }
+            if self
+                .links_changed
+                .wait_until(&mut links, deadline)
+                .timed_out()
+            {
+                return Err(self.timed_out("not connected (reconnecting)"));
+            }
+        }
+    }
+
+    /// Waits `delay` unless the device closes first; true if it did.
+    fn sleep_unless_closed(&self, delay: Duration) -> bool {
+        let until = Instant::now() + delay;
+        let mut links = self.links.lock();
+        while !self.closed.load(Ordering::SeqCst) {
+            if self.links_changed.wait_until(&mut links, until).timed_out() {
+                return self.closed.load(Ordering::SeqCst);
+            }
+        }
+        true
+    }
+
+    /// Reconnects connection `index`, with backoff, until it works or the device closes.
+    fn reconnect(&self, index: usize) -> Option<(Arc<Link>, BufReader<Sock>)> {
+        let mut delay = BACKOFF_MIN;
+        for attempt in 1u64.. {
+            if self.sleep_unless_closed(delay) {
+                return None;
+            }
+            let opened = link::open(&self.target, self.options.timeout, |sock| {
+                let mut connecting = self.connecting.lock();
+                if self.closed.load(Ordering::SeqCst) {
+                    return Err(io::Error::new(io::ErrorKind::NotConnected, "closed"));
+                }
+                connecting.insert(index, sock.try_clone()?);
+                Ok(())
+            });
+            self.connecting.lock().remove(&index);
+            let linked = opened.and_then(|(sock, export)| {
+                if export != self.export {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("the export changed: {export:?}, was {:?}", self.export),
+                    ));
+                }
+                Link::new(sock)
+            });
+            match linked {
+                Ok((link, reader)) => {
+                    let mut links = self.links.lock();
+                    if self.closed.load(Ordering::SeqCst) {
+                        link.shutdown();
+                        return None;
+                    }
+                    links[index] = Some(link.clone());
+                    drop(links);
+                    self.links_changed.notify_all();
+                    log::info!(
+                        "{}: connection {index} is back (attempt {attempt})",
+                        self.uri
+                    );
+                    return Some((link, reader));
+                }
+                Err(e) if self.closed.load(Ordering::SeqCst) => {
+                    log::debug!("{}: reconnecting at close: {e}", self.uri);
+                    return None;
+                }
+                Err(e) => {
+                    RECONNECT_FAILED.log(
+                        log::Level::Warn,
+                        format!(
+                            "{}: reconnecting connection {index} failed (attempt {attempt}): {e}; \
+                             retrying, at most every {BACKOFF_MAX:?}",
+                            self.uri
+                        ),
+                    );
+                }
+            }
+            delay = (delay * 2).min(BACKOFF_MAX);
+        }
+        unreachable!("attempts are counted by u64")
+    }
+
+    /// Takes link `index` out of use if it is still `link`.
+    fn unpublish(&self, index: usize, link: &Arc<Link>) {
+        let mut links = self.links.lock();
+        if links[index].as_ref().is_some_and(|l| Arc::ptr_eq(l, link)) {
+            links[index] = None;
+        }
+    }
+
+    fn close(&self) -> io::Result<()> {
+        if !self.closed.swap(true, Ordering::SeqCst) {
+            // Under the lock the reconnecting threads check `closed` with: none publishes a
+            // link or starts a handshake after this.
+            let links = self.links.lock();
+            for link in links.iter().flatten() {
+                link.disconnect();
+            }
+            for sock in self.connecting.lock().values() {
+                sock.shutdown();
+            }
+            self.links_changed.notify_all();
+        }
+        let deadline = Instant::now() + CLOSE_WAIT;
+        let mut live = self.threads_live.lock();
+        while *live > 0 {
+            if self
+                .thread_exited
+                .wait_until(&mut live, deadline)
+                .timed_out()
+            {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "{}: {} connection thread(s) still running {CLOSE_WAIT:?} after close",
+                        self.uri, *live
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Counts a connection thread as running until it returns (or unwinds).
+struct Live(Arc<Shared>);
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        *self.0.threads_live.lock() -= 1;
+        self.0.thread_exited.notify_all();
+    }
+}
+
+/// A connection's thread: reads replies; when the connection breaks, answers the requests in
+/// flight (see the reconnect rule) and reconnects; exits when the device closes.
+fn run_connection(
+    shared: Arc<Shared>,
+    index: usize,
+    mut link: Arc<Link>,
+    mut reader: BufReader<Sock>,
+) {
+    let live = Live(shared);
+    let shared = &live.0;
+    loop {
+        let cause = link.read_replies(&mut reader, &shared.durability, &shared.uri);
+        link.shutdown();
+        shared.unpublish(index, &link);
+        let lost = link.fail(&shared.durability, &shared.uri, &cause);
+        if shared.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        log::warn!(
+            "{}: connection {index} lost ({cause}); reconnecting{}",
+            shared.uri,
+            if lost {
+                "; writes not yet flushed may be lost, the next flush will fail"
+            } else {
+                ""
+            }
+        );
+        match shared.reconnect(index) {
+            Some((l, r)) => (link, reader) = (l, r),
+            None => return,
+        }
+    }
+}
+
+impl BlockDevice for NbdDevice {
+    fn size_bytes(&self) -> u64 {
+        self.shared.export.size / 512 * 512
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        check_range(self.size_bytes(), offset, buf.len() as u64)?;
+        for (off, n) in self.chunks(offset, buf.len() as u64) {
+            let at = (off - offset) as usize;
+            self.shared.request(
+                Req {
+                    command: Command::Read,
+                    offset: off,
+                    length: n,
+                },
+                &[],
+                &mut buf[at..at + n as usize],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        check_range(self.size_bytes(), offset, buf.len() as u64)?;
+        self.writable()?;
+        for (off, n) in self.chunks(offset, buf.len() as u64) {
+            let at = (off - offset) as usize;
+            self.request(Command::Write, off, n, &buf[at..at + n as usize])?;
+        }
+        Ok(())
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        if self.flags().contains(TransmissionFlags::SEND_FLUSH) {
+            return self.request(Command::Flush, 0, 0, &[]);
+        }
+        // No flush on the server: what it answered is as durable as it gets, but a lost
+        // connection is still reported.
+        let mut d = self.shared.durability.lock();
+        let covers = d.flush_covers();
+        d.flushed(covers);
+        if d.take_unreported_loss() {
+            return Err(link::lost_writes(&self.shared.uri));
+        }
+        Ok(())
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        check_range(self.size_bytes(), offset, len)?;
+        self.writable()?;
+        if !self.flags().contains(TransmissionFlags::SEND_TRIM) {
+            return Ok(()); // a hint the server does not take
+        }
+        for (off, n) in self.chunks(offset, len) {
+            self.request(Command::Trim, off, n, &[])?;
+        }
+        Ok(())
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
+        check_range(self.size_bytes(), offset, len)?;
+        self.writable()?;
+        if !self.flags().contains(TransmissionFlags::SEND_WRITE_ZEROES) {
+            let zero = vec![0u8; self.shared.export.max_request_bytes.min(len) as usize];
+            for (off, n) in self.chunks(offset, len) {
+                self.request(Command::Write, off, n, &zero[..n as usize])?;
+            }
+            return Ok(());
+        }
+        for (off, n) in self.chunks(offset, len) {
+            self.request(Command::WriteZeroes, off, n, &[])?;
+        }
+        Ok(())
+    }
+
+    fn is_rotational(&self) -> bool {
+        self.flags().contains(TransmissionFlags::ROTATIONAL)
+    }
+
+    fn describe(&self) -> String {
+        format!("nbd {}", self.shared.uri)
+    }
+}
