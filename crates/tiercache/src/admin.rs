@@ -3,6 +3,9 @@
 //! One JSON object per line each way. A request names a command (`status`, `stats`, `set`,
 //! `detach`, `attach`, `stop`); the reply is `{"ok": true, ...}` or `{"ok": false, "error":
 //! "..."}`. Long operations (detach) first send progress lines `{"progress": {...}}`.
+//! A server running without its cache device (`serve --without-cache-if-missing`) answers
+//! `status` with the volumes it serves directly and why the cache device is not in use, and
+//! `stop`; every other command needs the cache set and gets an error saying so.
 //!
 //! Invariants: the socket is 0600 from the moment it exists (only its owner may control the
 //! cache; the caller binds it with `server::bind_unix`); a malformed or unknown request gets an
@@ -27,7 +30,11 @@ const MAX_LINE_BYTES: u64 = 64 * 1024;
 
 /// What the admin server needs from the process that serves exports.
 pub trait Control: Send + Sync + 'static {
-    fn set(&self) -> &CacheSet;
+    /// The cache set, for a command (`what`) that needs it; an error saying why not when the
+    /// server runs without its cache device.
+    fn set(&self, what: &str) -> Result<&CacheSet>;
+    /// Set when the server runs without its cache device.
+    fn without_cache(&self) -> Option<&crate::without_cache::WithoutCache>;
     /// Called after a volume was attached or detached, so exports follow.
     fn volumes_changed(&self);
     /// Asks the process to shut down gracefully.
@@ -128,14 +135,19 @@ fn cache_json(set: &CacheSet) -> Value {
 
 /// Handles one request; `send` writes intermediate lines (progress).
 fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result<Value> {
-    let set = ctl.set();
     let field = |k: &str| {
         req.get(k)
             .and_then(Value::as_str)
             .ok_or_else(|| anyhow!("request needs a string field '{k}'"))
     };
-    match field("cmd")? {
+    let cmd = field("cmd")?;
+    let set = || ctl.set(&format!("'{cmd}'"));
+    match cmd {
         "status" | "stats" => {
+            if let (Some(w), "status") = (ctl.without_cache(), cmd) {
+                return Ok(w.status_json());
+            }
+            let set = set()?;
             let devices: Vec<Value> = set
                 .volumes()
                 .iter()
@@ -144,6 +156,7 @@ fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result
             Ok(json!({"ok": true, "cache": cache_json(set), "devices": devices}))
         }
         "set" => {
+            let set = set()?;
             let vol = find(set, field("device")?)?;
             set_knob(&vol, field("knob")?, field("value")?)?;
             if field("knob")? == "label" {
@@ -152,6 +165,7 @@ fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result
             Ok(json!({"ok": true}))
         }
         "detach" => {
+            let set = set()?;
             let vol = find(set, field("device")?)?;
             let mut last = u64::MAX;
             set.detach(&vol, &mut |remaining, total| {
@@ -164,6 +178,7 @@ fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result
             Ok(json!({"ok": true}))
         }
         "attach" => {
+            let set = set()?;
             let path = PathBuf::from(field("path")?);
             let dev = ctl.open_backing(&path)?;
             let vol = set

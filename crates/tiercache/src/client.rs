@@ -18,8 +18,15 @@ fn text<'a>(v: &'a Value, k: &str) -> &'a str {
     v.get(k).and_then(Value::as_str).unwrap_or("?")
 }
 
-pub fn status(admin: &Path) -> Result<()> {
+pub fn status(admin: &Path, as_json: bool) -> Result<()> {
     let r = request(admin, &json!({"cmd": "status"}), &mut |_| {})?;
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    if let Some(w) = r.get("without_cache") {
+        return status_without_cache(w, &r);
+    }
     let c = &r["cache"];
     println!(
         "cache set {}: in_use {}%, {} dirty, {} clean, {} unused, {} metadata",
@@ -45,6 +52,33 @@ pub fn status(admin: &Path) -> Result<()> {
             human(num(d, "cached_bytes")),
             num(&d["stats_total"], "cache_hit_ratio"),
             text(d, "writeback_rate")
+        );
+    }
+    Ok(())
+}
+
+/// `status` of a server running without its cache device.
+fn status_without_cache(w: &Value, r: &Value) -> Result<()> {
+    println!(
+        "cache device {}: NOT IN USE ({})",
+        text(w, "cache"),
+        text(w, "reason")
+    );
+    println!("every volume is served without cache, directly from its backing device");
+    println!(
+        "{:<20} {:>10} {:<13} {:<14} {:<10} {:<6} PATH",
+        "DEVICE", "SIZE", "MODE", "STATE", "HEADER", "STALE"
+    );
+    for d in r["devices"].as_array().into_iter().flatten() {
+        println!(
+            "{:<20} {:>10} {:<13} {:<14} {:<10} {:<6} {}",
+            text(d, "name"),
+            human(num(d, "size_bytes")),
+            text(d, "cache_mode"),
+            text(d, "state"),
+            text(d, "backing_state"),
+            text(d, "stale_copies"),
+            text(d, "path")
         );
     }
     Ok(())

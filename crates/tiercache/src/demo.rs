@@ -99,7 +99,8 @@ fn workload(running: &Arc<Running>, socket: &Path) -> Result<()> {
     let uri = format!("nbd+unix:///{EXPORT}?socket={}", socket.display());
     let dev = NbdDevice::connect(&uri).with_context(|| format!("connecting to {uri}"))?;
     let vol = running
-        .set
+        .set()
+        .context("the demo serves through its cache set")?
         .volumes()
         .into_iter()
         .find(|v| v.name() == EXPORT)

@@ -2,8 +2,9 @@
 //! where possible) or an NBD URI (`nbd+unix:///NAME?socket=PATH`, `nbd://HOST:PORT/NAME`) for a
 //! remote backing device; and refusing one device named twice.
 //!
-//! Owns: which lock each command takes ([`Access`]) and the wording of a refused open, and the
-//! "same device under two names" check ([`ensure_distinct`]).
+//! Owns: which lock each command takes ([`Access`]) and the wording of a refused open (a
+//! conflict with another owner stays recognisable: [`is_busy`]), and the "same device under
+//! two names" check ([`ensure_distinct`]).
 //!
 //! Invariants: a missing path is a one-line "no such file or device" error, never a panic.
 //! One owner per device: `serve`, `make` and `attach` open paths exclusively, `check` too
@@ -63,10 +64,18 @@ pub fn open_path(path: &Path, access: Access) -> Result<Arc<dyn BlockDevice>> {
                  attached backing device)",
                 b.path.display()
             ),
-            Some(b) => anyhow!("{b}"),
+            // Kept as the typed error (same text), so callers can tell "another owner" from
+            // "cannot be opened" (see [`is_busy`]).
+            Some(b) => anyhow::Error::new(b.clone()),
             None => anyhow!(e).context(format!("opening {}", path.display())),
         }),
     }
+}
+
+/// Whether an open failed because another process (or this one) owns the device, as opposed
+/// to the device being missing or unusable.
+pub fn is_busy(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<DeviceBusy>())
 }
 
 fn is_uri(spec: &str) -> bool {

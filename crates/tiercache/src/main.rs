@@ -14,6 +14,7 @@ mod emulate;
 mod export;
 mod serve;
 mod units;
+mod without_cache;
 
 use anyhow::{bail, Context, Result};
 use blockdev::BlockDevice;
@@ -107,13 +108,32 @@ enum Cmd {
         admin: Option<PathBuf>,
         #[command(flatten)]
         limits: ServeLimits,
+        /// If the cache device cannot be opened (missing, an open or read error, metadata that
+        /// does not load; not when another process holds it), serve every backing device
+        /// directly instead of refusing to start, under the same export names. Only backing
+        /// devices whose header says clean are served (see --without-cache-discard-dirty).
+        /// Before anything is written, each header records that the cache's copies are stale,
+        /// so when the cache device is back, `serve` drops them and reads return the data
+        /// written meanwhile. `status` shows the volumes as served without cache; `set`,
+        /// `attach`, `detach` and `stats` need the cache and fail.
+        #[arg(long)]
+        without_cache_if_missing: bool,
+        /// With --without-cache-if-missing: also serve backing devices marked dirty, whose
+        /// newest data is in the missing cache device. That data is given up: the volume
+        /// returns the older data on the backing device, and when the cache device is back its
+        /// dirty copies are dropped. Without this option such a device stops the start, unless
+        /// its dirty data was given up at an earlier start (its header records that).
+        #[arg(long, requires = "without_cache_if_missing")]
+        without_cache_discard_dirty: bool,
         /// Read settings from a TOML file: the keys are the long options above with '_' for
-        /// '-' (cache, backing, socket, tcp, admin, socket_mode, ..., request_memory), plus
+        /// '-' (cache, backing, socket, tcp, admin, socket_mode, ..., request_memory,
+        /// without_cache_if_missing = true, without_cache_discard_dirty = true), plus
         /// per-volume knobs in [volumes.NAME] tables (see README).
         #[arg(long, conflicts_with_all = [
             "cache", "backing", "socket", "tcp", "admin", "socket_mode", "socket_owner",
             "socket_group", "idle_timeout", "idle_close_after", "max_connections",
-            "max_connections_per_client", "request_memory",
+            "max_connections_per_client", "request_memory", "without_cache_if_missing",
+            "without_cache_discard_dirty",
         ])]
         config: Option<PathBuf>,
     },
@@ -167,10 +187,14 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
-    /// Devices, modes, states, dirty data, occupancy and hit ratios of a running server.
+    /// Devices, modes, states, dirty data, occupancy and hit ratios of a running server (or,
+    /// when it serves without its cache device, why, and the volumes it serves directly).
     Status {
         #[command(flatten)]
         admin: AdminArgs,
+        /// Print the server's JSON reply instead of a table.
+        #[arg(long)]
+        json: bool,
     },
     /// Statistics (bcache's names) for total, five_minute, hour and day.
     Stats {
@@ -400,6 +424,10 @@ fn show(path: &Path) -> Result<()> {
                 "state           {}",
                 format!("{:?}", h.state).to_lowercase()
             );
+            println!(
+                "stale_copies    {} (cached copies the next attach drops)",
+                without_cache::stale_name(h.stale)
+            );
             for n in notes {
                 println!("warning         {n}");
             }
@@ -485,6 +513,8 @@ fn main() -> ExitCode {
             tcp,
             admin,
             limits,
+            without_cache_if_missing,
+            without_cache_discard_dirty,
             config,
         } => (|| {
             let cfg = match config {
@@ -504,6 +534,8 @@ fn main() -> ExitCode {
                     max_connections_per_client: limits.max_connections_per_client,
                     request_memory: limits.request_memory,
                     volumes: Default::default(),
+                    without_cache_if_missing,
+                    without_cache_discard_dirty,
                 },
             };
             serve::serve(&cfg, |_| {})
@@ -541,7 +573,9 @@ fn main() -> ExitCode {
             size,
             no_serve,
         } => demo::run(&dir, size, no_serve).map(|_| ExitCode::SUCCESS),
-        Cmd::Status { admin } => client::status(&admin.admin).map(|_| ExitCode::SUCCESS),
+        Cmd::Status { admin, json } => {
+            client::status(&admin.admin, json).map(|_| ExitCode::SUCCESS)
+        }
         Cmd::Stats { admin, json } => client::stats(&admin.admin, json).map(|_| ExitCode::SUCCESS),
         Cmd::Set {
             admin,

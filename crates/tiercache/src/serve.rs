@@ -8,10 +8,16 @@
 //! binds to 127.0.0.1 unless an address is given. The server owns its devices for as long as
 //! it has them open (exclusive locks, see `devices`): the cache and backing devices must be
 //! distinct devices, and another server, `make`, `check` or `attach` of them is refused.
+//!
+//! Without the cache device: only with `without_cache_if_missing`, and only when the cache
+//! device cannot be opened or its metadata cannot be loaded (never when another process owns
+//! it), every backing device is served directly instead (see `without_cache` for what makes
+//! that safe); admin commands that need the cache set then fail with a message saying why.
 
 use crate::admin::{self, Control};
 use crate::devices::Access;
 use crate::export::VolumeExport;
+use crate::without_cache::WithoutCache;
 use anyhow::{Context, Result};
 use blockdev::BlockDevice;
 use engine::{CacheSet, Config};
@@ -64,6 +70,17 @@ pub struct ServeConfig {
     /// Memory for the request and reply buffers of all NBD connections together (default
     /// 256M).
     pub request_memory: Option<String>,
+    /// When the cache device cannot be opened (missing, an open or read error, metadata that
+    /// does not load; not when another process owns it), serve every backing device directly
+    /// instead of refusing to start — if every backing header says clean. The cache's copies
+    /// are marked stale first and dropped when it is back (default false).
+    #[serde(default)]
+    pub without_cache_if_missing: bool,
+    /// With `without_cache_if_missing`: also serve backing devices whose newest data is dirty
+    /// in the missing cache, giving that data up (it is dropped when the cache is back; the
+    /// volume returns the older data on the backing device meanwhile) (default false).
+    #[serde(default)]
+    pub without_cache_discard_dirty: bool,
 }
 
 impl ServeConfig {
@@ -131,6 +148,16 @@ impl ServeConfig {
         self.admin
             .clone()
             .unwrap_or_else(|| admin_for(&self.socket()))
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.without_cache_discard_dirty && !self.without_cache_if_missing {
+            anyhow::bail!(
+                "without_cache_discard_dirty applies only with without_cache_if_missing \
+                 (--without-cache-discard-dirty needs --without-cache-if-missing)"
+            );
+        }
+        Ok(())
     }
 }
 
@@ -235,17 +262,46 @@ fn listen_all(
     }
 }
 
-/// A running server: the cache set, its exports, the admin socket.
+/// What a running server serves from: its cache set, or its backing devices directly.
+enum Source {
+    Set(Arc<CacheSet>),
+    WithoutCache(WithoutCache),
+}
+
+/// A running server: the cache set (or the volumes served without it), its exports, the
+/// admin socket.
 pub struct Running {
-    pub set: Arc<CacheSet>,
+    source: Source,
     pub exports: server::ExportRegistry,
     stop: AtomicBool,
 }
 
 impl Running {
-    /// Makes the exports match the attached volumes.
+    /// The cache set; `None` when serving without the cache device.
+    pub fn set(&self) -> Option<&Arc<CacheSet>> {
+        match &self.source {
+            Source::Set(set) => Some(set),
+            Source::WithoutCache(_) => None,
+        }
+    }
+
+    /// Makes the exports match the attached volumes (without the cache device: the volumes
+    /// served directly, fixed at start).
     pub fn sync_exports(&self) {
-        let vols = self.set.volumes();
+        let set = match &self.source {
+            Source::Set(set) => set,
+            Source::WithoutCache(w) => {
+                for v in &w.volumes {
+                    if !self.exports.names().contains(&v.name) {
+                        if let Err(e) = self.exports.add(v.export.clone()) {
+                            log::error!("cannot export a volume: {e}");
+                        }
+                    }
+                }
+                return;
+            }
+        };
+        let vols = set.volumes();
         let names: Vec<String> = vols.iter().map(|v| v.name()).collect();
         for name in self.exports.names() {
             if !names.contains(&name) {
@@ -265,11 +321,29 @@ impl Running {
     pub fn request_stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
     }
+
+    /// Closes the cache set (journal and checkpoint durable), or flushes the backing devices
+    /// served without it.
+    fn close(&self) -> Result<()> {
+        match &self.source {
+            Source::Set(set) => set.close().context("closing the cache set"),
+            Source::WithoutCache(w) => w.close(),
+        }
+    }
 }
 
 impl Control for Running {
-    fn set(&self) -> &CacheSet {
-        &self.set
+    fn set(&self, what: &str) -> Result<&CacheSet> {
+        match &self.source {
+            Source::Set(set) => Ok(set),
+            Source::WithoutCache(w) => Err(w.no_set_error(what)),
+        }
+    }
+    fn without_cache(&self) -> Option<&WithoutCache> {
+        match &self.source {
+            Source::Set(_) => None,
+            Source::WithoutCache(w) => Some(w),
+        }
     }
     fn volumes_changed(&self) {
         self.sync_exports();
@@ -284,17 +358,49 @@ impl Control for Running {
     }
 }
 
-/// Opens the set and serves until stopped. `on_ready` runs once everything listens (the demo
+/// Opens the set and serves until stopped (without the cache device if it cannot be used and
+/// `without_cache_if_missing` says so). `on_ready` runs once everything listens (the demo
 /// uses it to drive its workload); it may call `request_stop`.
 pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> Result<()> {
+    cfg.check()?;
     crate::devices::ensure_distinct(&cfg.cache, &cfg.backing)?;
-    let cache = crate::devices::open_path(&cfg.cache, Access::Write)?;
+    let cache = crate::devices::open_path(&cfg.cache, Access::Write);
+    if let Err(e) = &cache {
+        if !may_serve_without(cfg, e) {
+            return cache.map(drop);
+        }
+    }
     let backings = cfg
         .backing
         .iter()
         .map(|b| crate::devices::open_spec(b, Access::Write))
         .collect::<Result<Vec<_>>>()?;
-    serve_devices(cfg, cache, backings, on_ready)
+    match cache.and_then(open_set) {
+        Ok(set) => run(cfg, with_set(cfg, set, backings)?, on_ready),
+        Err(e) if may_serve_without(cfg, &e) => {
+            let named = cfg.backing.iter().cloned().zip(backings).collect();
+            let without = crate::without_cache::prepare(
+                cfg.cache.clone(),
+                format!("{e:#}"),
+                named,
+                cfg.without_cache_discard_dirty,
+            )?;
+            if !cfg.volumes.is_empty() {
+                log::warn!(
+                    "the [volumes] knobs of the configuration are not applied while serving \
+                     without the cache device (they are applied at the next start with it)"
+                );
+            }
+            run(cfg, running(Source::WithoutCache(without)), on_ready)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether a failure to open the cache device (or its set) allows serving without it: only
+/// when asked, and never when another process owns the device.
+fn may_serve_without(cfg: &ServeConfig, e: &anyhow::Error) -> bool {
+    cfg.without_cache_if_missing && !crate::devices::is_busy(e)
 }
 
 /// Like `serve`, with devices already opened (the demo wraps its slow device in a model).
@@ -304,6 +410,12 @@ pub fn serve_devices(
     backings: Vec<Arc<dyn BlockDevice>>,
     on_ready: impl FnOnce(&Arc<Running>) + Send,
 ) -> Result<()> {
+    let set = open_set(cache)?;
+    run(cfg, with_set(cfg, set, backings)?, on_ready)
+}
+
+/// Opens (recovers) the cache set on its device.
+fn open_set(cache: Arc<dyn BlockDevice>) -> Result<CacheSet> {
     let (set, report) =
         CacheSet::open(cache, Config::default()).context("opening the cache set")?;
     for n in &report.notes {
@@ -316,6 +428,23 @@ pub fn serve_devices(
         report.dirty_blocks,
         report.records_replayed
     );
+    Ok(set)
+}
+
+fn running(source: Source) -> Arc<Running> {
+    Arc::new(Running {
+        source,
+        exports: server::ExportRegistry::default(),
+        stop: AtomicBool::new(false),
+    })
+}
+
+/// Attaches the backing devices to the set and applies the configured knobs.
+fn with_set(
+    cfg: &ServeConfig,
+    set: CacheSet,
+    backings: Vec<Arc<dyn BlockDevice>>,
+) -> Result<Arc<Running>> {
     for (i, b) in backings.into_iter().enumerate() {
         let v = set.attach(b).with_context(|| {
             format!(
@@ -331,11 +460,15 @@ pub fn serve_devices(
         );
     }
     apply_volume_knobs(&set, &cfg.volumes)?;
-    let running = Arc::new(Running {
-        set: Arc::new(set),
-        exports: server::ExportRegistry::default(),
-        stop: AtomicBool::new(false),
-    });
+    Ok(running(Source::Set(Arc::new(set))))
+}
+
+/// Serves `running` until stopped, then shuts down.
+fn run(
+    cfg: &ServeConfig,
+    running: Arc<Running>,
+    on_ready: impl FnOnce(&Arc<Running>) + Send,
+) -> Result<()> {
     running.sync_exports();
     let signals = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -345,8 +478,8 @@ pub fn serve_devices(
         Ok(l) => l,
         Err(e) => {
             // Nothing was served: close the set cleanly so the next start needs no recovery.
-            if let Err(close) = running.set.close() {
-                log::error!("closing the cache set: {close:#}");
+            if let Err(close) = running.close() {
+                log::error!("{close:#}");
             }
             return Err(e);
         }
@@ -373,7 +506,7 @@ pub fn serve_devices(
     if let Err(e) = admin_file.remove_if_ours() {
         log::warn!("could not remove {}: {e}", cfg.admin().display());
     }
-    running.set.close().context("closing the cache set")?;
-    log::info!("cache set closed cleanly");
+    running.close()?;
+    log::info!("closed cleanly");
     Ok(())
 }
