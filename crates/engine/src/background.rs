@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 pub const JOURNAL_BUF_MAX: usize = 256 * 1024;
 const BACKGROUND_PERIOD: Duration = Duration::from_millis(50);
 const WATCHDOG_PERIOD: Duration = Duration::from_millis(100);
+/// Longest wait between writeback passes that keep failing.
+const WRITEBACK_BACKOFF_MAX: Duration = Duration::from_secs(60);
 
 fn sleep(inner: &Inner, d: Duration) {
     let mut g = inner.wake.0.lock();
@@ -31,9 +33,11 @@ fn sleep(inner: &Inner, d: Duration) {
 /// Writeback loop. At `Full` rate it runs batch after batch; at `Share(p)` it sleeps after
 /// each batch until the batch's time is `p` % of the time spent (re-checking the rate at
 /// least every `WRITEBACK_SHARE_SLEEP_MAX`, so a surge of dirty data or an idle disk is
-/// answered quickly); with nothing to do it polls every 100 ms.
+/// answered quickly); with nothing to do it polls every 100 ms. Passes that fail (a backing
+/// device that refuses writes or flushes) are retried after 1 s, doubling to a minute.
 pub fn writeback_thread(inner: &Arc<Inner>) {
     let mut owed = Duration::ZERO;
+    let mut failures = 0u32;
     while !inner.stop.load(Ordering::SeqCst) {
         if inner.is_degraded() {
             sleep(inner, Duration::from_millis(100));
@@ -49,7 +53,11 @@ pub fn writeback_thread(inner: &Arc<Inner>) {
             owed = Duration::ZERO;
         }
         let t = Instant::now();
-        match contain(inner, "writeback", || writeback_pass(inner, false, None)) {
+        let res = contain(inner, "writeback", || writeback_pass(inner, false, None));
+        if res.is_ok() {
+            failures = 0;
+        }
+        match res {
             Ok((n, WritebackRate::Full)) if n > 0 => {}
             Ok((n, WritebackRate::Share(pct))) if n > 0 => {
                 owed = t.elapsed() * (100 - pct) / pct;
@@ -58,7 +66,12 @@ pub fn writeback_thread(inner: &Arc<Inner>) {
             Err(e) => {
                 static LOG: Throttled = Throttled::new();
                 LOG.log(log::Level::Error, format_args!("writeback: {e}"));
-                sleep(inner, Duration::from_secs(1));
+                // Backoff: 1 s after the first failure, doubling to a minute while it lasts.
+                failures = failures.saturating_add(1);
+                let backoff =
+                    Duration::from_secs(1 << (failures - 1).min(6)).min(WRITEBACK_BACKOFF_MAX);
+                sleep(inner, backoff);
+                continue;
             }
         }
     }

@@ -60,7 +60,7 @@ pub use knobs::{
 };
 pub use set::{
     format_backing, Backing, CacheSet, Config, DevKnobs, DevStatus, FormatOptions, Occupancy,
-    RecoveryReport, DEFAULT_CACHE_IO_TIMEOUT_MS, DEFAULT_CONGESTED_READ_US,
+    RecoveryReport, WritebackError, DEFAULT_CACHE_IO_TIMEOUT_MS, DEFAULT_CONGESTED_READ_US,
     DEFAULT_CONGESTED_WRITE_US, DEFAULT_IO_ERROR_HALFLIFE, DEFAULT_IO_ERROR_LIMIT,
 };
 pub use types::{CacheMode, DevId, Error, Result};

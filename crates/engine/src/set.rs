@@ -323,6 +323,11 @@ pub struct Backing {
     pub(crate) client_stream_ns: AtomicU64,
     /// Readahead windows for sequential reads that bypass the cache.
     pub(crate) readahead: Mutex<crate::readahead::ReadAhead>,
+    /// Failed flushes of the device so far: writes it was sent before a failed flush may be
+    /// lost even if a later flush succeeds (an NBD server that restarted, a disk that
+    /// dropped its cache), so whoever needs its writes durable checks this did not move.
+    pub(crate) flush_failures: AtomicU64,
+    pub(crate) writeback_error: Mutex<Option<WritebackError>>,
 }
 
 impl Backing {
@@ -367,10 +372,41 @@ impl Backing {
     /// dirty data superseded by writes to it); on failure it stays marked as written.
     pub(crate) fn flush_now(&self) -> Result<()> {
         self.backing_written.store(false, Ordering::SeqCst);
-        self.dev.flush().map_err(|e| {
+        self.flush_counted().map_err(|e| {
             self.backing_written.store(true, Ordering::SeqCst);
             Error::io("flushing backing device", e)
         })
+    }
+
+    /// Flushes the device, counting a failure in `flush_failures`.
+    pub(crate) fn flush_counted(&self) -> std::io::Result<()> {
+        self.dev.flush().inspect_err(|_| {
+            self.flush_failures.fetch_add(1, Ordering::SeqCst);
+        })
+    }
+
+    /// Notes how a writeback pass over this device ended.
+    pub(crate) fn writeback_result(&self, r: &Result<()>) {
+        let mut w = self.writeback_error.lock();
+        match r {
+            Ok(()) => *w = None,
+            Err(e) => {
+                let failures = w.as_ref().map_or(0, |w| w.failures) + 1;
+                let since_unix = w.as_ref().map_or_else(
+                    || {
+                        std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_secs())
+                    },
+                    |w| w.since_unix,
+                );
+                *w = Some(WritebackError {
+                    error: e.to_string(),
+                    since_unix,
+                    failures,
+                });
+            }
+        }
     }
 
     /// Flushes the backing device if anything was written to it since its last flush (the
@@ -459,7 +495,19 @@ pub struct DevStatus {
     pub state: &'static str,
     /// How hard writeback works on the device right now (bcache's writeback_rate).
     pub writeback: crate::policy::WritebackRate,
+    /// The last writeback failure on this device while it keeps failing (the dirty data
+    /// stays dirty and is retried with backoff): what failed, since when (Unix seconds), and
+    /// how many passes failed in a row.
+    pub writeback_error: Option<WritebackError>,
     pub stats: Windows,
+}
+
+/// A writeback that keeps failing on one backing device (see `DevStatus::writeback_error`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WritebackError {
+    pub error: String,
+    pub since_unix: u64,
+    pub failures: u32,
 }
 
 impl Inner {
@@ -874,6 +922,8 @@ impl CacheSet {
             client_backing_ns: AtomicU64::new(0),
             client_stream_ns: AtomicU64::new(0),
             readahead: Mutex::default(),
+            flush_failures: AtomicU64::new(0),
+            writeback_error: Mutex::new(None),
         });
         if dirty > 0 {
             backing.set_state(BackingState::Dirty)?;

@@ -227,6 +227,12 @@ pub(crate) fn writeback_pass(
     let mut touched = BTreeSet::new();
     let mut pins = Pins(Vec::new(), inner);
     let pass_start = inner.now_ns();
+    // A flush that fails after this pass wrote something (a client's, say) means what the
+    // pass wrote may be lost even if its own flush succeeds: nothing is marked clean then.
+    let flush_failures: Vec<(DevId, u64)> = backings
+        .iter()
+        .map(|b| (b.id, b.flush_failures.load(Ordering::SeqCst)))
+        .collect();
     for (i, run) in runs.into_iter().enumerate() {
         // A full-speed pass ends early once a client needs the disk (the next pass runs at
         // the client-aware rate) or the set is stopping, so neither waits behind megabytes of
@@ -302,6 +308,9 @@ pub(crate) fn writeback_pass(
         // same cache block again with new dirty data, which `mark_clean` would then take for
         // what was written back (an ABA the full-cache test caught as a stale read).
         pins.0.extend(live.iter().map(|(_, _, e)| e.cache_block));
+        if result.is_err() {
+            backing.writeback_result(&result);
+        }
         result?;
         touched.insert(dev);
         written.extend(ok_pieces);
@@ -311,9 +320,25 @@ pub(crate) fn writeback_pass(
             .iter()
             .find(|b| b.id == *dev)
             .expect("touched device is attached");
-        b.dev
-            .flush()
-            .ctx(|| "flushing backing device after writeback".into())?;
+        let before = flush_failures
+            .iter()
+            .find(|f| f.0 == *dev)
+            .map_or(0, |f| f.1);
+        let r = b
+            .flush_counted()
+            .ctx(|| "flushing backing device after writeback".into())
+            .and_then(|()| {
+                if b.flush_failures.load(Ordering::SeqCst) == before {
+                    Ok(())
+                } else {
+                    Err(crate::Error::State(format!(
+                        "a flush of backing device {} failed during writeback, so what writeback wrote may be lost; its data stays dirty and is written again",
+                        dev.0
+                    )))
+                }
+            });
+        b.writeback_result(&r);
+        r?;
     }
     let mut blocks = 0;
     {

@@ -214,6 +214,7 @@ impl Volume {
                 "clean"
             },
             writeback,
+            writeback_error: b.writeback_error.lock().clone(),
             stats: b.history.windows(now, &snap),
         }
     }
