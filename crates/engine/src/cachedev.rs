@@ -15,15 +15,15 @@
 //! - the latency estimates are exponentially weighted averages of completed reads and writes
 //!   (flushes excluded: their cost depends on what was written, not on the device's health),
 //!   updated without locks; an estimate stops mattering after `SAMPLE_TTL` without a sample,
-//!   and `congested` lets one request through every `PROBE_EVERY` so a recovered device is
-//!   noticed.
+//!   and `congested` lets one request through every `PROBE_EVERY` (a probe, whose sample
+//!   replaces the average) so a recovered device is used again at once.
 //!
 //! Costs: two clock reads and three atomic operations per I/O; nothing allocates.
 
 use blockdev::BlockDevice;
 use parking_lot::Mutex;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -47,6 +47,9 @@ struct Estimate {
     avg_ns: AtomicU64,
     at_ns: AtomicU64,
     probe_ns: AtomicU64,
+    /// A probe was let through: the next sample replaces the average (a device that
+    /// recovered is used again after one fast probe, not after the average decays).
+    probing: AtomicBool,
 }
 
 impl Estimate {
@@ -55,7 +58,8 @@ impl Estimate {
         // Weight 1/8 for the new sample; the first sample (or one after a long gap) sets it.
         let fresh =
             now.saturating_sub(self.at_ns.load(Ordering::Relaxed)) > SAMPLE_TTL.as_nanos() as u64;
-        let new = if old == 0 || fresh {
+        let probe = self.probing.swap(false, Ordering::Relaxed);
+        let new = if old == 0 || fresh || probe {
             ns
         } else {
             old - old / 8 + ns / 8
@@ -263,6 +267,9 @@ impl CacheDev {
                 .probe_ns
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok();
+        if probe {
+            est.probing.store(true, Ordering::Relaxed);
+        }
         !probe
     }
 

@@ -567,3 +567,118 @@ fn writeback_marks_nothing_clean_after_a_failed_backing_flush() {
     assert_eq!(vol.status().dirty_bytes, 0);
     assert!(vol.status().writeback_error.is_none());
 }
+
+// ----- hung and slow cache devices -----
+
+/// A set on a cache device with its own fault controller (latency there slows the cache
+/// device only), a memory backing device, writethrough, 64 KiB written and cached.
+fn slow_rig(
+    tune: impl FnOnce(&mut engine::Config),
+) -> (
+    std::sync::Arc<blockdev::fault::FaultController>,
+    engine::CacheSet,
+    engine::Volume,
+    Vec<u8>,
+) {
+    use std::sync::Arc;
+    let ctrl = blockdev::fault::FaultController::new(5);
+    let cache = Arc::new(blockdev::fault::FaultyDevice::new(
+        "cache",
+        blockdev::MemDevice::new(4 << 20),
+        ctrl.clone(),
+    ));
+    let mut config = engine::Config {
+        congested_read_threshold_us: 0,
+        congested_write_threshold_us: 0,
+        ..engine::Config::default()
+    };
+    tune(&mut config);
+    let (set, vol) = format_and_open(
+        cache,
+        Arc::new(blockdev::MemDevice::new(4 << 20)),
+        CacheMode::Writethrough,
+        config,
+    );
+    let d = data(1, 0, 65536);
+    vol.write(0, &d, false).unwrap();
+    vol.flush().unwrap();
+    assert_eq!(vol.status().cached_bytes, 65536);
+    (ctrl, set, vol, d)
+}
+
+fn read_at(vol: &engine::Volume, offset: u64, len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    vol.read(offset, &mut buf).unwrap();
+    buf
+}
+
+/// Polls `done` every 10 ms for at most 10 s (a hang guard, not a timing assertion).
+fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let t = std::time::Instant::now();
+    while !done() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "never: {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_hung_cache_device_degrades_the_set_and_writethrough_clients_see_no_error() {
+    let (ctrl, set, vol, d) = slow_rig(|c| c.cache_io_timeout_ms = 300);
+    // Every cache-device I/O now takes 3 s: a device that stopped answering, as far as a
+    // 300 ms timeout is concerned.
+    let hang = std::time::Duration::from_secs(3);
+    ctrl.set_latency(FaultOp::Any, hang, hang);
+    let stuck = {
+        let vol = vol.clone();
+        std::thread::spawn(move || read_at(&vol, 0, 4096))
+    };
+    eventually("the watchdog degrades the set", || {
+        set.health().degraded.is_some()
+    });
+    let reason = set.health().degraded.unwrap().reason;
+    assert!(reason.contains("has not completed"), "{reason}");
+    // Requests after that never touch the cache device: reads, writes and flushes succeed.
+    assert!(read_at(&vol, 8192, 8192) == d[8192..16384]);
+    let d2 = data(2, 512, 8192);
+    vol.write(262144, &d2, true).unwrap();
+    assert!(read_at(&vol, 262144, 8192) == d2);
+    assert!(vol.status().stats.total.degraded_bytes > 0);
+    // The read that was stuck in the device completes late: that counts as a failure, and
+    // it is served from the backing device, correctly.
+    assert!(stuck.join().unwrap() == d[..4096]);
+    ctrl.set_latency(
+        FaultOp::Any,
+        std::time::Duration::ZERO,
+        std::time::Duration::ZERO,
+    );
+    set.readmit().unwrap();
+    assert!(read_at(&vol, 0, 65536) == d);
+}
+
+#[test]
+fn a_slow_cache_device_is_bypassed_for_clean_reads_until_it_recovers() {
+    let (ctrl, _set, vol, d) = slow_rig(|c| c.congested_read_threshold_us = 2_000);
+    let slow = std::time::Duration::from_millis(5);
+    ctrl.set_latency(FaultOp::Read, slow, slow);
+    for _ in 0..30 {
+        assert!(read_at(&vol, 0, 16384) == d[..16384]);
+    }
+    let s = vol.status().stats.total;
+    assert!(s.congested >= 10, "congestion bypass never engaged: {s:?}");
+    // The device recovers: a probe notices, and hits come from the cache again.
+    ctrl.set_latency(
+        FaultOp::Read,
+        std::time::Duration::ZERO,
+        std::time::Duration::ZERO,
+    );
+    let hits = |v: &engine::Volume| v.status().stats.total.cache_hits;
+    eventually("hits served by the cache again", || {
+        let before = (hits(&vol), vol.status().stats.total.congested);
+        let ok = read_at(&vol, 0, 16384) == d[..16384];
+        assert!(ok);
+        hits(&vol) > before.0 && vol.status().stats.total.congested == before.1
+    });
+}
