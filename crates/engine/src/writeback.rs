@@ -2,10 +2,17 @@
 //! policy allows, and marked clean once a backing flush covers it.
 //!
 //! Invariants:
-//! - writeback holds the range lock while it checks that an extent is still the current dirty
-//!   copy, reads it and writes it to the backing device, so it can never overwrite newer data
-//!   written directly to the backing device; extents are journaled clean only after a flush
-//!   of the backing device has covered them;
+//! - writeback holds the range lock while it looks up the current dirty copies of a run's
+//!   blocks, reads them and writes them to the backing device, so it can never overwrite
+//!   newer data written directly to the backing device; extents are journaled clean only
+//!   after a flush of the backing device has covered them, and only where the index still
+//!   maps the block to the cache block that was written back (a copy moved or replaced
+//!   meanwhile stays dirty, and a later pass writes it back);
+//! - copying GC may move a dirty block between the moment a pass collects it and the moment
+//!   the pass takes its range lock (the pass then writes back the moved copy), or after the
+//!   pass wrote it back and released the lock but before it marked it clean (the moved copy
+//!   stays dirty): so a pass that cleans nothing has not necessarily failed, and
+//!   `drain_dirty` fails only on dirty data it could not read;
 //! - a pass keeps its pins until its pieces are marked clean (see `Pins`);
 //! - a pass handles at most `WRITEBACK_BATCH_BYTES`, and a refill of the pool visits only
 //!   buckets holding dirty data, so one step takes bounded time.
@@ -178,6 +185,23 @@ pub(crate) fn writeback_pass(
     force: bool,
     only: Option<DevId>,
 ) -> Result<(u64, WritebackRate)> {
+    let pass = run_pass(inner, force, only)?;
+    Ok((pass.cleaned, pass.rate))
+}
+
+/// What one writeback pass did.
+struct Pass {
+    /// Blocks marked clean.
+    cleaned: u64,
+    /// The strongest rate that applied.
+    rate: WritebackRate,
+    /// Dirty blocks the pass collected.
+    collected: u64,
+    /// Dirty blocks it found unreadable (counted in `io_errors`, left dirty).
+    unreadable: u64,
+}
+
+fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
     inner.check_failed()?;
     if inner.is_degraded() {
         return Err(crate::Error::State(
@@ -192,7 +216,12 @@ pub(crate) fn writeback_pass(
         let rates = device_rates(inner, &st, &backings, force, only);
         let best = strongest(&rates);
         if best == WritebackRate::Idle {
-            return Ok((0, WritebackRate::Idle));
+            return Ok(Pass {
+                cleaned: 0,
+                rate: WritebackRate::Idle,
+                collected: 0,
+                unreadable: 0,
+            });
         }
         let budget = if best == WritebackRate::Full {
             WRITEBACK_BATCH_BYTES
@@ -206,6 +235,8 @@ pub(crate) fn writeback_pass(
         (rates, entries)
     };
     let best = strongest(&rates);
+    let collected = entries.iter().map(|(_, _, e)| u64::from(e.len)).sum();
+    let mut unreadable = 0;
     // Merge backing-contiguous neighbours into runs.
     let mut runs: Vec<Vec<(DevId, BackingBlock, crate::index::Extent)>> = Vec::new();
     for x in entries {
@@ -256,12 +287,21 @@ pub(crate) fn writeback_pass(
             run.last().map(|(_, s, e)| *s + u64::from(e.len)).unwrap(),
         );
         let _g = inner.ranges.lock(dev, r0, r1);
-        // Keep only the pieces that are still the current dirty copy, and pin them.
+        // The current dirty copies of the run's blocks, pinned: GC may have moved a piece to
+        // other cache blocks since it was collected (it held the range lock meanwhile), and
+        // writes may have cleaned, dropped or replaced pieces.
         let live: Vec<_> = {
             let mut st = inner.state.lock();
             let live: Vec<_> = run
-                .into_iter()
-                .filter(|(d, s, e)| st.index.dirty_at(*d, *s, e.len, e.cache_block))
+                .iter()
+                .flat_map(|&(d, s, e)| {
+                    st.index
+                        .lookup(d, s, s + u64::from(e.len))
+                        .into_iter()
+                        .filter_map(move |seg| {
+                            seg.ext.filter(|x| x.dirty).map(|x| (d, seg.block, x))
+                        })
+                })
                 .collect();
             for (_, _, e) in &live {
                 let b = st.index.bucket_of(e.cache_block);
@@ -297,6 +337,7 @@ pub(crate) fn writeback_pass(
                         format_args!("writeback skipped unreadable dirty data: {err}"),
                     );
                     Counters::add(&backing.counters.io_errors, 1);
+                    unreadable += u64::from(e.len);
                 }
             }
         }
@@ -363,7 +404,12 @@ pub(crate) fn writeback_pass(
             }
         }
     }
-    Ok((blocks, best))
+    Ok(Pass {
+        cleaned: blocks,
+        rate: best,
+        collected,
+        unreadable,
+    })
 }
 
 fn write_backing(b: &crate::set::Backing, at: u64, buf: &[u8]) -> Result<()> {
@@ -376,6 +422,19 @@ fn write_backing(b: &crate::set::Backing, at: u64, buf: &[u8]) -> Result<()> {
 }
 
 /// Writes back every dirty block of `dev`, reporting `(remaining, total)` dirty bytes.
+///
+/// A pass that cleans nothing has not necessarily failed: the writeback thread (or a client
+/// write going around the cache) may have cleaned or dropped the same blocks while this pass
+/// waited for their range locks, and copying GC may have moved a block after this pass wrote
+/// it back and before it marked it clean (the moved copy is still dirty; the next pass writes
+/// it back from there). So only a pass that found dirty data it could not read and saw no
+/// progress is an error (reported with `io_errors` counted and logged), or one that found no
+/// dirty data of the device at all while the count says there is some (a broken index, which
+/// no retry would get past). Every other pass that cleaned nothing is followed by another:
+/// each one means another thread changed the blocks it collected in that very window. With
+/// the device's writes going around the cache, only GC does that to dirty blocks, and GC
+/// moves a block again only once the bucket it moved it to has filled, closed and become
+/// sparse in turn.
 pub fn drain_dirty(inner: &Inner, dev: DevId, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
     let bs = inner.block_size();
     let total = inner.state.lock().index.dev_dirty_blocks(dev) * bs;
@@ -385,16 +444,24 @@ pub fn drain_dirty(inner: &Inner, dev: DevId, progress: &mut dyn FnMut(u64, u64)
         if remaining == 0 {
             break;
         }
-        if writeback_batch(inner, true, Some(dev))? == 0 {
-            // A pass that wrote nothing is a failure only if nobody else made progress: the
-            // writeback thread (or a client write going around the cache) may have cleaned or
-            // dropped these very blocks while this pass waited for their range locks.
-            let now = inner.state.lock().index.dev_dirty_blocks(dev) * bs;
-            if now < remaining {
-                continue;
-            }
+        let pass = run_pass(inner, true, Some(dev))?;
+        if pass.cleaned > 0 {
+            continue;
+        }
+        let now = inner.state.lock().index.dev_dirty_blocks(dev) * bs;
+        if now < remaining {
+            continue;
+        }
+        if pass.unreadable > 0 {
             return Err(Error::State(format!(
-                "{remaining} dirty bytes of device {} cannot be written back (unreadable cache data)",
+                "{remaining} dirty bytes of device {} cannot be written back ({} bytes of unreadable cache data)",
+                dev.0,
+                pass.unreadable * bs
+            )));
+        }
+        if pass.collected == 0 {
+            return Err(Error::State(format!(
+                "{remaining} dirty bytes of device {} are counted but not found in the cache index",
                 dev.0
             )));
         }

@@ -178,24 +178,6 @@ fn total_ios(seed: u64, ops: &[Op]) -> (u64, Lifecycle) {
     })
 }
 
-/// Every run allocates and frees several device images of megabytes; glibc would return
-/// each to the kernel and fault it in again, zeroed, for the next (a third of the run time).
-fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        extern "C" {
-            fn mallopt(param: i32, value: i32) -> i32;
-        }
-        const M_TRIM_THRESHOLD: i32 = -1;
-        const M_MMAP_THRESHOLD: i32 = -3;
-        // SAFETY: mallopt only changes allocator tuning (under its own lock).
-        unsafe {
-            mallopt(M_MMAP_THRESHOLD, 64 << 20);
-            mallopt(M_TRIM_THRESHOLD, 512 << 20);
-        }
-    }
-}
-
 /// Replays one failing point: `TIERCACHE_CRASH_ONLY=SEED:N` (printed by a failure).
 fn replay_one() -> bool {
     let Ok(spec) = std::env::var("TIERCACHE_CRASH_ONLY") else {
