@@ -308,6 +308,8 @@ pub struct Backing {
     pub(crate) writeback_delay_secs: AtomicU64,
     pub(crate) writeback_running: AtomicBool,
     pub(crate) detaching: AtomicBool,
+    /// Requests under way that may put this device's data into the cache (`io::CacheUse`).
+    pub(crate) cache_users: AtomicU64,
     pub(crate) seq: Mutex<SeqDetector>,
     pub(crate) counters: Counters,
     pub(crate) history: History,
@@ -914,6 +916,7 @@ impl CacheSet {
             writeback_delay_secs: AtomicU64::new(t.writeback_delay_secs),
             writeback_running: AtomicBool::new(t.writeback_running),
             detaching: AtomicBool::new(false),
+            cache_users: AtomicU64::new(0),
             seq: Mutex::new(SeqDetector::default()),
             counters: Counters::default(),
             history: History::default(),
@@ -972,6 +975,11 @@ impl CacheSet {
             ));
         }
         b.detaching.store(true, Ordering::SeqCst);
+        // Requests that decided to use the cache before they could see `detaching` finish
+        // first: a write that chose writeback would otherwise add dirty data after the drain.
+        while b.cache_users.load(Ordering::SeqCst) > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let res = (|| {
             crate::writeback::drain_dirty(inner, b.id, progress)?;
             vol.flush()?;

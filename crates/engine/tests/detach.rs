@@ -894,3 +894,44 @@ fn crash_anywhere_in_a_detach_loses_nothing() {
         started.elapsed().as_secs()
     );
 }
+
+/// A write that chose the cache just before a detach began (it read `detaching` as false and
+/// was then held up writing the cache device) must be written back by that detach: before
+/// the fix, detach drained, finished and left the device while the write then added dirty
+/// data for it, acknowledged and never written back.
+#[test]
+fn a_write_that_chose_the_cache_before_a_detach_is_written_back_by_it() {
+    let cache = GatedDev::new(4 << 20);
+    let backing = GatedDev::new((1 << 20) + BACKING_DATA_OFFSET);
+    let (set, vol) = format_and_open(
+        cache.clone(),
+        backing.clone(),
+        CacheMode::Writeback,
+        no_threads(),
+    );
+    vol.set_writeback_delay_secs(0).unwrap();
+    let set = Arc::new(set);
+    let gate = cache.arm(IoKind::Write);
+    let d = block_data(1, 0);
+    let writer = {
+        let (vol, d) = (vol.clone(), d.clone());
+        std::thread::spawn(move || vol.write(0, &d, false))
+    };
+    gate.reached();
+    let detach = {
+        let (set, vol) = (set.clone(), vol.clone());
+        std::thread::spawn(move || set.detach(&vol, &mut |_, _| {}))
+    };
+    // Give a detach that does not wait for the write the time to finish (it needs
+    // milliseconds); one that waits is still waiting when the write is let go.
+    let t = std::time::Instant::now();
+    while !detach.is_finished() && t.elapsed() < Duration::from_millis(500) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    gate.release();
+    writer.join().unwrap().unwrap();
+    detach.join().unwrap().unwrap();
+    let mut got = vec![0u8; BS as usize];
+    backing.read_at(&mut got, BACKING_DATA_OFFSET).unwrap();
+    assert!(got == d, "an acknowledged write was lost by the detach");
+}

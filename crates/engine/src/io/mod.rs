@@ -450,7 +450,40 @@ impl Volume {
     }
 }
 
+/// A request under way that may put data of its device into the cache (a write, a read that
+/// may promote), counted so a detach can wait for those that started before it (see
+/// `CacheSet::detach`). Taken before the request reads `detaching`, given back at once when
+/// it finds it set (the request then keeps out of the cache), so the count drains.
+pub(crate) struct CacheUse<'a>(Option<&'a Backing>);
+
+impl CacheUse<'_> {
+    /// The device is being detached: keep out of the cache.
+    pub(crate) fn detaching(&self) -> bool {
+        self.0.is_none()
+    }
+}
+
+impl Drop for CacheUse<'_> {
+    fn drop(&mut self) {
+        if let Some(b) = self.0 {
+            b.cache_users.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
 impl Backing {
+    pub(crate) fn cache_use(&self) -> CacheUse<'_> {
+        // SeqCst on both sides: either this request sees `detaching`, or the detach sees
+        // this request in `cache_users` and waits for it.
+        self.cache_users.fetch_add(1, Ordering::SeqCst);
+        if self.detaching.load(Ordering::SeqCst) {
+            self.cache_users.fetch_sub(1, Ordering::SeqCst);
+            CacheUse(None)
+        } else {
+            CacheUse(Some(self))
+        }
+    }
+
     pub(crate) fn data_offset(&self) -> u64 {
         crate::format::BACKING_DATA_OFFSET
     }

@@ -97,7 +97,9 @@ impl Volume {
         if let Some(r) = self.read_around_congestion(offset, buf) {
             return r;
         }
-        let mut bypass = !crate::policy::admit_read(self.mode(), self.seq_bypass(stream));
+        let cache_use = self.backing.cache_use();
+        let mut bypass = cache_use.detaching()
+            || !crate::policy::admit_read(self.mode(), self.seq_bypass(stream));
         if !bypass && self.cache_congested(Kind::Write) {
             // Promoting would wait on the slow cache device: the miss is served alone.
             bypass = true;
@@ -122,7 +124,8 @@ impl Volume {
 
     fn prefetch_unguarded(&self, offset: u64, len: u64) -> Result<()> {
         self.check(offset, len)?;
-        if self.mode() == CacheMode::None || self.inner.is_degraded() {
+        let cache_use = self.backing.cache_use();
+        if self.mode() == CacheMode::None || self.inner.is_degraded() || cache_use.detaching() {
             // Nothing would be kept: the hint is honoured by doing nothing.
             return Ok(());
         }

@@ -117,7 +117,8 @@ impl Volume {
             return Ok(());
         }
         let stream = self.note_io(offset, len);
-        let mut route = self.route(self.seq_bypass(stream));
+        let cache_use = self.backing.cache_use();
+        let mut route = self.route(self.seq_bypass(stream), cache_use.detaching());
         if route == Route::Through && self.cache_congested(crate::cachedev::Kind::Write) {
             // The slow cache device would hold the write up; the backing device has it.
             route = Route::Bypass;
@@ -137,11 +138,11 @@ impl Volume {
     /// blocks too (as bcache does unless partial RAID stripes are expensive): the dirty copies
     /// are dropped, their record waiting for one backing flush per commit, and the disk gets
     /// the whole stream, without holes.
-    fn route(&self, seq_bypass: bool) -> Route {
+    fn route(&self, seq_bypass: bool, detaching: bool) -> Route {
         let inner = &*self.inner;
         crate::policy::route_write(
             self.mode(),
-            self.backing.detaching.load(Ordering::Relaxed),
+            detaching,
             seq_bypass,
             inner.config.dirty_max_pct,
             u64::from(inner.layout.total_blocks()),
