@@ -1,8 +1,11 @@
 //! The admin protocol: live control of a running `tiercache serve` over a unix socket.
 //!
 //! One JSON object per line each way. A request names a command (`status`, `stats`, `set`,
-//! `detach`, `attach`, `stop`); the reply is `{"ok": true, ...}` or `{"ok": false, "error":
-//! "..."}`. Long operations (detach) first send progress lines `{"progress": {...}}`.
+//! `detach`, `attach`, `readmit`, `degrade`, `stop`); the reply is `{"ok": true, ...}` or
+//! `{"ok": false, "error": "..."}`. Long operations (detach) first send progress lines
+//! `{"progress": {...}}`. `status` and `stats` carry the cache device's health (`ok` or
+//! `degraded`, why and since when, failure counts, latency estimates); `readmit` and
+//! `degrade` reply with it as it is after the change.
 //! A server running without its cache device (`serve --without-cache-if-missing`) answers
 //! `status` with the volumes it serves directly and why the cache device is not in use, and
 //! `stop`; every other command needs the cache set and gets an error saying so.
@@ -120,6 +123,28 @@ pub fn status_json(s: &DevStatus, name: &str) -> Value {
     })
 }
 
+/// The cache device's health: `ok` or `degraded` (why, since when), its failures (since
+/// start, and the decayed count compared with `io_error_limit`), its latency estimates (µs; 0:
+/// no recent I/O).
+fn health_json(set: &CacheSet) -> Value {
+    let h = set.health();
+    let degraded = h.degraded.as_ref();
+    json!({
+        "state": if degraded.is_some() { "degraded" } else { "ok" },
+        "reason": degraded.map(|d| d.reason.clone()),
+        "since_unix": degraded.map(|d| d.since_unix),
+        "since": degraded.map(|d| crate::units::iso_utc(d.since_unix)),
+        "errors_total": h.errors_total,
+        "error_count": (h.error_count * 100.0).round() / 100.0,
+        "io_error_limit": h.io_error_limit,
+        "read_latency_us": h.read_latency_us,
+        "write_latency_us": h.write_latency_us,
+    })
+}
+
+/// Longest reason `degrade` accepts (it is logged and shown by every `status`).
+const DEGRADE_REASON_MAX_BYTES: usize = 512;
+
 fn cache_json(set: &CacheSet) -> Value {
     let o = set.occupancy();
     json!({
@@ -153,7 +178,41 @@ fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result
                 .iter()
                 .map(|v| status_json(&v.status(), &v.name()))
                 .collect();
-            Ok(json!({"ok": true, "cache": cache_json(set), "devices": devices}))
+            Ok(json!({
+                "ok": true,
+                "cache": cache_json(set),
+                "health": health_json(set),
+                "devices": devices,
+            }))
+        }
+        "readmit" => {
+            let set = set()?;
+            if let Err(e) = set.readmit() {
+                if set.health().degraded.is_some() {
+                    bail!(
+                        "re-admitting the cache device failed; the cache set stays degraded \
+                         (every volume is served from its backing device): {e}"
+                    );
+                }
+                return Err(e.into());
+            }
+            Ok(json!({"ok": true, "health": health_json(set)}))
+        }
+        "degrade" => {
+            let set = set()?;
+            let reason = field("reason")?.trim();
+            if reason.is_empty() || reason.len() > DEGRADE_REASON_MAX_BYTES {
+                bail!("degrade needs a reason of 1 to {DEGRADE_REASON_MAX_BYTES} bytes");
+            }
+            let already = set.health().degraded.is_some();
+            set.degrade(reason);
+            if set.health().degraded.is_none() {
+                bail!(
+                    "the cache set could not be degraded (a backing device's header could not \
+                     be marked; see the server's log)"
+                );
+            }
+            Ok(json!({"ok": true, "already_degraded": already, "health": health_json(set)}))
         }
         "set" => {
             let set = set()?;
@@ -192,7 +251,10 @@ fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result
             Ok(json!({"ok": true}))
         }
         other => {
-            bail!("unknown command '{other}' (commands: status, stats, set, detach, attach, stop)")
+            bail!(
+                "unknown command '{other}' (commands: status, stats, set, detach, attach, \
+                 readmit, degrade, stop)"
+            )
         }
     }
 }

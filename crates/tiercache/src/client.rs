@@ -1,11 +1,12 @@
-//! Client side of the admin commands: `status`, `stats`, `set`, `detach`, `attach`, `stop`.
+//! Client side of the admin commands: `status`, `stats`, `set`, `detach`, `attach`,
+//! `readmit`, `degrade`, `stop`.
 //! Each sends one request to the running server's admin socket and prints the answer.
 //!
 //! Invariant: printing only; every decision is the server's (so the CLI and the admin API
 //! cannot disagree).
 
 use crate::admin::request;
-use crate::units::human;
+use crate::units::{human, iso_utc, span};
 use anyhow::Result;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -37,6 +38,7 @@ pub fn status(admin: &Path, as_json: bool) -> Result<()> {
         human(num(c, "unused_bytes")),
         human(num(c, "metadata_bytes"))
     );
+    print_health(&r["health"]);
     println!(
         "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6} {:>9}",
         "DEVICE", "SIZE", "MODE", "STATE", "DIRTY", "CACHED", "HIT%", "WRITEBACK"
@@ -55,6 +57,40 @@ pub fn status(admin: &Path, as_json: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The cache device's health, one line when it is ok, two when the set is degraded.
+fn print_health(h: &Value) {
+    let latency = |k: &str| match num(h, k) {
+        0 => "-".to_string(),
+        us => format!("{us} us"),
+    };
+    let counts = format!(
+        "cache device errors {} (decayed {:.1}, limit {}), latency read {} / write {}",
+        num(h, "errors_total"),
+        h.get("error_count").and_then(Value::as_f64).unwrap_or(0.0),
+        num(h, "io_error_limit"),
+        latency("read_latency_us"),
+        latency("write_latency_us")
+    );
+    if text(h, "state") != "degraded" {
+        println!("health: {}, {counts}", text(h, "state"));
+        return;
+    }
+    let since = num(h, "since_unix");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(since, |d| d.as_secs());
+    println!(
+        "health: DEGRADED since {} ({} ago): {}",
+        iso_utc(since),
+        span(now.saturating_sub(since)),
+        text(h, "reason")
+    );
+    println!(
+        "  every volume is served from its backing device; {counts}; \
+         `tiercache readmit` once the cache device is repaired"
+    );
 }
 
 /// `status` of a server running without its cache device.
@@ -157,6 +193,37 @@ pub fn attach(admin: &Path, path: &Path) -> Result<()> {
         path.display(),
         text(&r, "name")
     );
+    Ok(())
+}
+
+pub fn readmit(admin: &Path) -> Result<()> {
+    request(admin, &json!({"cmd": "readmit"}), &mut |_| {})?;
+    println!(
+        "cache device re-admitted: volumes are served through the cache again \
+         (its clean copies were dropped as stale)"
+    );
+    Ok(())
+}
+
+pub fn degrade(admin: &Path, reason: &str) -> Result<()> {
+    let r = request(
+        admin,
+        &json!({"cmd": "degrade", "reason": reason}),
+        &mut |_| {},
+    )?;
+    let h = &r["health"];
+    if r["already_degraded"] == json!(true) {
+        println!(
+            "the cache set was already degraded (since {}): {}",
+            iso_utc(num(h, "since_unix")),
+            text(h, "reason")
+        );
+    } else {
+        println!(
+            "cache set degraded: every volume is served from its backing device; \
+             `tiercache readmit` puts the cache device back in service"
+        );
+    }
     Ok(())
 }
 

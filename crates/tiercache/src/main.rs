@@ -79,6 +79,37 @@ struct ServeLimits {
     request_memory: Option<String>,
 }
 
+/// When the cache device counts as failing or slow (bcache's names and defaults). A failing
+/// cache device degrades the cache set: every volume is then served from its backing device,
+/// except ranges whose only current copy is dirty data on the cache device (those fail with
+/// EIO) until `tiercache readmit` puts the repaired device back in service.
+#[derive(clap::Args)]
+struct ServeHealth {
+    /// Cache-device failures (I/O errors, timeouts, checksum mismatches), decayed by
+    /// --io-error-halflife, at which the cache set is degraded (0: the first failure).
+    /// Below it, a failed cache read of clean data is served from the backing device and a
+    /// failed cache write in writethrough or writearound goes on without the cache.
+    #[arg(long, default_value_t = engine::DEFAULT_IO_ERROR_LIMIT)]
+    io_error_limit: u32,
+    /// Cache-device I/Os after which the failure count halves (0: it never decays).
+    #[arg(long, default_value_t = engine::DEFAULT_IO_ERROR_HALFLIFE)]
+    io_error_halflife: u64,
+    /// Milliseconds after which a cache-device I/O counts as failed; one still in flight after
+    /// this degrades the cache set (a hung device). 0: no limit; else 100 to 3600000.
+    #[arg(long, default_value_t = engine::DEFAULT_CACHE_IO_TIMEOUT_MS)]
+    cache_io_timeout_ms: u64,
+    /// While the cache device's reads take longer than this on average (microseconds), clean
+    /// reads are served by the backing device instead (dirty data is still read from the
+    /// cache). 0: never; at most 10000000.
+    #[arg(long, default_value_t = engine::DEFAULT_CONGESTED_READ_US)]
+    congested_read_threshold_us: u64,
+    /// While the cache device's writes take longer than this on average (microseconds),
+    /// writes in writethrough and writearound go to the backing device alone (writeback writes
+    /// still go to the cache). 0: never; at most 10000000.
+    #[arg(long, default_value_t = engine::DEFAULT_CONGESTED_WRITE_US)]
+    congested_write_threshold_us: u64,
+}
+
 /// Where a running server's admin socket is.
 #[derive(clap::Args)]
 struct AdminArgs {
@@ -108,6 +139,8 @@ enum Cmd {
         admin: Option<PathBuf>,
         #[command(flatten)]
         limits: ServeLimits,
+        #[command(flatten)]
+        health: ServeHealth,
         /// If the cache device cannot be opened (missing, an open or read error, metadata that
         /// does not load; not when another process holds it), serve every backing device
         /// directly instead of refusing to start, under the same export names. Only backing
@@ -127,12 +160,15 @@ enum Cmd {
         without_cache_discard_dirty: bool,
         /// Read settings from a TOML file: the keys are the long options above with '_' for
         /// '-' (cache, backing, socket, tcp, admin, socket_mode, ..., request_memory,
-        /// without_cache_if_missing = true, without_cache_discard_dirty = true), plus
-        /// per-volume knobs in [volumes.NAME] tables (see README).
+        /// io_error_limit, ..., congested_write_threshold_us, without_cache_if_missing = true,
+        /// without_cache_discard_dirty = true), plus per-volume knobs in [volumes.NAME] tables
+        /// (see README).
         #[arg(long, conflicts_with_all = [
             "cache", "backing", "socket", "tcp", "admin", "socket_mode", "socket_owner",
             "socket_group", "idle_timeout", "idle_close_after", "max_connections",
-            "max_connections_per_client", "request_memory", "without_cache_if_missing",
+            "max_connections_per_client", "request_memory", "io_error_limit",
+            "io_error_halflife", "cache_io_timeout_ms", "congested_read_threshold_us",
+            "congested_write_threshold_us", "without_cache_if_missing",
             "without_cache_discard_dirty",
         ])]
         config: Option<PathBuf>,
@@ -227,6 +263,26 @@ enum Cmd {
         #[command(flatten)]
         admin: AdminArgs,
         path: PathBuf,
+    },
+    /// Put a repaired cache device back in service after the cache set was degraded (by
+    /// failures or `degrade`): its clean copies are dropped as stale, what the set holds is
+    /// checkpointed, and volumes are served through the cache again. Fails, and the set stays
+    /// degraded, if the cache device still fails.
+    Readmit {
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
+    /// Take the cache device out of service (one you distrust, or before replacing it): the
+    /// cache set is degraded and serves every volume from its backing device, except ranges
+    /// whose only current copy is dirty data on the cache device (those fail with EIO until
+    /// `readmit`). It lasts until `readmit`, or a restart of the server, which uses the cache
+    /// device again.
+    Degrade {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Why, for `status` and the log.
+        #[arg(long)]
+        reason: String,
     },
     /// Stop the server gracefully (in-flight requests finish, the cache is saved).
     Stop {
@@ -513,6 +569,7 @@ fn main() -> ExitCode {
             tcp,
             admin,
             limits,
+            health,
             without_cache_if_missing,
             without_cache_discard_dirty,
             config,
@@ -533,6 +590,11 @@ fn main() -> ExitCode {
                     max_connections: limits.max_connections,
                     max_connections_per_client: limits.max_connections_per_client,
                     request_memory: limits.request_memory,
+                    io_error_limit: Some(health.io_error_limit),
+                    io_error_halflife: Some(health.io_error_halflife),
+                    cache_io_timeout_ms: Some(health.cache_io_timeout_ms),
+                    congested_read_threshold_us: Some(health.congested_read_threshold_us),
+                    congested_write_threshold_us: Some(health.congested_write_threshold_us),
                     volumes: Default::default(),
                     without_cache_if_missing,
                     without_cache_discard_dirty,
@@ -590,6 +652,10 @@ fn main() -> ExitCode {
             client::attach(&admin.admin, &path).map(|_| ExitCode::SUCCESS)
         }
         Cmd::Stop { admin } => client::stop(&admin.admin).map(|_| ExitCode::SUCCESS),
+        Cmd::Readmit { admin } => client::readmit(&admin.admin).map(|_| ExitCode::SUCCESS),
+        Cmd::Degrade { admin, reason } => {
+            client::degrade(&admin.admin, &reason).map(|_| ExitCode::SUCCESS)
+        }
     };
     match res {
         Ok(code) => code,

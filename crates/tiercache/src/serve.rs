@@ -8,6 +8,8 @@
 //! binds to 127.0.0.1 unless an address is given. The server owns its devices for as long as
 //! it has them open (exclusive locks, see `devices`): the cache and backing devices must be
 //! distinct devices, and another server, `make`, `check` or `attach` of them is refused.
+//! The cache set's failure and congestion limits (`io_error_limit`, `io_error_halflife`,
+//! `cache_io_timeout_ms`, `congested_*_threshold_us`) are checked before any device is opened.
 //!
 //! Without the cache device: only with `without_cache_if_missing`, and only when the cache
 //! device cannot be opened or its metadata cannot be loaded (never when another process owns
@@ -81,6 +83,22 @@ pub struct ServeConfig {
     /// volume returns the older data on the backing device meanwhile) (default false).
     #[serde(default)]
     pub without_cache_discard_dirty: bool,
+    /// Cache-device failures (I/O errors, timeouts, checksum mismatches; decayed by
+    /// `io_error_halflife`) at which the cache set is degraded: every volume is then served
+    /// from its backing device (default 8, bcache's `io_error_limit`; 0: the first failure).
+    pub io_error_limit: Option<u32>,
+    /// Cache-device I/Os after which the failure count halves (default 100000; 0: never).
+    pub io_error_halflife: Option<u64>,
+    /// A cache-device I/O slower than this (ms) counts as failed, and one still in flight
+    /// after it degrades the set (default 30000; 0: no limit; else 100 to 3600000).
+    pub cache_io_timeout_ms: Option<u64>,
+    /// Clean reads go to the backing device while the cache device's reads take longer than
+    /// this on average (µs; default 2000; 0: never; at most 10000000).
+    pub congested_read_threshold_us: Option<u64>,
+    /// Writes that need not go to the cache device (all but writeback) go to the backing
+    /// device alone while the cache device's writes take longer than this on average (µs;
+    /// default 20000; 0: never; at most 10000000).
+    pub congested_write_threshold_us: Option<u64>,
 }
 
 impl ServeConfig {
@@ -150,6 +168,48 @@ impl ServeConfig {
             .unwrap_or_else(|| admin_for(&self.socket()))
     }
 
+    /// The cache set's settings: the engine's defaults, with the failure and congestion
+    /// limits this configuration sets (checked against the ranges `--help` gives).
+    pub fn engine_config(&self) -> Result<Config> {
+        let mut c = Config::default();
+        let at_most = |what: &str, v: u64, max: u64| {
+            if v > max {
+                anyhow::bail!("{what} {v} is too large (at most {max})")
+            }
+            Ok(v)
+        };
+        if let Some(n) = self.io_error_limit {
+            c.io_error_limit = at_most("io_error_limit", n.into(), IO_ERROR_LIMIT_MAX)? as u32;
+        }
+        if let Some(n) = self.io_error_halflife {
+            c.io_error_halflife = n;
+        }
+        if let Some(ms) = self.cache_io_timeout_ms {
+            if ms != 0 && ms < CACHE_IO_TIMEOUT_MIN_MS {
+                anyhow::bail!(
+                    "cache_io_timeout_ms {ms} is too short (0 for no limit, else at least \
+                     {CACHE_IO_TIMEOUT_MIN_MS}: a busy device would count as failing)"
+                );
+            }
+            c.cache_io_timeout_ms = at_most("cache_io_timeout_ms", ms, CACHE_IO_TIMEOUT_MAX_MS)?;
+        }
+        if let Some(us) = self.congested_read_threshold_us {
+            c.congested_read_threshold_us = at_most(
+                "congested_read_threshold_us",
+                us,
+                CONGESTED_THRESHOLD_MAX_US,
+            )?;
+        }
+        if let Some(us) = self.congested_write_threshold_us {
+            c.congested_write_threshold_us = at_most(
+                "congested_write_threshold_us",
+                us,
+                CONGESTED_THRESHOLD_MAX_US,
+            )?;
+        }
+        Ok(c)
+    }
+
     fn check(&self) -> Result<()> {
         if self.without_cache_discard_dirty && !self.without_cache_if_missing {
             anyhow::bail!(
@@ -157,9 +217,17 @@ impl ServeConfig {
                  (--without-cache-discard-dirty needs --without-cache-if-missing)"
             );
         }
-        Ok(())
+        self.engine_config().map(drop)
     }
 }
+
+/// Largest `io_error_limit`.
+const IO_ERROR_LIMIT_MAX: u64 = 1_000_000;
+/// Shortest `cache_io_timeout_ms` other than 0 (no limit), and the longest.
+const CACHE_IO_TIMEOUT_MIN_MS: u64 = 100;
+const CACHE_IO_TIMEOUT_MAX_MS: u64 = 3_600_000;
+/// Largest congestion threshold (10 s).
+const CONGESTED_THRESHOLD_MAX_US: u64 = 10_000_000;
 
 pub const DEFAULT_SOCKET: &str = "/tmp/tiercache.sock";
 
@@ -375,7 +443,7 @@ pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> 
         .iter()
         .map(|b| crate::devices::open_spec(b, Access::Write))
         .collect::<Result<Vec<_>>>()?;
-    match cache.and_then(open_set) {
+    match cache.and_then(|c| open_set(c, cfg.engine_config()?)) {
         Ok(set) => run(cfg, with_set(cfg, set, backings)?, on_ready),
         Err(e) if may_serve_without(cfg, &e) => {
             let named = cfg.backing.iter().cloned().zip(backings).collect();
@@ -410,14 +478,13 @@ pub fn serve_devices(
     backings: Vec<Arc<dyn BlockDevice>>,
     on_ready: impl FnOnce(&Arc<Running>) + Send,
 ) -> Result<()> {
-    let set = open_set(cache)?;
+    let set = open_set(cache, cfg.engine_config()?)?;
     run(cfg, with_set(cfg, set, backings)?, on_ready)
 }
 
 /// Opens (recovers) the cache set on its device.
-fn open_set(cache: Arc<dyn BlockDevice>) -> Result<CacheSet> {
-    let (set, report) =
-        CacheSet::open(cache, Config::default()).context("opening the cache set")?;
+fn open_set(cache: Arc<dyn BlockDevice>, config: Config) -> Result<CacheSet> {
+    let (set, report) = CacheSet::open(cache, config).context("opening the cache set")?;
     for n in &report.notes {
         log::warn!("{n}");
     }

@@ -65,6 +65,11 @@ impl Fixture {
                 .set_len(mib << 20)
                 .unwrap();
         }
+        Fixture::make(dir, writeback)
+    }
+
+    /// Formats `slow.img` and `fast.img`, which must exist in `dir`, with `tiercache make`.
+    pub fn make(dir: tempfile::TempDir, writeback: bool) -> Fixture {
         let mut make = tc();
         make.args([
             "make",
