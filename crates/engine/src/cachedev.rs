@@ -30,8 +30,11 @@ use std::time::{Duration, Instant};
 const SLOTS: usize = 64;
 /// A congestion estimate older than this no longer counts.
 const SAMPLE_TTL: Duration = Duration::from_secs(2);
-/// While congested, one request in this interval goes to the cache device anyway (a probe).
+/// While congested, one request in this interval goes to the cache device anyway (a probe),
+/// counted from when the previous probe is expected to end.
 const PROBE_EVERY: Duration = Duration::from_millis(100);
+/// Only requests up to this size are probes (a probe waits on the slow device).
+const PROBE_MAX_BYTES: u64 = 64 << 10;
 
 /// What an I/O was, for the latency estimates.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -68,12 +71,16 @@ impl Estimate {
         self.at_ns.store(now.max(1), Ordering::Relaxed);
     }
 
+    /// The average, or 0 when it has had no sample for `SAMPLE_TTL` (or four times the
+    /// average, for a device so slow that its samples come further apart).
     fn current(&self, now: u64) -> u64 {
         let at = self.at_ns.load(Ordering::Relaxed);
-        if at == 0 || now.saturating_sub(at) > SAMPLE_TTL.as_nanos() as u64 {
+        let avg = self.avg_ns.load(Ordering::Relaxed);
+        let ttl = (SAMPLE_TTL.as_nanos() as u64).max(avg.saturating_mul(4));
+        if at == 0 || now.saturating_sub(at) > ttl {
             0
         } else {
-            self.avg_ns.load(Ordering::Relaxed)
+            avg
         }
     }
 }
@@ -247,7 +254,7 @@ impl CacheDev {
     /// Whether a request of `kind` should avoid the cache device: its recent latency (or the
     /// age of an I/O still in flight) is above `threshold_us` (0: never). One request per
     /// `PROBE_EVERY` is let through so the estimate follows a device that recovers.
-    pub fn congested(&self, kind: Kind, threshold_us: u64) -> bool {
+    pub fn congested(&self, kind: Kind, threshold_us: u64, len: u64) -> bool {
         if threshold_us == 0 {
             return false;
         }
@@ -257,15 +264,25 @@ impl CacheDev {
             Kind::Other => return false,
         };
         let now = self.now();
-        let limit = threshold_us * 1000;
-        if est.current(now) <= limit {
+        let avg = est.current(now);
+        if avg <= threshold_us * 1000 {
             return false;
         }
-        let last = est.probe_ns.load(Ordering::Relaxed);
-        let probe = now.saturating_sub(last) > PROBE_EVERY.as_nanos() as u64
+        if len > PROBE_MAX_BYTES {
+            return true;
+        }
+        // The next probe is due `PROBE_EVERY` after this one is expected to end (now plus the
+        // average), so a device slower than the interval is not probed by every request.
+        let next = est.probe_ns.load(Ordering::Relaxed);
+        let probe = now >= next
             && est
                 .probe_ns
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .compare_exchange(
+                    next,
+                    now + PROBE_EVERY.as_nanos() as u64 + avg,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
                 .is_ok();
         if probe {
             est.probing.store(true, Ordering::Relaxed);
@@ -394,7 +411,7 @@ mod tests {
         let d = CacheDev::new(faulty, Duration::ZERO, 0);
         let mut buf = vec![0u8; 4096];
         d.read_at(&mut buf, 0).unwrap();
-        assert!(!d.congested(Kind::Read, 2000));
+        assert!(!d.congested(Kind::Read, 2000, 4096));
         ctrl.set_latency(
             FaultOp::Read,
             Duration::from_millis(5),
@@ -405,14 +422,37 @@ mod tests {
         }
         assert!(d.latency_us().0 >= 4000, "{:?}", d.latency_us());
         // The first call after the estimate rose is a probe (let through), the next are not.
-        assert!(!d.congested(Kind::Read, 2000), "a probe");
-        assert!(d.congested(Kind::Read, 2000));
-        assert!(d.congested(Kind::Read, 2000));
-        assert!(!d.congested(Kind::Read, 0), "0 disables");
-        assert!(!d.congested(Kind::Read, 10_000), "below the threshold");
+        assert!(!d.congested(Kind::Read, 2000, 4096), "a probe");
+        assert!(d.congested(Kind::Read, 2000, 4096));
+        assert!(d.congested(Kind::Read, 2000, 4096));
+        assert!(!d.congested(Kind::Read, 0, 4096), "0 disables");
         assert!(
-            !d.congested(Kind::Write, 2000),
+            !d.congested(Kind::Read, 10_000, 4096),
+            "below the threshold"
+        );
+        assert!(
+            !d.congested(Kind::Write, 2000, 4096),
             "writes have their own estimate"
         );
+    }
+
+    #[test]
+    fn a_device_slower_than_the_probe_interval_is_not_probed_by_every_request() {
+        let d = CacheDev::new(Arc::new(MemDevice::new(1 << 20)), Duration::ZERO, 0);
+        d.reads.sample(1_000_000_000, d.now());
+        assert!(
+            d.congested(Kind::Read, 2000, 1 << 20),
+            "large requests never probe"
+        );
+        assert!(
+            !d.congested(Kind::Read, 2000, 4096),
+            "the first small request probes"
+        );
+        std::thread::sleep(PROBE_EVERY + Duration::from_millis(20));
+        // The probe is expected to take a second: the next is due only after that.
+        assert!(d.congested(Kind::Read, 2000, 4096));
+        // Its answer: fast. The bypass ends.
+        d.reads.sample(10_000, d.now());
+        assert!(!d.congested(Kind::Read, 2000, 4096));
     }
 }

@@ -30,7 +30,7 @@ use crate::types::{DevId, Result};
 use crate::units::BackingBlock;
 use parking_lot::Mutex;
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 impl Inner {
     /// Drops the copies of `dev` that `stale` names and makes the drop durable with a
@@ -86,6 +86,8 @@ pub(crate) struct Health {
     info: Mutex<Option<Degraded>>,
     /// Serializes entering and leaving the degraded state.
     transition: Mutex<()>,
+    /// Cache-device failures the watchdog has already compared with the limit.
+    errors_seen: AtomicU64,
 }
 
 /// What a degraded set cannot serve from the backing device alone: ranges that entries not
@@ -259,6 +261,9 @@ impl Inner {
             }
         }
         self.cache.reset_errors();
+        self.health
+            .errors_seen
+            .store(self.cache.total_errors(), Ordering::SeqCst);
         self.checkpoint_covering_all()?;
         for b in &backings {
             b.update_header(|h| {
@@ -305,8 +310,11 @@ impl Inner {
                 age.as_millis(),
                 self.config.cache_io_timeout_ms
             ));
-        } else if self.cache.total_errors() > 0 {
-            self.after_cache_error(&"failures counted in the background");
+        } else {
+            let total = self.cache.total_errors();
+            if total > self.health.errors_seen.swap(total, Ordering::SeqCst) {
+                self.after_cache_error(&"failures counted in the background");
+            }
         }
     }
 }

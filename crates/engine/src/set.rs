@@ -1072,10 +1072,20 @@ impl CacheSet {
         if inner.is_degraded() {
             // Nothing more can be written to the cache device; what it holds durably is
             // consistent (see `health`), and the backing headers say their clean copies
-            // are stale.
+            // are stale. The backing devices get the flush a normal close gives them.
+            let mut res = Ok(());
+            for b in inner.backings.read().values() {
+                if !inner.degraded_flush_ok(b.id) {
+                    log::warn!(
+                        "backing device {}: writes acknowledged since its last successful flush that only the failed cache device recorded are lost (a restart serves the last flushed state there)",
+                        b.id.0
+                    );
+                }
+                res = res.and(b.flush_if_written());
+            }
             *inner.failed.lock() = Some("the cache set was closed".into());
             inner.is_failed.store(true, Ordering::Release);
-            return Ok(());
+            return res;
         }
         for b in inner.backings.read().values() {
             b.flush_if_written()?;

@@ -682,3 +682,41 @@ fn a_slow_cache_device_is_bypassed_for_clean_reads_until_it_recovers() {
         hits(&vol) > before.0 && vol.status().stats.total.congested == before.1
     });
 }
+
+#[test]
+fn readmission_sticks_with_an_error_limit_of_zero() {
+    let (ctrl, set, vol, d) = slow_rig(|c| c.io_error_limit = 0);
+    ctrl.add_rule(FaultRule {
+        device: None,
+        op: FaultOp::Read,
+        range: None,
+        probability: 1.0,
+        remaining: Some(1),
+        skip: 0,
+    });
+    assert!(read_at(&vol, 0, 4096) == d[..4096]);
+    assert!(
+        set.health().degraded.is_some(),
+        "limit 0: the first failure degrades"
+    );
+    set.readmit().unwrap();
+    // Several watchdog periods: the failure counted before re-admission is not counted again.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(set.health().degraded.is_none(), "re-admission was undone");
+    assert!(read_at(&vol, 0, 65536) == d);
+}
+
+#[test]
+fn closing_a_degraded_set_flushes_the_backing_device() {
+    let mut rig = Rig::new(16, Geometry::default(), CacheMode::Writethrough);
+    rig.set().degrade("test");
+    let d = data(1, 0, 8192);
+    rig.vol().write(0, &d, false).unwrap();
+    rig.close().unwrap();
+    let img = rig.backing.durable_image();
+    let off = engine::format::BACKING_DATA_OFFSET as usize;
+    assert!(
+        img[off..off + 8192] == d[..],
+        "the close did not flush the write"
+    );
+}

@@ -605,12 +605,13 @@ fn a_slow_cache_device_is_read_around() {
     if !tools() {
         return;
     }
-    // About 50 ms per 4 KiB request at 1 Mbit/s with a bucket smaller than one request
+    // About 150 ms per 4 KiB request at 640 kbit/s with a bucket smaller than one request
     // (measured below): slower than the threshold, which is well above what a local FUSE file
-    // takes when fast, even on a loaded machine, and faster than the engine's probe interval
-    // (100 ms: one request per interval goes to the cache device anyway, to notice when it
-    // recovers).
-    const SLOW: &str = "1M";
+    // takes when fast, even on a loaded machine, and slower than the engine's probe interval
+    // (100 ms after the previous probe is expected to end, one request goes to the cache
+    // device anyway, to notice when it recovers). Before probes were spaced from their
+    // expected end, every request at this speed was a probe and none went around.
+    const SLOW: &str = "640K";
     const THRESHOLD_US: u64 = 10_000;
     let mut r = Rig::new(Filter::Rate, false);
     r.serve(&["--congested-read-threshold-us", &THRESHOLD_US.to_string()]);

@@ -258,13 +258,13 @@ impl Volume {
 
     /// Whether requests of `kind` should avoid the cache device now (it is slower than its
     /// congestion threshold; see `cachedev`); counted when they do.
-    fn cache_congested(&self, kind: crate::cachedev::Kind) -> bool {
+    fn cache_congested(&self, kind: crate::cachedev::Kind, len: u64) -> bool {
         let c = &self.inner.config;
         let threshold = match kind {
             crate::cachedev::Kind::Read => c.congested_read_threshold_us,
             _ => c.congested_write_threshold_us,
         };
-        let congested = self.inner.cache.congested(kind, threshold);
+        let congested = self.inner.cache.congested(kind, threshold, len);
         if congested {
             Counters::add(&self.backing.counters.congested, 1);
         }

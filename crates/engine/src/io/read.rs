@@ -100,7 +100,7 @@ impl Volume {
         let cache_use = self.backing.cache_use();
         let mut bypass = cache_use.detaching()
             || !crate::policy::admit_read(self.mode(), self.seq_bypass(stream));
-        if !bypass && self.cache_congested(Kind::Write) {
+        if !bypass && self.cache_congested(Kind::Write, buf.len() as u64) {
             // Promoting would wait on the slow cache device: the miss is served alone.
             bypass = true;
         }
@@ -325,7 +325,7 @@ impl Volume {
     /// (see `cachedev`): served by the backing device unless part of it is dirty (then the
     /// cache device has the only current copy). `None`: not congested, or dirty.
     fn read_around_congestion(&self, offset: u64, buf: &mut [u8]) -> Option<Result<()>> {
-        if !self.cache_congested(Kind::Read) {
+        if !self.cache_congested(Kind::Read, buf.len() as u64) {
             return None;
         }
         let (b0, b1) = BackingBlock::touched_by(offset, buf.len() as u64, self.inner.block_size());

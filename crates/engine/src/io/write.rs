@@ -119,7 +119,7 @@ impl Volume {
         let stream = self.note_io(offset, len);
         let cache_use = self.backing.cache_use();
         let mut route = self.route(self.seq_bypass(stream), cache_use.detaching());
-        if route == Route::Through && self.cache_congested(crate::cachedev::Kind::Write) {
+        if route == Route::Through && self.cache_congested(crate::cachedev::Kind::Write, len) {
             // The slow cache device would hold the write up; the backing device has it.
             route = Route::Bypass;
         }
