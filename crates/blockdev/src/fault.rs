@@ -436,6 +436,9 @@ impl<D: BlockDevice> BlockDevice for FaultyDevice<D> {
     fn is_rotational(&self) -> bool {
         self.inner.is_rotational()
     }
+    fn refresh_size(&self) -> io::Result<u64> {
+        self.inner.refresh_size()
+    }
     fn describe(&self) -> String {
         format!("faulty {} ({})", self.name, self.inner.describe())
     }

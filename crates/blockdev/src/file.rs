@@ -29,6 +29,7 @@ use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// How to open a [`FileDevice`].
 #[derive(Clone, Debug)]
@@ -64,7 +65,9 @@ pub struct FileDevice {
     dio_offset_align: usize,
     /// Direct I/O: buffers must start at a multiple of this.
     dio_mem_align: usize,
-    size: u64,
+    /// Bytes, a multiple of the sector size; grows when `refresh_size` finds the file or
+    /// device larger.
+    size: AtomicU64,
     rotational: bool,
     block_device: bool,
     identity: DeviceId,
@@ -187,26 +190,14 @@ impl FileDevice {
             buffered.set_len(size_bytes / SECTOR_SIZE * SECTOR_SIZE)?;
             meta = buffered.metadata()?;
         }
-        let size = if block_device {
-            let mut bytes: u64 = 0;
-            // SAFETY: BLKGETSIZE64 writes one u64 through the pointer we pass.
-            let r =
-                unsafe { libc::ioctl(buffered.as_raw_fd(), BLKGETSIZE64, &mut bytes as *mut u64) };
-            if r != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            bytes
-        } else {
-            meta.len()
-        } / SECTOR_SIZE
-            * SECTOR_SIZE;
+        let size = current_size(&buffered, block_device, &meta)?;
         let mut dev = FileDevice {
             path: path.to_path_buf(),
             direct: None,
             buffered,
             dio_offset_align: 512,
             dio_mem_align: 512,
-            size,
+            size: AtomicU64::new(size),
             rotational: block_device && rotational_of(&meta),
             block_device,
             identity: DeviceId::of_metadata(&meta),
@@ -245,7 +236,7 @@ impl FileDevice {
                 self.dio_mem_align = mem_align.max(1);
                 self.direct = Some(f);
             }
-            None if self.size == 0 => self.direct = Some(f), // nothing can be read or written
+            None if self.size.load(Ordering::Relaxed) == 0 => self.direct = Some(f), // nothing can be read or written
             None => {
                 // Probe: an aligned read at offset 0; 512 first, 4096 when that is EINVAL.
                 for align in [512usize, BOUNCE_ALIGN] {
@@ -377,13 +368,37 @@ fn unsupported(e: &io::Error) -> bool {
     )
 }
 
+/// The usable size of an open file or block device, rounded down to whole sectors.
+fn current_size(f: &File, block_device: bool, meta: &std::fs::Metadata) -> io::Result<u64> {
+    let bytes = if block_device {
+        let mut bytes: u64 = 0;
+        // SAFETY: BLKGETSIZE64 writes one u64 through the pointer we pass.
+        let r = unsafe { libc::ioctl(f.as_raw_fd(), BLKGETSIZE64, &mut bytes as *mut u64) };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        bytes
+    } else {
+        meta.len()
+    };
+    Ok(bytes / SECTOR_SIZE * SECTOR_SIZE)
+}
+
 impl BlockDevice for FileDevice {
     fn size_bytes(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Relaxed)
+    }
+
+    fn refresh_size(&self) -> io::Result<u64> {
+        let meta = self.buffered.metadata()?;
+        let size = current_size(&self.buffered, self.block_device, &meta)?;
+        // Only growth is taken: a device that shrank under us keeps its old bounds, and
+        // requests past the real end fail at the device.
+        Ok(self.size.fetch_max(size, Ordering::Relaxed).max(size))
     }
 
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        check_range(self.size, offset, buf.len() as u64)?;
+        check_range(self.size.load(Ordering::Relaxed), offset, buf.len() as u64)?;
         let (fd, direct) = self.fd_for(offset, buf.len());
         if direct && !(buf.as_ptr() as usize).is_multiple_of(self.dio_mem_align) {
             let mut bounce = Aligned::new(buf.len());
@@ -396,7 +411,7 @@ impl BlockDevice for FileDevice {
     }
 
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        check_range(self.size, offset, buf.len() as u64)?;
+        check_range(self.size.load(Ordering::Relaxed), offset, buf.len() as u64)?;
         let (fd, direct) = self.fd_for(offset, buf.len());
         let mut bounce;
         let src: &[u8] = if direct && !(buf.as_ptr() as usize).is_multiple_of(self.dio_mem_align) {
@@ -429,7 +444,7 @@ impl BlockDevice for FileDevice {
     }
 
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-        check_range(self.size, offset, len)?;
+        check_range(self.size.load(Ordering::Relaxed), offset, len)?;
         if len == 0 {
             return Ok(());
         }
@@ -448,7 +463,7 @@ impl BlockDevice for FileDevice {
     }
 
     fn write_zeroes(&self, offset: u64, len: u64) -> io::Result<()> {
-        check_range(self.size, offset, len)?;
+        check_range(self.size.load(Ordering::Relaxed), offset, len)?;
         if len == 0 {
             return Ok(());
         }

@@ -194,6 +194,9 @@ impl<D: BlockDevice> BlockDevice for LatencyDevice<D> {
     fn is_rotational(&self) -> bool {
         matches!(self.model, Model::Hdd(_))
     }
+    fn refresh_size(&self) -> io::Result<u64> {
+        self.inner.refresh_size()
+    }
     fn describe(&self) -> String {
         let m = match &self.model {
             Model::Hdd(h) => format!("hdd model {} rpm {} MB/s", h.rpm, h.transfer_mb_per_s),

@@ -76,6 +76,13 @@ pub trait BlockDevice: Send + Sync + Debug {
         false
     }
 
+    /// Looks at the device's size again (a file or block device that grew) and returns it;
+    /// `size_bytes` reports it from then on. Devices whose size cannot change keep theirs;
+    /// wrappers forward the call.
+    fn refresh_size(&self) -> io::Result<u64> {
+        Ok(self.size_bytes())
+    }
+
     /// A short human-readable description ("file /path (O_DIRECT)", "memory 64 MiB", ...).
     fn describe(&self) -> String;
 }
@@ -121,6 +128,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn is_rotational(&self) -> bool {
         (**self).is_rotational()
+    }
+    fn refresh_size(&self) -> io::Result<u64> {
+        (**self).refresh_size()
     }
     fn describe(&self) -> String {
         (**self).describe()

@@ -344,6 +344,10 @@ impl BlockDevice for CacheDev {
         self.dev.is_rotational()
     }
 
+    fn refresh_size(&self) -> io::Result<u64> {
+        self.dev.refresh_size()
+    }
+
     fn describe(&self) -> String {
         self.dev.describe()
     }

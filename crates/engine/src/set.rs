@@ -301,7 +301,8 @@ pub struct Backing {
     pub id: DevId,
     pub dev: Arc<dyn BlockDevice>,
     pub(crate) header: Mutex<BackingHeader>,
-    pub data_size: u64,
+    /// Bytes served (the device minus its header); grows with `Volume::resize`.
+    pub(crate) data_size: AtomicU64,
     pub(crate) mode: AtomicU8,
     pub(crate) sequential_cutoff: AtomicU64,
     pub(crate) writeback_percent: AtomicU64,
@@ -565,6 +566,15 @@ impl Inner {
     }
 }
 
+/// The data size a backing device of its current size has room for, if more than `old`
+/// (else `old`: a device never shrinks under its data).
+pub(crate) fn grown_data_size(dev: &dyn BlockDevice, old: u64) -> Result<u64> {
+    let size = dev
+        .refresh_size()
+        .ctx(|| "reading the backing device's size".into())?;
+    Ok(((size.saturating_sub(BACKING_DATA_OFFSET)) / 512 * 512).max(old))
+}
+
 /// Writes a fresh backing device header (the device is not yet part of any cache set).
 pub fn format_backing(
     dev: &dyn BlockDevice,
@@ -802,6 +812,18 @@ impl CacheSet {
         for n in notes {
             log::warn!("{n}");
         }
+        // A device that grew while it was not served is picked up now.
+        let grown = grown_data_size(&*dev, header.data_size)?;
+        if grown > header.data_size {
+            log::info!(
+                "backing device {} grew from {} to {} data bytes",
+                header.dev_uuid,
+                header.data_size,
+                grown
+            );
+            header.data_size = grown;
+            header.write(&*dev)?;
+        }
         let set_uuid = self.set_uuid();
         let blocks = header.data_size.div_ceil(inner.block_size());
         if blocks > crate::index::BLOCK_LIMIT {
@@ -907,7 +929,7 @@ impl CacheSet {
         let t = header.tunables;
         let backing = Arc::new(Backing {
             id,
-            data_size: header.data_size,
+            data_size: AtomicU64::new(header.data_size),
             mode: AtomicU8::new(header.mode.code()),
             dev,
             header: Mutex::new(header),

@@ -968,3 +968,50 @@ fn concurrent_flushes_share_a_commit_and_wait_for_at_most_two() {
         assert_eq!(buf, data(n + 1, n * 8, 4096), "block {n}");
     }
 }
+
+#[test]
+fn a_backing_device_that_grew_is_served_whole_live_and_after_a_restart() {
+    use blockdev::FileDevice;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("backing.img");
+    let header = engine::format::BACKING_DATA_OFFSET;
+    let file = || {
+        Arc::new(FileDevice::open(&path, blockdev::FileDeviceOptions::default()).unwrap())
+            as Arc<dyn BlockDevice>
+    };
+    std::fs::File::create(&path)
+        .unwrap()
+        .set_len(header + (1 << 20))
+        .unwrap();
+    let cache = Arc::new(MemDevice::new(4 << 20));
+    let (set, vol) = format_and_open(cache.clone(), file(), CacheMode::Writeback, no_threads());
+    assert_eq!(vol.size_bytes(), 1 << 20);
+    assert_eq!(vol.resize().unwrap(), 1 << 20, "nothing to pick up");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(header + (3 << 20))
+        .unwrap();
+    assert_eq!(vol.resize().unwrap(), 3 << 20);
+    assert_eq!(vol.size_bytes(), 3 << 20);
+    let d = data(5, (2 << 20) / 512, 8192);
+    vol.write(2 << 20, &d, false).unwrap();
+    let mut buf = vec![0u8; 8192];
+    vol.read(2 << 20, &mut buf).unwrap();
+    assert!(buf == d);
+    set.close().unwrap();
+    drop((set, vol));
+    // Grown again while not served: picked up at attach.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(header + (4 << 20))
+        .unwrap();
+    let (set, _) = CacheSet::open(cache, no_threads()).unwrap();
+    let vol = set.attach(file()).unwrap();
+    assert_eq!(vol.size_bytes(), 4 << 20);
+    vol.read(2 << 20, &mut buf).unwrap();
+    assert!(buf == d, "the data written past the old end survived");
+}

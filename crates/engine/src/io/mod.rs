@@ -56,7 +56,7 @@ impl Volume {
 
     /// Exported size: the backing device minus its header.
     pub fn size_bytes(&self) -> u64 {
-        self.backing.data_size
+        self.backing.data_size.load(Ordering::Relaxed)
     }
 
     pub fn uuid(&self) -> uuid::Uuid {
@@ -157,6 +157,33 @@ impl Volume {
         Ok(())
     }
 
+    /// Picks up a backing device that grew: looks at its size again, records the new data
+    /// size in its header (both copies, flushed), and serves it from then on (clients that
+    /// connect afterwards see it). Returns the size served, in bytes. A device that did not
+    /// grow keeps its size; one too big for the cache's index is refused.
+    pub fn resize(&self) -> Result<u64> {
+        crate::guard::contain(&self.inner, "resize", || {
+            let b = &self.backing;
+            let old = self.size_bytes();
+            let new = crate::set::grown_data_size(&*b.dev, old)?;
+            if new == old {
+                return Ok(old);
+            }
+            let blocks = new.div_ceil(self.inner.block_size());
+            if blocks > crate::index::BLOCK_LIMIT {
+                return Err(Error::Invalid(format!(
+                    "backing device of {new} bytes is too big for this cache: at most {} blocks of {} bytes",
+                    crate::index::BLOCK_LIMIT,
+                    self.inner.block_size()
+                )));
+            }
+            b.update_header(|h| h.data_size = new)?;
+            b.data_size.store(new, Ordering::SeqCst);
+            log::info!("backing device {} grew from {old} to {new} bytes", b.id.0);
+            Ok(new)
+        })
+    }
+
     /// Switches the cache mode live (see [`Volume::set_knob`]).
     pub fn set_mode(&self, mode: CacheMode) -> Result<()> {
         self.set_knob(Knob::CacheMode(mode))
@@ -201,7 +228,7 @@ impl Volume {
             id: b.id,
             uuid: b.uuid(),
             knobs: b.knobs(),
-            size_bytes: b.data_size,
+            size_bytes: b.data_size.load(Ordering::Relaxed),
             dirty_bytes: dirty * bs,
             cached_bytes: cached * bs,
             state: if self.inner.is_degraded() {
@@ -228,11 +255,11 @@ impl Volume {
         }
         if offset
             .checked_add(len)
-            .is_none_or(|e| e > self.backing.data_size)
+            .is_none_or(|e| e > self.size_bytes())
         {
             return Err(Error::Invalid(format!(
                 "request at {offset} of {len} bytes ends past the device size {}",
-                self.backing.data_size
+                self.size_bytes()
             )));
         }
         if self.backing.detaching.load(Ordering::Relaxed)
