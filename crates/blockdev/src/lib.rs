@@ -32,7 +32,7 @@ pub mod owner;
 
 pub use file::{FileDevice, FileDeviceOptions};
 pub use mem::MemDevice;
-pub use nbd::{parse_uri, NbdDevice, NbdOptions, Target};
+pub use nbd::{is_nbd_uri, parse_uri, NbdDevice, NbdOptions, Target, TlsParams};
 pub use owner::{DeviceBusy, DeviceId, LockMode};
 
 /// The unit of addressing for every device: offsets and lengths are multiples of this.

@@ -1,8 +1,16 @@
 //! Client side of the fixed-newstyle handshake, as a sans-I/O state machine.
 //!
-//! Owns: negotiating one export by name: optional structured replies, optional metadata
+//! Owns: negotiating one export by name: optionally TLS first (`NBD_OPT_STARTTLS`, see
+//! [`ClientHandshake::with_starttls`]), optional structured replies, optional metadata
 //! contexts, then `NBD_OPT_GO` (falling back to `NBD_OPT_EXPORT_NAME` when the server answers
 //! `NBD_REP_ERR_UNSUP`).
+//!
+//! TLS: with `with_starttls`, `NBD_OPT_STARTTLS` is the first option (the spec's advice for a
+//! client that insists on TLS, so that nothing is negotiated in clear); its acknowledgement is
+//! reported as [`ClientEvent::StartTls`] with no further option queued, the embedder runs the
+//! TLS handshake, and the next [`poll`](ClientHandshake::poll) goes on over TLS. Any refusal of
+//! `NBD_OPT_STARTTLS` is a [`ProtoError::Rejected`]: a client that asked for TLS never falls
+//! back to clear text (the spec's defence against a downgrade).
 //!
 //! Invariants: at most one option is outstanding at a time (the spec forbids pipelining
 //! options); every reply must name the option that is outstanding; the input buffer never holds
@@ -47,6 +55,9 @@ pub enum ClientEvent {
     NeedInput,
     /// Transmission starts: send the pending output, then issue requests.
     Done(ClientNegotiated),
+    /// The server acknowledged `NBD_OPT_STARTTLS`: send the pending output in clear, run the
+    /// TLS handshake, then poll again and carry everything after over TLS.
+    StartTls,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,6 +67,8 @@ enum State {
     Awaiting(u32),
     /// Waiting for the size and flags after `NBD_OPT_EXPORT_NAME`.
     ExportNameData,
+    /// `NBD_OPT_STARTTLS` was acknowledged; the next poll sends the first option over TLS.
+    TlsStarted,
     Finished,
 }
 
@@ -72,6 +85,8 @@ pub struct ClientHandshake {
     meta_contexts: Vec<(u32, String)>,
     export: Option<(u64, TransmissionFlags)>,
     block_size: Option<BlockSize>,
+    /// Send `NBD_OPT_STARTTLS` first and insist on it.
+    starttls: bool,
 }
 
 impl ClientHandshake {
@@ -87,7 +102,14 @@ impl ClientHandshake {
             meta_contexts: Vec::new(),
             export: None,
             block_size: None,
+            starttls: false,
         }
+    }
+
+    /// Starts with `NBD_OPT_STARTTLS` and fails unless the server acknowledges it.
+    pub fn with_starttls(mut self) -> Self {
+        self.starttls = true;
+        self
     }
 
     /// Appends bytes received from the server. Call [`poll`](Self::poll) after each feed.
@@ -141,12 +163,13 @@ impl ClientHandshake {
                         client_flags |= wire::FLAG_C_NO_ZEROES;
                     }
                     self.output.extend_from_slice(&client_flags.to_be_bytes());
-                    if self.config.structured_replies {
-                        self.send(OptionRequest::StructuredReply);
+                    if self.starttls {
+                        self.send(OptionRequest::StartTls);
                     } else {
-                        self.send_next();
+                        self.send_first();
                     }
                 }
+                State::TlsStarted => self.send_first(),
                 State::Awaiting(option) => {
                     let (reply, consumed) = match OptionReply::decode(&self.input)? {
                         Decoded::Needed(_) => return Ok(ClientEvent::NeedInput),
@@ -156,8 +179,8 @@ impl ClientHandshake {
                     if reply.option != option {
                         return Err(ProtoError::Malformed("reply for an option not sent"));
                     }
-                    if let Some(done) = self.on_reply(option, reply.kind)? {
-                        return Ok(ClientEvent::Done(done));
+                    if let Some(event) = self.on_reply(option, reply.kind)? {
+                        return Ok(event);
                     }
                 }
                 State::ExportNameData => {
@@ -174,6 +197,15 @@ impl ClientHandshake {
                     return self.finish().map(ClientEvent::Done);
                 }
             }
+        }
+    }
+
+    /// Sends the first option of the negotiation proper (after TLS, if any).
+    fn send_first(&mut self) {
+        if self.config.structured_replies {
+            self.send(OptionRequest::StructuredReply);
+        } else {
+            self.send_next();
         }
     }
 
@@ -205,8 +237,18 @@ impl ClientHandshake {
         &mut self,
         option: u32,
         kind: OptionReplyKind,
-    ) -> Result<Option<ClientNegotiated>, ProtoError> {
+    ) -> Result<Option<ClientEvent>, ProtoError> {
         match (option, kind) {
+            (wire::OPT_STARTTLS, OptionReplyKind::Ack) => {
+                if !self.input.is_empty() {
+                    // A TLS server speaks only after the client's hello.
+                    return Err(ProtoError::Malformed(
+                        "data after the NBD_OPT_STARTTLS reply",
+                    ));
+                }
+                self.state = State::TlsStarted;
+                return Ok(Some(ClientEvent::StartTls));
+            }
             (wire::OPT_STRUCTURED_REPLY, OptionReplyKind::Ack) => {
                 self.structured = true;
                 self.send_next();
@@ -230,7 +272,9 @@ impl ClientHandshake {
                 InfoReply::BlockSize(bs) => self.block_size = Some(bs),
                 InfoReply::Name(_) | InfoReply::Description(_) | InfoReply::Unknown { .. } => {}
             },
-            (wire::OPT_GO, OptionReplyKind::Ack) => return self.finish().map(Some),
+            (wire::OPT_GO, OptionReplyKind::Ack) => {
+                return self.finish().map(|n| Some(ClientEvent::Done(n)))
+            }
             (
                 wire::OPT_GO,
                 OptionReplyKind::Error {

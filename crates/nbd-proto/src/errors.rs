@@ -141,6 +141,8 @@ pub enum ProtoError {
     Malformed(&'static str),
     /// `NBD_OPT_EXPORT_NAME` named an export that does not exist (cannot be answered).
     UnknownExport(String),
+    /// `NBD_OPT_EXPORT_NAME` before TLS on a server that requires TLS (cannot be answered).
+    TlsRequired,
     /// The server answered an option with an error the client cannot continue from.
     Rejected {
         option: u32,
@@ -165,14 +167,24 @@ impl fmt::Display for ProtoError {
             ProtoError::TooManyOptions => f.write_str("too many options in one handshake"),
             ProtoError::Malformed(what) => write!(f, "malformed message: {what}"),
             ProtoError::UnknownExport(name) => write!(f, "unknown export {name:?}"),
+            ProtoError::TlsRequired => f.write_str(
+                "the client chose an export with NBD_OPT_EXPORT_NAME before starting TLS, \
+                 which this server requires",
+            ),
             ProtoError::Rejected {
                 option,
                 reply_type,
                 message,
-            } => write!(
-                f,
-                "server rejected option {option} with reply {reply_type:#x}: {message}"
-            ),
+            } => {
+                match crate::wire::option_name(*option) {
+                    Some(name) => write!(f, "server rejected {name}")?,
+                    None => write!(f, "server rejected option {option}")?,
+                }
+                match crate::wire::reply_error_name(*reply_type) {
+                    Some(name) => write!(f, " with {name}: {message}"),
+                    None => write!(f, " with reply {reply_type:#x}: {message}"),
+                }
+            }
             ProtoError::Finished => f.write_str("handshake already finished"),
         }
     }

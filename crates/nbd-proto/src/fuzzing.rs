@@ -44,12 +44,19 @@ fn feeds(data: &[u8]) -> impl Iterator<Item = &[u8]> {
 }
 
 /// Server handshake fed with client bytes; on success the leftover is decoded as requests.
+/// Bits 5–6 of the first byte pick the TLS mode; after an acknowledged `NBD_OPT_STARTTLS` the
+/// rest of the input stands for the decrypted stream.
 pub fn server_handshake(data: &[u8]) {
-    let mut hs = ServerHandshake::new();
+    let tls_mode = match data.first().map_or(0, |b| (b >> 5) % 3) {
+        0 => crate::TlsMode::Off,
+        1 => crate::TlsMode::On,
+        _ => crate::TlsMode::Require,
+    };
+    let mut hs = ServerHandshake::with_tls(tls_mode);
     for feed in feeds(data) {
         hs.feed(feed);
         match hs.poll(&OneExport) {
-            Ok(crate::ServerEvent::NeedInput) => {
+            Ok(crate::ServerEvent::NeedInput | crate::ServerEvent::StartTls { .. }) => {
                 hs.take_output();
             }
             Ok(crate::ServerEvent::Done(negotiated)) => {
@@ -62,17 +69,21 @@ pub fn server_handshake(data: &[u8]) {
     }
 }
 
-/// Client handshake fed with server bytes.
+/// Client handshake fed with server bytes (bit 6 of the first byte asks for TLS first; after
+/// `NBD_OPT_STARTTLS` is acknowledged the rest stands for the decrypted stream).
 pub fn client_handshake(data: &[u8]) {
     let mut hs = ClientHandshake::new(ClientConfig {
         export_name: "fuzz".into(),
         structured_replies: data.first().is_some_and(|b| b & 1 == 1),
         meta_contexts: vec![crate::BASE_ALLOCATION.into()],
     });
+    if data.first().is_some_and(|b| b & 0x40 != 0) {
+        hs = hs.with_starttls();
+    }
     for feed in feeds(data) {
         hs.feed(feed);
         match hs.poll() {
-            Ok(crate::ClientEvent::NeedInput) => {
+            Ok(crate::ClientEvent::NeedInput | crate::ClientEvent::StartTls) => {
                 hs.take_output();
             }
             Ok(crate::ClientEvent::Done(_)) | Err(_) => return,

@@ -34,7 +34,7 @@ pub use reply::{
 };
 pub use request::{Command, Request, TransmissionContext, ValidRequest};
 pub use server_handshake::{
-    ExportCatalog, ExportInfo, ExportListing, Negotiated, ServerEvent, ServerHandshake,
+    ExportCatalog, ExportInfo, ExportListing, Negotiated, ServerEvent, ServerHandshake, TlsMode,
 };
 pub use wire::Decoded;
 

@@ -19,6 +19,8 @@ pub enum OptionRequest {
     ExportName(String),
     Abort,
     List,
+    /// `NBD_OPT_STARTTLS`: upgrade the connection to TLS before anything else is negotiated.
+    StartTls,
     Info {
         name: String,
         info_requests: Vec<u16>,
@@ -52,6 +54,7 @@ impl OptionRequest {
             OptionRequest::ExportName(_) => wire::OPT_EXPORT_NAME,
             OptionRequest::Abort => wire::OPT_ABORT,
             OptionRequest::List => wire::OPT_LIST,
+            OptionRequest::StartTls => wire::OPT_STARTTLS,
             OptionRequest::Info { .. } => wire::OPT_INFO,
             OptionRequest::Go { .. } => wire::OPT_GO,
             OptionRequest::StructuredReply => wire::OPT_STRUCTURED_REPLY,
@@ -66,7 +69,10 @@ impl OptionRequest {
         let mut data = Vec::new();
         match self {
             OptionRequest::ExportName(name) => data.extend_from_slice(name.as_bytes()),
-            OptionRequest::Abort | OptionRequest::List | OptionRequest::StructuredReply => {}
+            OptionRequest::Abort
+            | OptionRequest::List
+            | OptionRequest::StartTls
+            | OptionRequest::StructuredReply => {}
             OptionRequest::Info {
                 name,
                 info_requests,
@@ -106,14 +112,14 @@ impl OptionRequest {
                 OptionRequest::ExportName(r.string(data.len()).ok_or("invalid export name")?)
             }
             wire::OPT_ABORT => OptionRequest::Abort,
-            wire::OPT_LIST | wire::OPT_STRUCTURED_REPLY => {
+            wire::OPT_LIST | wire::OPT_STARTTLS | wire::OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
                     return Err("option takes no data");
                 }
-                if code == wire::OPT_LIST {
-                    OptionRequest::List
-                } else {
-                    OptionRequest::StructuredReply
+                match code {
+                    wire::OPT_LIST => OptionRequest::List,
+                    wire::OPT_STARTTLS => OptionRequest::StartTls,
+                    _ => OptionRequest::StructuredReply,
                 }
             }
             wire::OPT_INFO | wire::OPT_GO => {
@@ -413,6 +419,7 @@ mod tests {
         round_trip_request(OptionRequest::ExportName("disk0".into()));
         round_trip_request(OptionRequest::Abort);
         round_trip_request(OptionRequest::List);
+        round_trip_request(OptionRequest::StartTls);
         round_trip_request(OptionRequest::StructuredReply);
         round_trip_request(OptionRequest::Info {
             name: "a".into(),

@@ -10,11 +10,25 @@
 //! what the embedder fed since the last [`ServerHandshake::poll`]; at most
 //! [`wire::OPTION_COUNT_MAX`] options are answered per connection.
 //!
+//! TLS (the spec's "TLS support" section) is decided by the [`TlsMode`] the embedder gives:
+//! `Off` is the spec's NOTLS (`NBD_OPT_STARTTLS` answered `NBD_REP_ERR_POLICY`), `Require` is
+//! FORCEDTLS (before the upgrade every option but `NBD_OPT_STARTTLS` and `NBD_OPT_ABORT` is
+//! answered `NBD_REP_ERR_TLS_REQD`, and `NBD_OPT_EXPORT_NAME`, which cannot be answered with an
+//! error, ends the session), `On` is SELECTIVETLS with no TLS-only export (the client may
+//! upgrade or not). The machine only haggles: after it acknowledges `NBD_OPT_STARTTLS` it
+//! reports [`ServerEvent::StartTls`], the embedder sends the acknowledgement in clear, runs the
+//! TLS handshake, and from then on feeds decrypted bytes and encrypts the output.
+//!
+//! Invariants (TLS): `NBD_OPT_STARTTLS` is acknowledged at most once per connection (a second
+//! one gets `NBD_REP_ERR_INVALID`); nothing negotiated before it (structured replies, a
+//! metadata context) survives it, as the spec requires; `NBD_REP_ERR_TLS_REQD` is never sent
+//! once TLS is active, nor in `Off` or `On` mode.
+//!
 //! Fault model: unknown options get `NBD_REP_ERR_UNSUP`, malformed ones `NBD_REP_ERR_INVALID`,
 //! unknown export names `NBD_REP_ERR_UNKNOWN`, and haggling continues. Bad magic, bad client
 //! flags, an option length over the limit (answered `NBD_REP_ERR_TOO_BIG` first), too many
-//! options, or `NBD_OPT_EXPORT_NAME` for a missing export return a [`ProtoError`]: the embedder
-//! sends the pending output and hangs up.
+//! options, `NBD_OPT_EXPORT_NAME` for a missing export, or `NBD_OPT_EXPORT_NAME` before TLS in
+//! `Require` mode return a [`ProtoError`]: the embedder sends the pending output and hangs up.
 
 use crate::errors::ProtoError;
 use crate::flags::{BlockSize, ExportCaps, TransmissionFlags};
@@ -61,11 +75,27 @@ pub struct Negotiated {
     pub leftover: Vec<u8>,
 }
 
+/// Whether (and how) a server offers TLS; the spec's NOTLS, SELECTIVETLS and FORCEDTLS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TlsMode {
+    /// No TLS: `NBD_OPT_STARTTLS` is refused with `NBD_REP_ERR_POLICY`.
+    #[default]
+    Off,
+    /// TLS at the client's choice: every export is served with or without it.
+    On,
+    /// TLS before anything else: other options are refused with `NBD_REP_ERR_TLS_REQD`.
+    Require,
+}
+
 /// What [`ServerHandshake::poll`] reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ServerEvent {
     /// Send the pending output, then feed more input.
     NeedInput,
+    /// The client asked for TLS and was acknowledged: send the pending output in clear, run
+    /// the TLS handshake (starting with `leftover`, bytes the client sent after the option,
+    /// which belong to the TLS stream), then feed decrypted bytes and encrypt all output.
+    StartTls { leftover: Vec<u8> },
     /// Transmission starts: send the pending output, then serve requests.
     Done(Negotiated),
     /// The client sent `NBD_OPT_ABORT`: send the pending output (its ACK), then close.
@@ -91,6 +121,9 @@ pub struct ServerHandshake {
     /// Export name the last `NBD_OPT_SET_META_CONTEXT` applied to, if it selected anything.
     meta_export: Option<String>,
     option_count: u32,
+    tls_mode: TlsMode,
+    /// Set when `NBD_OPT_STARTTLS` was acknowledged.
+    tls_active: bool,
 }
 
 impl Default for ServerHandshake {
@@ -103,8 +136,13 @@ impl ServerHandshake {
     /// Bytes of the server greeting.
     pub const GREETING_BYTES: usize = 18;
 
-    /// A new handshake with the greeting already queued for output.
+    /// A new handshake without TLS ([`TlsMode::Off`]), with the greeting already queued.
     pub fn new() -> Self {
+        Self::with_tls(TlsMode::Off)
+    }
+
+    /// A new handshake offering TLS as `tls_mode` says, with the greeting already queued.
+    pub fn with_tls(tls_mode: TlsMode) -> Self {
         let mut output = Vec::with_capacity(Self::GREETING_BYTES);
         output.extend_from_slice(&wire::NBD_MAGIC.to_be_bytes());
         output.extend_from_slice(&wire::IHAVEOPT.to_be_bytes());
@@ -118,7 +156,14 @@ impl ServerHandshake {
             structured: false,
             meta_export: None,
             option_count: 0,
+            tls_mode,
+            tls_active: false,
         }
+    }
+
+    /// Whether `NBD_OPT_STARTTLS` was acknowledged (all later traffic is encrypted).
+    pub fn tls_active(&self) -> bool {
+        self.tls_active
     }
 
     /// Appends bytes received from the client. Call [`poll`](Self::poll) after each feed.
@@ -194,6 +239,21 @@ impl ServerHandshake {
         let parsed = OptionRequest::parse(code, data);
         self.input
             .drain(..OptionRequest::HEADER_BYTES + length as usize);
+        if self.tls_mode == TlsMode::Require && !self.tls_active {
+            match code {
+                wire::OPT_STARTTLS | wire::OPT_ABORT => {}
+                // It cannot be answered with an error: the spec says to end the session.
+                wire::OPT_EXPORT_NAME => return Err(ProtoError::TlsRequired),
+                _ => {
+                    self.reply_error(
+                        code,
+                        wire::REP_ERR_TLS_REQD,
+                        "this server requires TLS: send NBD_OPT_STARTTLS first",
+                    );
+                    return Ok(None);
+                }
+            }
+        }
         let request = match parsed {
             Ok(request) => request,
             Err(reason) => {
@@ -228,6 +288,21 @@ impl ServerHandshake {
                 self.reply(code, OptionReplyKind::Ack);
                 self.state = State::Finished;
                 return Ok(Some(ServerEvent::Aborted));
+            }
+            OptionRequest::StartTls => {
+                if self.tls_mode == TlsMode::Off {
+                    self.reply_error(code, wire::REP_ERR_POLICY, "TLS is not enabled here");
+                } else if self.tls_active {
+                    self.reply_error(code, wire::REP_ERR_INVALID, "TLS is already active");
+                } else {
+                    self.reply(code, OptionReplyKind::Ack);
+                    // The spec: nothing negotiated before the upgrade is kept.
+                    self.structured = false;
+                    self.meta_export = None;
+                    self.tls_active = true;
+                    let leftover = std::mem::take(&mut self.input);
+                    return Ok(Some(ServerEvent::StartTls { leftover }));
+                }
             }
             OptionRequest::List => {
                 for listing in catalog.list() {

@@ -40,6 +40,38 @@ pub const OPT_STRUCTURED_REPLY: u32 = 8;
 pub const OPT_LIST_META_CONTEXT: u32 = 9;
 pub const OPT_SET_META_CONTEXT: u32 = 10;
 
+/// The spec's name of an option code, for messages (`None` for codes this crate does not know).
+pub fn option_name(code: u32) -> Option<&'static str> {
+    Some(match code {
+        OPT_EXPORT_NAME => "NBD_OPT_EXPORT_NAME",
+        OPT_ABORT => "NBD_OPT_ABORT",
+        OPT_LIST => "NBD_OPT_LIST",
+        OPT_STARTTLS => "NBD_OPT_STARTTLS",
+        OPT_INFO => "NBD_OPT_INFO",
+        OPT_GO => "NBD_OPT_GO",
+        OPT_STRUCTURED_REPLY => "NBD_OPT_STRUCTURED_REPLY",
+        OPT_LIST_META_CONTEXT => "NBD_OPT_LIST_META_CONTEXT",
+        OPT_SET_META_CONTEXT => "NBD_OPT_SET_META_CONTEXT",
+        _ => return None,
+    })
+}
+
+/// The spec's name of an option error reply type, for messages.
+pub fn reply_error_name(reply_type: u32) -> Option<&'static str> {
+    Some(match reply_type {
+        REP_ERR_UNSUP => "NBD_REP_ERR_UNSUP",
+        REP_ERR_POLICY => "NBD_REP_ERR_POLICY",
+        REP_ERR_INVALID => "NBD_REP_ERR_INVALID",
+        REP_ERR_PLATFORM => "NBD_REP_ERR_PLATFORM",
+        REP_ERR_TLS_REQD => "NBD_REP_ERR_TLS_REQD",
+        REP_ERR_UNKNOWN => "NBD_REP_ERR_UNKNOWN",
+        REP_ERR_SHUTDOWN => "NBD_REP_ERR_SHUTDOWN",
+        REP_ERR_BLOCK_SIZE_REQD => "NBD_REP_ERR_BLOCK_SIZE_REQD",
+        REP_ERR_TOO_BIG => "NBD_REP_ERR_TOO_BIG",
+        _ => return None,
+    })
+}
+
 pub const REP_ACK: u32 = 1;
 pub const REP_SERVER: u32 = 2;
 pub const REP_INFO: u32 = 3;

@@ -56,19 +56,44 @@ fn run(
     config: ClientConfig,
     step: usize,
 ) -> (Result<ClientNegotiated, ProtoError>, Option<Negotiated>) {
+    let (client, server, _) = run_tls(config, step, TlsMode::Off, false);
+    (client, server)
+}
+
+/// Like [`run`] with a server in `mode` and a client that insists on TLS if `starttls`; an
+/// acknowledged `NBD_OPT_STARTTLS` stands for a TLS handshake (both sides just go on). Also
+/// returns whether each side saw the upgrade: (client, server).
+fn run_tls(
+    config: ClientConfig,
+    step: usize,
+    mode: TlsMode,
+    starttls: bool,
+) -> (
+    Result<ClientNegotiated, ProtoError>,
+    Option<Negotiated>,
+    (bool, bool),
+) {
     let cat = catalog();
-    let mut server = ServerHandshake::new();
+    let mut server = ServerHandshake::with_tls(mode);
     let mut client = ClientHandshake::new(config);
+    if starttls {
+        client = client.with_starttls();
+    }
     let mut server_done = None;
+    let mut upgraded = (false, false);
     for _ in 0..10_000 {
         let to_client = server.take_output();
         for piece in to_client.chunks(step) {
             client.feed(piece);
         }
         match client.poll() {
-            Ok(ClientEvent::Done(n)) => return (Ok(n), server_done),
+            Ok(ClientEvent::Done(n)) => return (Ok(n), server_done, upgraded),
             Ok(ClientEvent::NeedInput) => {}
-            Err(e) => return (Err(e), server_done),
+            Ok(ClientEvent::StartTls) => {
+                assert!(!upgraded.0, "the client upgraded twice");
+                upgraded.0 = true;
+            }
+            Err(e) => return (Err(e), server_done, upgraded),
         }
         let to_server = client.take_output();
         for piece in to_server.chunks(step) {
@@ -78,6 +103,11 @@ fn run(
             match server.poll(&cat) {
                 Ok(ServerEvent::Done(n)) => server_done = Some(n),
                 Ok(ServerEvent::NeedInput) => {}
+                Ok(ServerEvent::StartTls { leftover }) => {
+                    assert!(leftover.is_empty(), "the client waits for the reply");
+                    assert!(!upgraded.1, "the server upgraded twice");
+                    upgraded.1 = true;
+                }
                 other => panic!("server: {other:?}"),
             }
         }
@@ -157,13 +187,18 @@ fn server_replies(
     assert_eq!(greeting.len(), ServerHandshake::GREETING_BYTES);
     server.feed(client_bytes);
     let event = server.poll(&catalog());
-    let mut out = server.take_output();
+    let (replies, out) = decode_replies(server.take_output());
+    (replies, event, out)
+}
+
+/// The option replies at the front of `out`, and what follows them.
+fn decode_replies(mut out: Vec<u8>) -> (Vec<OptionReply>, Vec<u8>) {
     let mut replies = Vec::new();
     while let Ok(Decoded::Done { value, consumed }) = OptionReply::decode(&out) {
         replies.push(value);
         out.drain(..consumed);
     }
-    (replies, event, out)
+    (replies, out)
 }
 
 fn client_flags() -> Vec<u8> {
@@ -220,7 +255,8 @@ fn unknown_and_invalid_options_do_not_end_haggling() {
         }
     };
     assert!(err(0x1234, wire::REP_ERR_UNSUP)(&kinds[0]));
-    assert!(err(wire::OPT_STARTTLS, wire::REP_ERR_UNSUP)(&kinds[1]));
+    // A server without TLS refuses the upgrade by policy (the spec's NOTLS mode).
+    assert!(err(wire::OPT_STARTTLS, wire::REP_ERR_POLICY)(&kinds[1]));
     assert!(err(wire::OPT_LIST, wire::REP_ERR_INVALID)(&kinds[2]));
     assert!(err(wire::OPT_SET_META_CONTEXT, wire::REP_ERR_INVALID)(
         &kinds[3]
@@ -450,5 +486,248 @@ fn client_rejects_bad_greeting_and_stray_replies() {
     let mut stray = Vec::new();
     OptionReply::new(wire::OPT_LIST, OptionReplyKind::Ack).encode(&mut stray);
     client.feed(&stray);
+    assert!(matches!(client.poll(), Err(ProtoError::Malformed(_))));
+}
+
+fn config(name: &str) -> ClientConfig {
+    ClientConfig {
+        export_name: name.into(),
+        structured_replies: true,
+        meta_contexts: vec![BASE_ALLOCATION.into()],
+    }
+}
+
+#[test]
+fn tls_client_against_each_server_mode() {
+    for step in [1, 7, 4096] {
+        for mode in [TlsMode::On, TlsMode::Require] {
+            let (client, server, upgraded) = run_tls(config("disk0"), step, mode, true);
+            let client = client.expect("negotiated over TLS");
+            let server = server.expect("server negotiated");
+            assert_eq!(upgraded, (true, true), "{mode:?}");
+            // Everything negotiated after the upgrade counts.
+            assert!(client.structured_replies && server.structured_replies);
+            assert_eq!(Some(client.meta_contexts[0].0), server.base_allocation_id);
+        }
+        // A server without TLS refuses, and a client that asked for TLS does not go on.
+        let (client, server, upgraded) = run_tls(config("disk0"), step, TlsMode::Off, true);
+        assert_eq!(upgraded, (false, false));
+        assert!(server.is_none());
+        match client {
+            Err(ProtoError::Rejected {
+                option: wire::OPT_STARTTLS,
+                reply_type: wire::REP_ERR_POLICY,
+                ..
+            }) => {}
+            other => panic!("expected the STARTTLS refusal, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn plain_client_against_each_server_mode() {
+    for mode in [TlsMode::Off, TlsMode::On] {
+        let (client, _, upgraded) = run_tls(config("disk0"), 5, mode, false);
+        assert!(client.expect("plain negotiation").structured_replies);
+        assert_eq!(upgraded, (false, false));
+    }
+    // FORCEDTLS: structured replies are refused (the client goes on without them), then GO
+    // is refused with the error that names TLS.
+    let (client, server, _) = run_tls(config("disk0"), 5, TlsMode::Require, false);
+    assert!(server.is_none());
+    match client {
+        Err(
+            e @ ProtoError::Rejected {
+                option: wire::OPT_GO,
+                reply_type: wire::REP_ERR_TLS_REQD,
+                ..
+            },
+        ) => assert!(e.to_string().contains("NBD_REP_ERR_TLS_REQD"), "{e}"),
+        other => panic!("expected NBD_REP_ERR_TLS_REQD, got {other:?}"),
+    }
+}
+
+/// Drives a server in `mode` with `before` (client flags and options in clear); after an
+/// acknowledged STARTTLS, feeds `after` as the decrypted stream. Returns every reply, the
+/// StartTls leftover if any, and the final event.
+fn tls_session(
+    mode: TlsMode,
+    before: &[u8],
+    after: &[u8],
+) -> (
+    Vec<OptionReply>,
+    Option<Vec<u8>>,
+    Result<ServerEvent, ProtoError>,
+) {
+    let mut server = ServerHandshake::with_tls(mode);
+    server.take_output();
+    server.feed(before);
+    let mut event = server.poll(&catalog());
+    let (mut replies, rest) = decode_replies(server.take_output());
+    assert!(rest.is_empty(), "only option replies before the upgrade");
+    let mut leftover = None;
+    if let Ok(ServerEvent::StartTls { leftover: l }) = &event {
+        assert!(server.tls_active());
+        leftover = Some(l.clone());
+        server.feed(after);
+        event = server.poll(&catalog());
+        let (more, _) = decode_replies(server.take_output());
+        replies.extend(more);
+    }
+    (replies, leftover, event)
+}
+
+fn error_type(reply: &OptionReply) -> Option<u32> {
+    match reply.kind {
+        OptionReplyKind::Error { reply_type, .. } => Some(reply_type),
+        _ => None,
+    }
+}
+
+#[test]
+fn forced_tls_refuses_everything_but_starttls_and_abort() {
+    let mut bytes = client_flags();
+    OptionRequest::List.encode(&mut bytes);
+    OptionRequest::StructuredReply.encode(&mut bytes);
+    OptionRequest::Go {
+        name: "disk0".into(),
+        info_requests: vec![],
+    }
+    .encode(&mut bytes);
+    OptionRequest::Info {
+        name: "disk0".into(),
+        info_requests: vec![],
+    }
+    .encode(&mut bytes);
+    OptionRequest::Unknown {
+        code: 0x4321,
+        data: vec![],
+    }
+    .encode(&mut bytes);
+    OptionRequest::Abort.encode(&mut bytes);
+    let (replies, leftover, event) = tls_session(TlsMode::Require, &bytes, &[]);
+    assert_eq!(event, Ok(ServerEvent::Aborted));
+    assert!(leftover.is_none());
+    let types: Vec<_> = replies.iter().map(error_type).collect();
+    assert_eq!(
+        types,
+        [Some(wire::REP_ERR_TLS_REQD); 5]
+            .iter()
+            .copied()
+            .chain([None])
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(replies[5].kind, OptionReplyKind::Ack);
+
+    // NBD_OPT_EXPORT_NAME cannot be refused with an error: the session ends.
+    let mut bytes = client_flags();
+    OptionRequest::ExportName("disk0".into()).encode(&mut bytes);
+    let (replies, _, event) = tls_session(TlsMode::Require, &bytes, &[]);
+    assert!(replies.is_empty());
+    assert_eq!(event, Err(ProtoError::TlsRequired));
+}
+
+#[test]
+fn starttls_rules_data_repeat_leftover_and_reset_state() {
+    // With data: invalid, and haggling goes on (still before TLS).
+    let mut bytes = client_flags();
+    OptionRequest::Unknown {
+        code: wire::OPT_STARTTLS,
+        data: vec![1, 2],
+    }
+    .encode(&mut bytes);
+    OptionRequest::Abort.encode(&mut bytes);
+    let (replies, _, event) = tls_session(TlsMode::Require, &bytes, &[]);
+    assert_eq!(error_type(&replies[0]), Some(wire::REP_ERR_INVALID));
+    assert_eq!(event, Ok(ServerEvent::Aborted));
+
+    // SELECTIVETLS: structured replies asked in clear are dropped by the upgrade; bytes sent
+    // after STARTTLS belong to TLS; a second STARTTLS is invalid; no TLS_REQD after it.
+    let mut before = client_flags();
+    OptionRequest::StructuredReply.encode(&mut before);
+    OptionRequest::StartTls.encode(&mut before);
+    before.extend_from_slice(b"\x16\x03\x01 hello");
+    let mut after = Vec::new();
+    OptionRequest::StartTls.encode(&mut after);
+    OptionRequest::List.encode(&mut after);
+    OptionRequest::Go {
+        name: "disk0".into(),
+        info_requests: vec![],
+    }
+    .encode(&mut after);
+    let (replies, leftover, event) = tls_session(TlsMode::On, &before, &after);
+    assert_eq!(leftover.as_deref(), Some(&b"\x16\x03\x01 hello"[..]));
+    assert_eq!(replies[0].kind, OptionReplyKind::Ack); // structured replies, in clear
+    assert_eq!(
+        (replies[1].option, &replies[1].kind),
+        (wire::OPT_STARTTLS, &OptionReplyKind::Ack)
+    );
+    assert_eq!(
+        (replies[2].option, error_type(&replies[2])),
+        (wire::OPT_STARTTLS, Some(wire::REP_ERR_INVALID))
+    );
+    assert!(replies[3..]
+        .iter()
+        .all(|r| error_type(r) != Some(wire::REP_ERR_TLS_REQD)));
+    let Ok(ServerEvent::Done(n)) = event else {
+        panic!("expected GO to succeed, got {event:?}")
+    };
+    assert!(
+        !n.structured_replies,
+        "negotiated before STARTTLS, so forgotten"
+    );
+}
+
+#[test]
+fn client_starttls_is_first_and_refusal_is_final() {
+    let mut greeting = wire::NBD_MAGIC.to_be_bytes().to_vec();
+    greeting.extend_from_slice(&wire::IHAVEOPT.to_be_bytes());
+    greeting.extend_from_slice(&wire::FLAG_FIXED_NEWSTYLE.to_be_bytes());
+    for refusal in [
+        wire::REP_ERR_UNSUP,
+        wire::REP_ERR_POLICY,
+        wire::REP_ERR_INVALID,
+    ] {
+        let mut client = ClientHandshake::new(config("disk0")).with_starttls();
+        client.feed(&greeting);
+        assert_eq!(client.poll(), Ok(ClientEvent::NeedInput));
+        let sent = client.take_output();
+        let mut expected = wire::FLAG_C_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+        OptionRequest::StartTls.encode(&mut expected);
+        assert_eq!(sent, expected, "STARTTLS comes before any other option");
+        let mut reply = Vec::new();
+        OptionReply::new(
+            wire::OPT_STARTTLS,
+            OptionReplyKind::Error {
+                reply_type: refusal,
+                message: "no".into(),
+            },
+        )
+        .encode(&mut reply);
+        client.feed(&reply);
+        let err = client.poll().unwrap_err();
+        assert!(err.to_string().contains("NBD_OPT_STARTTLS"), "{err}");
+        assert!(client.take_output().is_empty(), "nothing more in clear");
+    }
+    // Acknowledged: nothing else is queued until the embedder has run TLS and polls again.
+    let mut client = ClientHandshake::new(config("disk0")).with_starttls();
+    client.feed(&greeting);
+    client.poll().unwrap();
+    client.take_output();
+    let mut ack = Vec::new();
+    OptionReply::new(wire::OPT_STARTTLS, OptionReplyKind::Ack).encode(&mut ack);
+    client.feed(&ack);
+    assert_eq!(client.poll(), Ok(ClientEvent::StartTls));
+    assert!(client.take_output().is_empty());
+    assert_eq!(client.poll(), Ok(ClientEvent::NeedInput));
+    let mut expected = Vec::new();
+    OptionRequest::StructuredReply.encode(&mut expected);
+    assert_eq!(client.take_output(), expected);
+    // Bytes after the acknowledgement would be in clear where TLS must start: refused.
+    let mut client = ClientHandshake::new(config("disk0")).with_starttls();
+    client.feed(&greeting);
+    client.poll().unwrap();
+    ack.push(0x16);
+    client.feed(&ack);
     assert!(matches!(client.poll(), Err(ProtoError::Malformed(_))));
 }

@@ -19,6 +19,13 @@
 //! than a quick request takes; a request the client sends meanwhile waits at most that long.
 //! A request that may wait on a slow device is always handed over first.
 //!
+//! TLS: when the client sends `NBD_OPT_STARTTLS` (and the server offers TLS), the connection
+//! thread runs the TLS handshake within the handshake deadline, and from then on the reading
+//! side and every reply go through the connection's TLS session (`transport`): reads under the
+//! read lock, replies under the write lock, the session's own lock never held across a socket
+//! call (the rule of `nbd_tls`), so the threading below is unchanged. At the end, a connection
+//! whose replies all went out sends TLS `close_notify` before the socket is shut down.
+//!
 //! Owns: the threads and buffers of one connection, its budget account, and the order of
 //! teardown: reading stops (client disconnect, EOF, a protocol violation, a timeout, a failed
 //! reply write, eviction or idle close, or a shutdown kick) and no worker reads again; every
@@ -57,12 +64,14 @@ use crate::export::Lease;
 use crate::net::{Deadlined, Stream};
 use crate::server::Shared;
 use crate::table::{Activity, InFlight};
+use crate::transport::{Incoming, Outgoing};
 use crate::Export;
 use nbd_proto::{
     encode_offset_data_header, encode_simple_reply, BlockSize, Chunk, Decoded, Extent, NbdErrno,
-    Request, ServerEvent, ServerHandshake, TransmissionContext, ValidRequest,
+    Request, ServerEvent, ServerHandshake, TlsMode, TransmissionContext, ValidRequest,
 };
-use std::io::{self, BufReader, IoSlice, Read, Write};
+use nbd_tls::TlsReader;
+use std::io::{self, BufReader, Read};
 use std::net::Shutdown;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
@@ -82,6 +91,9 @@ const HANDSHAKE_READ_BYTES: usize = 4096;
 const IO_ALIGN: usize = 4096;
 /// A worker keeps its I/O buffer between requests only up to this size.
 const REUSE_BYTES_MAX: usize = 256 * 1024;
+/// Longest wait to send TLS `close_notify` at the end of a connection (a few dozen bytes,
+/// which the socket buffer normally takes at once).
+const CLOSE_NOTIFY_WAIT: Duration = Duration::from_secs(1);
 
 /// Serves one connection until it ends; errors are logged, never propagated.
 pub(crate) fn serve(stream: &Arc<Stream>, id: u64, activity: &Activity, shared: &Shared) {
@@ -111,19 +123,62 @@ fn serve_inner(
 ) -> io::Result<()> {
     let config = &shared.config;
     let registry = &shared.registry;
-    let mut io = Deadlined::new(stream, Some(Instant::now() + config.handshake_timeout));
-    let mut hs = ServerHandshake::new();
+    let deadline = Some(Instant::now() + config.handshake_timeout);
+    let mut incoming = Incoming::Plain(Deadlined::new(stream, deadline));
+    let mut outgoing = Outgoing::Plain;
+    let tls_mode = match &config.tls {
+        None => TlsMode::Off,
+        Some(tls) if tls.required => TlsMode::Require,
+        Some(_) => TlsMode::On,
+    };
+    let mut hs = ServerHandshake::with_tls(tls_mode);
     let mut buf = vec![0u8; HANDSHAKE_READ_BYTES];
     let handshake = |err| timeout_context(err, "the handshake", config.handshake_timeout);
     let negotiated = loop {
         let event = hs.poll(registry);
-        io.write_all(&hs.take_output()).map_err(handshake)?;
+        outgoing
+            .write_all(stream, deadline, &[&hs.take_output()])
+            .map_err(handshake)?;
         match event.map_err(io::Error::from)? {
             ServerEvent::Done(negotiated) => break negotiated,
-            ServerEvent::Aborted => return Ok(()),
+            ServerEvent::Aborted => {
+                // The client ends TLS too; ours is a courtesy.
+                let _ = outgoing.close(stream, Instant::now() + CLOSE_NOTIFY_WAIT);
+                return Ok(());
+            }
+            ServerEvent::StartTls { leftover } => {
+                let tls = config
+                    .tls
+                    .as_ref()
+                    .expect("the handshake acknowledges STARTTLS only when TLS is configured");
+                let session = Arc::new(nbd_tls::Session::server(&tls.credentials)?);
+                let mut reader = TlsReader::new(
+                    Arc::clone(&session),
+                    Deadlined::new(stream, deadline),
+                    &leftover,
+                );
+                reader
+                    .handshake(&mut Deadlined::new(stream, deadline))
+                    .map_err(|e| {
+                        let e = timeout_context(e, "the TLS handshake", config.handshake_timeout);
+                        io::Error::new(e.kind(), format!("TLS handshake: {e}"))
+                    })?;
+                log::debug!(
+                    "connection {id}: TLS {}{}",
+                    session.describe(),
+                    if session.peer_has_certificate() {
+                        ", client certificate verified"
+                    } else {
+                        ""
+                    }
+                );
+                incoming = Incoming::Tls(reader);
+                outgoing = Outgoing::Tls(session);
+                continue;
+            }
             ServerEvent::NeedInput => {}
         }
-        let n = match io.read(&mut buf) {
+        let n = match incoming.read(&mut buf) {
             Ok(0) => return Ok(()),
             Ok(n) => n,
             Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
@@ -145,23 +200,26 @@ fn serve_inner(
         ctx.structured_replies,
         ctx.flags.0
     );
+    incoming.set_deadline(None);
     let reader = BufReader::with_capacity(
         READ_BUFFER_BYTES,
-        io::Cursor::new(negotiated.leftover).chain(Deadlined::new(stream, None)),
+        io::Cursor::new(negotiated.leftover).chain(incoming),
     );
-    transmission(reader, stream, &lease, ctx, activity, shared)
+    transmission(reader, stream, outgoing, &lease, ctx, activity, shared)
 }
 
-/// The socket's reading side: bytes left over from the handshake, then the socket.
-type RequestReader<'a> = BufReader<io::Chain<io::Cursor<Vec<u8>>, Deadlined<'a>>>;
+/// The socket's reading side: bytes left over from the handshake, then the socket (through
+/// TLS if the client started it).
+type RequestReader<'a> = BufReader<io::Chain<io::Cursor<Vec<u8>>, Incoming<'a>>>;
 
 fn set_deadline(reader: &mut RequestReader<'_>, deadline: Option<Instant>) {
-    reader.get_mut().get_mut().1.deadline = deadline;
+    reader.get_mut().get_mut().1.set_deadline(deadline);
 }
 
 fn transmission(
     reader: RequestReader<'_>,
     stream: &Stream,
+    outgoing: Outgoing,
     lease: &Lease,
     ctx: TransmissionContext,
     activity: &Activity,
@@ -176,6 +234,7 @@ fn transmission(
         }),
         write: Mutex::new(Ok(())),
         stream,
+        outgoing,
         account: shared.budget.account(),
         activity,
         shared,
@@ -185,9 +244,18 @@ fn transmission(
     // The scope returns once every worker has exited, i.e. reading has ended and every request
     // read has been answered (or its reply dropped because the socket failed).
     thread::scope(|scope| conn.work(scope));
-    let Connection { read, write, .. } = conn;
+    let Connection {
+        read,
+        write,
+        outgoing,
+        ..
+    } = conn;
     let read = read.into_inner().unwrap_or_else(|p| p.into_inner());
     let write = write.into_inner().unwrap_or_else(|p| p.into_inner());
+    if write.is_ok() {
+        // The spec: after NBD_CMD_DISC the server closes TLS, then the connection.
+        let _ = outgoing.close(stream, Instant::now() + CLOSE_NOTIFY_WAIT);
+    }
     stream.shutdown(Shutdown::Both);
     read.result.and(write)
 }
@@ -209,6 +277,8 @@ struct Connection<'a> {
     /// The first write error; once set, replies are dropped. Held while writing a reply.
     write: Mutex<io::Result<()>>,
     stream: &'a Stream,
+    /// How replies reach the socket (in clear or through TLS); used under the write lock.
+    outgoing: Outgoing,
     account: Arc<Account>,
     activity: &'a Activity,
     shared: &'a Shared,
@@ -291,6 +361,7 @@ impl<'a> Connection<'a> {
     /// waits at most for this quick one.
     fn keeps_reading(&self, read: &ReadSide<'_>, next: &Next<'_>) -> bool {
         read.reader.buffer().is_empty()
+            && !read.reader.get_ref().get_ref().1.has_buffered()
             && match &next.action {
                 Ok(request) => self.export.is_quick(request),
                 Err(_) => true,
@@ -441,35 +512,16 @@ impl<'a> Connection<'a> {
             return;
         }
         let reply_timeout = self.shared.config.reply_timeout;
-        let mut out = Deadlined::new(self.stream, Some(Instant::now() + reply_timeout));
-        if let Err(err) = write_all_two(&mut out, head, data) {
+        let deadline = Some(Instant::now() + reply_timeout);
+        if let Err(err) = self
+            .outgoing
+            .write_all(self.stream, deadline, &[head, data])
+        {
             // Stop reading requests too: nobody will see their replies.
             self.stream.shutdown(Shutdown::Both);
             *result = Err(timeout_context(err, "writing a reply", reply_timeout));
         }
     }
-}
-
-/// Writes `a` then `b` completely, both in one `writev` when the socket takes them.
-fn write_all_two(out: &mut impl Write, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
-    while !a.is_empty() || !b.is_empty() {
-        let written = if a.is_empty() {
-            out.write(b)
-        } else {
-            out.write_vectored(&[IoSlice::new(a), IoSlice::new(b)])
-        };
-        match written {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => {
-                let from_a = n.min(a.len());
-                a = &a[from_a..];
-                b = &b[n - from_a..];
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// A worker's reusable I/O buffer whose data part starts at an [`IO_ALIGN`]-aligned address.

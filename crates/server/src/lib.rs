@@ -14,8 +14,16 @@
 //!   with `AddrInUse`), a non-socket is never removed, the socket file gets its mode and owner
 //!   before it appears at its path (the umask does not matter), and shutdown removes it only
 //!   if the path still names the socket we bound — and never needs the file to wake up;
-//! - binding TCP to a non-loopback address logs a warning ([`tcp_exposure_warning`]): there is
-//!   no TLS or authentication.
+//! - binding TCP to a non-loopback address logs a warning ([`tcp_exposure_warning`]) unless
+//!   TLS is required and client certificates are verified (without TLS anyone who reaches the
+//!   port reads and writes the disks; with TLS but no client verification, anyone still can,
+//!   encrypted);
+//! - with TLS ([`TlsConfig`]): after the client's `NBD_OPT_STARTTLS` the rest of the handshake
+//!   and the whole transmission phase go through one TLS session per connection, shared by the
+//!   connection's reading worker and its replying workers under the rule of `nbd_tls` (the
+//!   session's state lock is never held across a socket call; records are taken and written
+//!   under the write lock, so replies stay whole and in order). With `required`, a client that
+//!   does not upgrade gets `NBD_REP_ERR_TLS_REQD` for every option and cannot reach an export.
 //!
 //! Limits (fields of [`ServerConfig`], defaults in brackets), all enforced per server:
 //! - connections: `connections_max` [256] at once, lowered at start so that they fit under the
@@ -32,6 +40,9 @@
 //!   request is still served alone, so nothing deadlocks); `requests_in_flight_max` [64]
 //!   requests per connection. Outside the budget: a 256 KiB read buffer per connection and an
 //!   I/O buffer of at most 256 KiB kept per worker thread;
+//!   With TLS, each connection also holds its TLS session (rustls' buffers, up to 64 KiB during
+//!   the handshake, and a 64 KiB ciphertext buffer), and a worker writing a reply holds the
+//!   records of at most 256 KiB of it at a time;
 //! - threads: `workers_per_connection` [16] per connection, and `workers_max` [256] extra
 //!   workers (beyond each connection's first thread) for all connections together;
 //! - time: the whole handshake within `handshake_timeout` [30 s]; the rest of a request within
@@ -53,10 +64,12 @@ mod fd_limit;
 mod net;
 mod server;
 mod table;
+mod transport;
 mod unix_socket;
 
 pub use export::{Detached, Export, ExportRegistry};
 pub use nbd_proto::ValidRequest;
+pub use nbd_tls::ServerTls;
 pub use net::{tcp_exposure_warning, BindAddr, LocalAddr};
-pub use server::{start, ServerConfig, ServerHandle, ServerStats};
+pub use server::{start, ServerConfig, ServerHandle, ServerStats, TlsConfig};
 pub use unix_socket::{bind_unix, UnixSocketFile, UnixSocketPerms, SOCKET_MODE_DEFAULT};

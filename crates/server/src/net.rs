@@ -52,8 +52,9 @@ impl LocalAddr {
     }
 }
 
-/// The warning to log when serving TCP on `addr`, or `None` for a loopback address.
-pub fn tcp_exposure_warning(addr: &SocketAddr) -> Option<String> {
+/// The warning to log when serving TCP on `addr` with `tls`, or `None` for a loopback address
+/// or when TLS is required and client certificates are verified.
+pub fn tcp_exposure_warning(addr: &SocketAddr, tls: Option<&crate::TlsConfig>) -> Option<String> {
     let ip = addr.ip().to_canonical();
     if ip.is_loopback() {
         return None;
@@ -63,12 +64,26 @@ pub fn tcp_exposure_warning(addr: &SocketAddr) -> Option<String> {
     } else {
         format!("on {ip}")
     };
-    Some(format!(
-        "serving NBD over TCP {reach} (port {}): anyone who can reach this port can read and \
-         write the exported disks; there is no TLS or authentication yet; bind 127.0.0.1 or \
-         use a unix socket unless the network is trusted",
-        addr.port()
-    ))
+    let port = addr.port();
+    let why = match tls {
+        None => {
+            "anyone who can reach this port can read and write the exported disks; there is no \
+             TLS or authentication; bind 127.0.0.1 or use a unix socket unless the network is \
+             trusted, or configure TLS with client certificates"
+        }
+        Some(tls) if !tls.required => {
+            "TLS is optional: clients that do not start it are served in clear, and anyone who \
+             can reach this port can read and write the exported disks; require TLS and verify \
+             client certificates unless the network is trusted"
+        }
+        Some(tls) if !tls.credentials.verifies_clients() => {
+            "TLS encrypts the traffic, but client certificates are not verified: anyone who can \
+             reach this port can read and write the exported disks; verify client certificates \
+             (a CA for them) unless the network is trusted"
+        }
+        Some(_) => return None,
+    };
+    Some(format!("serving NBD over TCP {reach} (port {port}): {why}"))
 }
 
 /// Who a connection comes from, for the per-client connection limit.
@@ -336,22 +351,22 @@ mod tests {
     fn tcp_exposure_warning_only_off_loopback() {
         for quiet in ["127.0.0.1:10809", "[::1]:10809", "[::ffff:127.0.0.1]:1"] {
             assert_eq!(
-                tcp_exposure_warning(&quiet.parse().unwrap()),
+                tcp_exposure_warning(&quiet.parse().unwrap(), None),
                 None,
                 "{quiet}"
             );
         }
-        let all = tcp_exposure_warning(&"0.0.0.0:10809".parse().unwrap()).unwrap();
+        let all = tcp_exposure_warning(&"0.0.0.0:10809".parse().unwrap(), None).unwrap();
         assert!(all.contains("every network interface"), "{all}");
         assert!(all.contains("read and write"), "{all}");
         assert!(all.contains("no TLS or authentication"), "{all}");
         assert!(all.contains("127.0.0.1"), "{all}");
-        let one = tcp_exposure_warning(&"[2001:db8::1]:10809".parse().unwrap()).unwrap();
+        let one = tcp_exposure_warning(&"[2001:db8::1]:10809".parse().unwrap(), None).unwrap();
         assert!(
             one.contains("2001:db8::1") && one.contains("10809"),
             "{one}"
         );
-        assert!(tcp_exposure_warning(&"[::]:1".parse().unwrap()).is_some());
+        assert!(tcp_exposure_warning(&"[::]:1".parse().unwrap(), None).is_some());
     }
 
     #[test]
@@ -370,5 +385,30 @@ mod tests {
         let past = Some(Instant::now() - Duration::from_millis(1));
         let err = Deadlined::new(&b, past).write(b"x").unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+    }
+
+    #[test]
+    fn tcp_exposure_warning_says_what_tls_leaves_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = nbd_tls::testcerts::Pki::make(dir.path()).unwrap();
+        let load = |verify: bool| {
+            let ca = pki.ca_cert();
+            crate::ServerTls::load(
+                &pki.server_cert(),
+                &pki.server_key(),
+                verify.then_some(ca.as_path()),
+            )
+            .unwrap()
+        };
+        let addr: SocketAddr = "0.0.0.0:10809".parse().unwrap();
+        let tls = |verify, required| crate::TlsConfig {
+            credentials: load(verify),
+            required,
+        };
+        let optional = tcp_exposure_warning(&addr, Some(&tls(true, false))).unwrap();
+        assert!(optional.contains("TLS is optional"), "{optional}");
+        let anonymous = tcp_exposure_warning(&addr, Some(&tls(false, true))).unwrap();
+        assert!(anonymous.contains("not verified"), "{anonymous}");
+        assert_eq!(tcp_exposure_warning(&addr, Some(&tls(true, true))), None);
     }
 }

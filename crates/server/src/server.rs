@@ -81,6 +81,21 @@ pub struct ServerConfig {
     pub reply_timeout: Duration,
     /// Mode and owner of a unix socket file. Default 0660, our own uid and gid.
     pub socket_perms: UnixSocketPerms,
+    /// TLS through `NBD_OPT_STARTTLS`. Default `None`: `NBD_OPT_STARTTLS` is refused with
+    /// `NBD_REP_ERR_POLICY`.
+    pub tls: Option<TlsConfig>,
+}
+
+/// How a server offers TLS.
+#[derive(Debug, Clone)]
+pub struct TlsConfig {
+    /// The server's certificate and key, and the CA client certificates must chain to if it
+    /// verifies them.
+    pub credentials: nbd_tls::ServerTls,
+    /// Refuse every option but `NBD_OPT_STARTTLS` and `NBD_OPT_ABORT` until the client has
+    /// upgraded (`NBD_REP_ERR_TLS_REQD`; the spec's FORCEDTLS). Otherwise clients may upgrade
+    /// or stay in clear (SELECTIVETLS without TLS-only exports).
+    pub required: bool,
 }
 
 impl Default for ServerConfig {
@@ -99,6 +114,7 @@ impl Default for ServerConfig {
             request_timeout: Duration::from_secs(30),
             reply_timeout: Duration::from_secs(30),
             socket_perms: UnixSocketPerms::default(),
+            tls: None,
         }
     }
 }
@@ -183,7 +199,7 @@ pub fn start(
     let connections_max = connections_max_for_descriptors(config.connections_max)?;
     let (listener, local, socket_file) = Listener::bind(bind, &config.socket_perms)?;
     if let LocalAddr::Tcp(addr) = &local {
-        if let Some(warning) = net::tcp_exposure_warning(addr) {
+        if let Some(warning) = net::tcp_exposure_warning(addr, config.tls.as_ref()) {
             log::warn!("{warning}");
         }
     }

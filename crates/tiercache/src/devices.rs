@@ -1,6 +1,7 @@
 //! Opening devices named on the command line: a path (regular file or block device, O_DIRECT
-//! where possible) or an NBD URI (`nbd+unix:///NAME?socket=PATH`, `nbd://HOST:PORT/NAME`) for a
-//! remote backing device; and refusing one device named twice.
+//! where possible) or an NBD URI (`nbd+unix:///NAME?socket=PATH`, `nbd://HOST:PORT/NAME`,
+//! `nbds://HOST:PORT/NAME?tls-certificates=DIR`) for a remote backing device; and refusing one
+//! device named twice.
 //!
 //! Owns: which lock each command takes ([`Access`]) and the wording of a refused open (a
 //! conflict with another owner stays recognisable: [`is_busy`]), and the "same device under
@@ -79,7 +80,7 @@ pub fn is_busy(e: &anyhow::Error) -> bool {
 }
 
 fn is_uri(spec: &str) -> bool {
-    spec.starts_with("nbd://") || spec.starts_with("nbd+unix://")
+    blockdev::is_nbd_uri(spec)
 }
 
 /// Opens a path or an NBD URI.

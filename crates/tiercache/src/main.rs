@@ -110,6 +110,29 @@ struct ServeHealth {
     congested_write_threshold_us: u64,
 }
 
+/// TLS for TCP clients (NBD's STARTTLS). The unix socket always serves in clear.
+#[derive(clap::Args)]
+struct ServeTls {
+    /// TLS for TCP clients: off; on (clients that ask get TLS, others are served in clear);
+    /// require (clients that do not start TLS are refused with NBD_REP_ERR_TLS_REQD)
+    /// [default: require with --tls-cert, else off].
+    #[arg(long, value_enum, value_name = "MODE")]
+    tls: Option<serve::TlsMode>,
+    /// The server's certificate for TLS (PEM, leaf first; needs --tcp).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Admit only TLS clients with a certificate issued by --tls-ca.
+    #[arg(long, requires = "tls_ca")]
+    tls_verify_peer: bool,
+    /// CA certificate(s) (PEM) that client certificates must chain to (with
+    /// --tls-verify-peer).
+    #[arg(long, value_name = "FILE", requires = "tls_verify_peer")]
+    tls_ca: Option<PathBuf>,
+}
+
 /// Where a running server's admin socket is.
 #[derive(clap::Args)]
 struct AdminArgs {
@@ -141,6 +164,8 @@ enum Cmd {
         limits: ServeLimits,
         #[command(flatten)]
         health: ServeHealth,
+        #[command(flatten)]
+        tls: Box<ServeTls>,
         /// If the cache device cannot be opened (missing, an open or read error, metadata that
         /// does not load; not when another process holds it), serve every backing device
         /// directly instead of refusing to start, under the same export names. Only backing
@@ -160,7 +185,8 @@ enum Cmd {
         without_cache_discard_dirty: bool,
         /// Read settings from a TOML file: the keys are the long options above with '_' for
         /// '-' (cache, backing, socket, tcp, admin, socket_mode, ..., request_memory,
-        /// io_error_limit, ..., congested_write_threshold_us, without_cache_if_missing = true,
+        /// io_error_limit, ..., congested_write_threshold_us, tls = "require", tls_cert,
+        /// tls_key, tls_verify_peer = true, tls_ca, without_cache_if_missing = true,
         /// without_cache_discard_dirty = true), plus per-volume knobs in [volumes.NAME] tables
         /// (see README).
         #[arg(long, conflicts_with_all = [
@@ -169,7 +195,8 @@ enum Cmd {
             "max_connections_per_client", "request_memory", "io_error_limit",
             "io_error_halflife", "cache_io_timeout_ms", "congested_read_threshold_us",
             "congested_write_threshold_us", "without_cache_if_missing",
-            "without_cache_discard_dirty",
+            "without_cache_discard_dirty", "tls", "tls_cert", "tls_key", "tls_verify_peer",
+            "tls_ca",
         ])]
         config: Option<PathBuf>,
     },
@@ -570,6 +597,7 @@ fn main() -> ExitCode {
             admin,
             limits,
             health,
+            tls,
             without_cache_if_missing,
             without_cache_discard_dirty,
             config,
@@ -598,6 +626,11 @@ fn main() -> ExitCode {
                     volumes: Default::default(),
                     without_cache_if_missing,
                     without_cache_discard_dirty,
+                    tls: tls.tls,
+                    tls_cert: tls.tls_cert,
+                    tls_key: tls.tls_key,
+                    tls_verify_peer: tls.tls_verify_peer,
+                    tls_ca: tls.tls_ca,
                 },
             };
             serve::serve(&cfg, |_| {})

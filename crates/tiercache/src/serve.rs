@@ -5,7 +5,10 @@
 //! Invariants: exports always mirror the set's attached volumes (attach/detach/label changes
 //! re-sync them); shutdown order is stop accepting → finish in-flight requests → close the
 //! cache set (journal + checkpoint durable) → exit 0, so a restart finds the cache warm; TCP
-//! binds to 127.0.0.1 unless an address is given. The server owns its devices for as long as
+//! binds to 127.0.0.1 unless an address is given. TLS (`tls_cert`, ...) applies to the TCP
+//! listener only; the unix socket serves in clear, guarded by its permissions. With a
+//! certificate and no `tls` mode, TLS is required; TLS settings that cannot take effect (a key
+//! without a certificate, a CA without `tls_verify_peer`, TLS without `tcp`) stop the start. The server owns its devices for as long as
 //! it has them open (exclusive locks, see `devices`): the cache and backing devices must be
 //! distinct devices, and another server, `make`, `check` or `attach` of them is refused.
 //! The cache set's failure and congestion limits (`io_error_limit`, `io_error_halflife`,
@@ -99,6 +102,41 @@ pub struct ServeConfig {
     /// device alone while the cache device's writes take longer than this on average (µs;
     /// default 20000; 0: never; at most 10000000).
     pub congested_write_threshold_us: Option<u64>,
+    /// TLS for TCP clients (NBD_OPT_STARTTLS): "off", "on" (clients choose) or "require"
+    /// (clients that do not start TLS are refused). Default: "require" with `tls_cert`, else
+    /// "off".
+    pub tls: Option<TlsMode>,
+    /// The server's certificate (PEM, leaf first), for TLS on the TCP listener.
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of `tls_cert` (PEM).
+    pub tls_key: Option<PathBuf>,
+    /// Admit only TLS clients whose certificate is issued by `tls_ca` (default false).
+    #[serde(default)]
+    pub tls_verify_peer: bool,
+    /// CA certificate(s) (PEM) that client certificates must chain to, with `tls_verify_peer`.
+    pub tls_ca: Option<PathBuf>,
+}
+
+/// Whether the TCP listener offers TLS: the NBD spec's NOTLS, SELECTIVETLS and FORCEDTLS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TlsMode {
+    /// No TLS.
+    Off,
+    /// TLS for clients that ask for it; others are served in clear.
+    On,
+    /// TLS before anything else; clients that do not start it are refused.
+    Require,
+}
+
+impl std::fmt::Display for TlsMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TlsMode::Off => "off",
+            TlsMode::On => "on",
+            TlsMode::Require => "require",
+        })
+    }
 }
 
 impl ServeConfig {
@@ -217,7 +255,64 @@ impl ServeConfig {
                  (--without-cache-discard-dirty needs --without-cache-if-missing)"
             );
         }
-        self.engine_config().map(drop)
+        self.engine_config()?;
+        self.check_tls()
+    }
+
+    /// The TLS mode in force: the one given, else `require` with a certificate, else `off`.
+    pub fn tls_mode(&self) -> TlsMode {
+        self.tls.unwrap_or(if self.tls_cert.is_some() {
+            TlsMode::Require
+        } else {
+            TlsMode::Off
+        })
+    }
+
+    /// TLS settings that cannot take effect as written are an error, not ignored.
+    fn check_tls(&self) -> Result<()> {
+        let mode = self.tls_mode();
+        if self.tls_verify_peer != self.tls_ca.is_some() {
+            anyhow::bail!(
+                "tls_verify_peer and tls_ca go together: the CA is the one client certificates \
+                 must chain to (--tls-verify-peer --tls-ca FILE)"
+            );
+        }
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) | (None, Some(_)) => {
+                anyhow::bail!("tls_cert and tls_key go together (--tls-cert FILE --tls-key FILE)")
+            }
+            (None, None) if mode != TlsMode::Off => anyhow::bail!(
+                "tls = \"{mode}\" needs the server's certificate and key (--tls-cert FILE \
+                 --tls-key FILE)"
+            ),
+            _ => {}
+        }
+        if mode == TlsMode::Off && self.tls_verify_peer {
+            anyhow::bail!("tls_verify_peer applies only with TLS on or required");
+        }
+        if mode != TlsMode::Off && self.tcp.is_none() {
+            anyhow::bail!(
+                "TLS is for TCP clients and needs tcp (--tcp PORT); the unix socket serves in \
+                 clear, guarded by its permissions"
+            );
+        }
+        Ok(())
+    }
+
+    /// The TCP listener's TLS, its files read (`None` when TLS is off).
+    pub fn tls_config(&self) -> Result<Option<server::TlsConfig>> {
+        self.check_tls()?;
+        let mode = self.tls_mode();
+        let (Some(cert), Some(key), false) = (&self.tls_cert, &self.tls_key, mode == TlsMode::Off)
+        else {
+            return Ok(None);
+        };
+        let credentials = server::ServerTls::load(cert, key, self.tls_ca.as_deref())
+            .context("loading the TLS certificate")?;
+        Ok(Some(server::TlsConfig {
+            credentials,
+            required: mode == TlsMode::Require,
+        }))
     }
 }
 
@@ -295,17 +390,22 @@ fn listen_all(
     running: &Arc<Running>,
 ) -> Result<(Vec<server::ServerHandle>, server::UnixSocketFile)> {
     let server_cfg = cfg.server_config()?;
+    let tls = cfg.tls_config()?;
     let mut binds = vec![server::BindAddr::Unix(cfg.socket())];
     if let Some(t) = &cfg.tcp {
         binds.push(server::BindAddr::Tcp(parse_tcp(t)?));
     }
     let mut handles = Vec::new();
     for b in &binds {
+        let mut bind_cfg = server_cfg.clone();
         let what = match b {
             server::BindAddr::Unix(p) => p.display().to_string(),
-            server::BindAddr::Tcp(a) => format!("tcp {a}"),
+            server::BindAddr::Tcp(a) => {
+                bind_cfg.tls = tls.clone();
+                format!("tcp {a}")
+            }
         };
-        match server::start(b, running.exports.clone(), server_cfg.clone()) {
+        match server::start(b, running.exports.clone(), bind_cfg) {
             Ok(h) => handles.push(h),
             Err(e) => {
                 handles.into_iter().for_each(server::ServerHandle::shutdown);
@@ -557,7 +657,7 @@ fn run(
         cfg.admin().display(),
         cfg.tcp
             .as_ref()
-            .map(|t| format!(", tcp {t}"))
+            .map(|t| format!(", tcp {t} (TLS {})", cfg.tls_mode()))
             .unwrap_or_default()
     );
     std::thread::scope(|s| {

@@ -15,6 +15,12 @@
 //!   [`IN_FLIGHT_MAX`] until then;
 //! - a request is written whole under the writer lock; a send that fails or times out part
 //!   way breaks the link (the stream is no longer framed);
+//! - over TLS (`nbds://`), `NBD_OPT_STARTTLS` is the first option and its refusal (or a TLS
+//!   handshake that fails: an untrusted server certificate, a client certificate the server
+//!   refuses) fails the connection attempt; nothing is ever sent in clear after it. One TLS
+//!   session per connection is shared by the reading side and the senders under the rule of
+//!   `nbd_tls`: records are encrypted and sent under the writer lock, the session's own lock is
+//!   never held across a socket call;
 //! - an entry leaves the table only with its caller's outcome set, under the table's lock.
 //!
 //! Fault model: the server is untrusted (framing violations, unknown cookies, structured
@@ -28,6 +34,7 @@ use nbd_proto::{
     decode_reply, ClientConfig, ClientEvent, ClientHandshake, Command, CommandFlags, Decoded,
     Reply, Request, TransmissionFlags,
 };
+use nbd_tls::{ClientTls, Session, TlsReader};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::io::{self, BufReader, IoSlice, Read, Write};
@@ -151,6 +158,32 @@ fn set_tcp_user_timeout(s: &TcpStream, timeout: Duration) {
     }
 }
 
+/// A connection the handshake left in transmission: its socket, and its TLS session (with
+/// the reading side's state) when TLS was started.
+pub(super) struct Opened {
+    sock: Sock,
+    tls: Option<TlsReader<Sock>>,
+}
+
+/// The reading side of a connection: the socket, or TLS over it.
+#[derive(Debug)]
+pub(super) enum Incoming {
+    Plain(Sock),
+    Tls(TlsReader<Sock>),
+}
+
+impl Read for Incoming {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Incoming::Plain(s) => s.read(buf),
+            Incoming::Tls(r) => r.read(buf),
+        }
+    }
+}
+
+/// What the connection's thread reads replies from.
+pub(super) type Replies = BufReader<Incoming>;
+
 /// What the handshake settled; a reconnection must find the same.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Export {
@@ -159,6 +192,23 @@ pub(super) struct Export {
     /// Largest request sent: the server's maximum block size, at most 32 MiB, a multiple of
     /// 512.
     pub max_request_bytes: u64,
+}
+
+/// An error reading the NBD handshake over TLS. With TLS 1.3 the server checks the client's
+/// certificate after the client has finished its TLS handshake, so a refused certificate
+/// shows up here, as an alert or a connection the server just closed.
+fn after_tls(e: io::Error) -> io::Error {
+    if e.kind() == io::ErrorKind::WouldBlock {
+        return e; // a timeout, reported as such
+    }
+    io::Error::new(
+        e.kind(),
+        format!(
+            "after the TLS handshake: {e} (a server that requires a client certificate ends \
+             the connection here if it does not accept ours: see tls-certificates, tls-cert \
+             and tls-key)"
+        ),
+    )
 }
 
 /// A handshake read or send that found nothing for `timeout` reports `WouldBlock`.
@@ -173,14 +223,15 @@ fn handshake_error(e: io::Error, timeout: Duration) -> io::Error {
     }
 }
 
-/// Connects and negotiates the export (simple replies only); each step waits at most
-/// `timeout`. `connected` sees the socket before the handshake starts (so a closing device
-/// can shut it down) and may refuse to go on.
+/// Connects and negotiates the export (simple replies only), over TLS with `tls`; each step
+/// waits at most `timeout`. `connected` sees the socket before the handshake starts (so a
+/// closing device can shut it down) and may refuse to go on.
 pub(super) fn open(
     target: &Target,
+    tls: Option<&ClientTls>,
     timeout: Duration,
     connected: impl FnOnce(&Sock) -> io::Result<()>,
-) -> io::Result<(Sock, Export)> {
+) -> io::Result<(Opened, Export)> {
     let mut sock = Sock::connect(target, timeout)?;
     connected(&sock)?;
     sock.set_timeouts(Some(timeout), Some(timeout))?;
@@ -192,22 +243,44 @@ pub(super) fn open(
         structured_replies: false,
         meta_contexts: Vec::new(),
     });
+    if tls.is_some() {
+        hs = hs.with_starttls();
+    }
+    let mut reader: Option<TlsReader<Sock>> = None;
     let negotiated = loop {
         let event = hs.poll().map_err(io::Error::from)?;
-        sock.write_all(&hs.take_output())
-            .map_err(|e| handshake_error(e, timeout))?;
+        let out = hs.take_output();
+        match &reader {
+            None => sock.write_all(&out),
+            Some(r) => r.session().write_all(&mut sock, &[&out]),
+        }
+        .map_err(|e| handshake_error(e, timeout))?;
         match event {
             ClientEvent::Done(n) => break n,
+            ClientEvent::StartTls => {
+                let tls = tls.expect("STARTTLS is sent only with TLS settings");
+                let session = Arc::new(Session::client(tls)?);
+                let mut r = TlsReader::new(session, sock.try_clone()?, &[]);
+                r.handshake(&mut sock).map_err(|e| {
+                    let e = handshake_error(e, timeout);
+                    io::Error::new(e.kind(), format!("TLS handshake: {e}"))
+                })?;
+                log::debug!("TLS with {}: {}", tls.server_name(), r.session().describe());
+                reader = Some(r);
+            }
             ClientEvent::NeedInput => {
                 let mut buf = [0u8; 4096];
-                let got = sock
-                    .read(&mut buf)
-                    .map_err(|e| handshake_error(e, timeout))?;
+                let got = match &mut reader {
+                    None => sock.read(&mut buf),
+                    Some(r) => r.read(&mut buf).map_err(after_tls),
+                }
+                .map_err(|e| handshake_error(e, timeout))?;
                 if got == 0 {
-                    return Err(io::Error::new(
+                    let e = io::Error::new(
                         io::ErrorKind::UnexpectedEof,
                         "the server closed the connection during the handshake",
-                    ));
+                    );
+                    return Err(if reader.is_some() { after_tls(e) } else { e });
                 }
                 hs.feed(&buf[..got]);
             }
@@ -228,7 +301,7 @@ pub(super) fn open(
         .unwrap_or(REQUEST_BYTES_MAX)
         .clamp(4096, REQUEST_BYTES_MAX);
     Ok((
-        sock,
+        Opened { sock, tls: reader },
         Export {
             size: negotiated.size_bytes,
             flags: negotiated.flags,
@@ -316,6 +389,8 @@ pub(super) struct Link {
     /// Shut down to end the reading side's wait and every send.
     sock: Sock,
     writer: Mutex<Sock>,
+    /// The TLS session, when TLS was started: requests are encrypted under the writer lock.
+    tls: Option<Arc<Session>>,
     pending: Mutex<Pending>,
     room: Condvar,
 }
@@ -343,11 +418,18 @@ pub(super) fn lost_writes(uri: &str) -> io::Error {
 }
 
 impl Link {
-    /// A link over an open socket, and the reading side for the connection's thread.
-    pub(super) fn new(sock: Sock) -> io::Result<(Arc<Link>, BufReader<Sock>)> {
-        let reader = BufReader::with_capacity(READ_BUFFER_BYTES, sock.try_clone()?);
+    /// A link over an open connection, and the reading side for the connection's thread.
+    pub(super) fn new(opened: Opened) -> io::Result<(Arc<Link>, Replies)> {
+        let Opened { sock, tls } = opened;
+        let session = tls.as_ref().map(|r| Arc::clone(r.session()));
+        let incoming = match tls {
+            None => Incoming::Plain(sock.try_clone()?),
+            Some(reader) => Incoming::Tls(reader),
+        };
+        let reader = BufReader::with_capacity(READ_BUFFER_BYTES, incoming);
         let link = Link {
             writer: Mutex::new(sock.try_clone()?),
+            tls: session,
             sock,
             pending: Mutex::new(Pending::default()),
             room: Condvar::new(),
@@ -372,7 +454,12 @@ impl Link {
                 length: 0,
             }
             .encode(&mut out);
-            let _ = w.write_all(&out);
+            if send(&mut w, self.tls.as_deref(), &out, &[]).is_ok() {
+                if let Some(session) = &self.tls {
+                    // The spec: the client ends TLS after NBD_CMD_DISC.
+                    let _ = session.close(&mut *w);
+                }
+            }
         }
         self.shutdown();
     }
@@ -436,7 +523,7 @@ impl Link {
         .encode(&mut header);
         match self.writer.try_lock_until(deadline) {
             Some(mut w) => {
-                if send(&mut w, &header, payload).is_err() {
+                if send(&mut w, self.tls.as_deref(), &header, payload).is_err() {
                     // Part of the request may be on the wire: the stream is no longer framed.
                     // The reading side then answers every request in flight, this one too.
                     drop(w);
@@ -488,7 +575,7 @@ impl Link {
     /// connection fails; returns why.
     pub(super) fn read_replies(
         &self,
-        r: &mut BufReader<Sock>,
+        r: &mut Replies,
         durability: &Mutex<Durability>,
         uri: &str,
     ) -> io::Error {
@@ -501,7 +588,7 @@ impl Link {
 
     fn read_reply(
         &self,
-        r: &mut BufReader<Sock>,
+        r: &mut Replies,
         durability: &Mutex<Durability>,
         uri: &str,
     ) -> io::Result<()> {
@@ -607,8 +694,12 @@ impl Link {
     }
 }
 
-/// Writes a request header and its payload, in one `writev` when the socket takes it.
-fn send(w: &mut Sock, header: &[u8], payload: &[u8]) -> io::Result<()> {
+/// Writes a request header and its payload, in one `writev` when the socket takes it, or
+/// encrypted through `tls`.
+fn send(w: &mut Sock, tls: Option<&Session>, header: &[u8], payload: &[u8]) -> io::Result<()> {
+    if let Some(session) = tls {
+        return session.write_all(w, &[header, payload]);
+    }
     let n = loop {
         match w.write_vectored(&[IoSlice::new(header), IoSlice::new(payload)]) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),

@@ -2,10 +2,12 @@
 //! side of `nbd-proto`. Used for remote backing devices and by the demo and benchmarks to
 //! drive a server through a real NBD connection.
 //!
-//! URIs: `nbd+unix:///NAME?socket=PATH` and `nbd://HOST[:PORT]/NAME` (port 10809 by default),
-//! with optional query parameters `connections=N` (1–16, default 4; used only when the server
-//! advertises multi-conn) and `timeout=SECS` (1–3600, default 30). [`NbdDevice::connect_with`]
-//! takes the same as [`NbdOptions`] (the URI's parameters win).
+//! URIs: `nbd+unix:///NAME?socket=PATH`, `nbd://HOST[:PORT]/NAME` (port 10809 by default) and
+//! `nbds://HOST[:PORT]/NAME?tls-certificates=DIR` (TLS; see [`uri`] for `tls-ca`, `tls-cert`,
+//! `tls-key`, `tls-hostname`), with optional query parameters `connections=N` (1–16, default
+//! 4; used only when the server advertises multi-conn) and `timeout=SECS` (1–3600, default
+//! 30). [`NbdDevice::connect_with`] takes the same as [`NbdOptions`] (the URI's parameters
+//! win). TLS credentials are read once, at connect; reconnections use them again.
 //!
 //! Owns: the connections to one export ([`link`]), one thread per connection that reads its
 //! replies and reconnects it, and the durability bookkeeping ([`durability`]).
@@ -53,15 +55,15 @@ mod link;
 mod uri;
 
 use uri::CONNECTIONS_MAX;
-pub use uri::{parse_uri, NbdOptions, Target};
+pub use uri::{is_nbd_uri, parse_uri, NbdOptions, Target, TlsParams};
 
 use crate::{check_range, BlockDevice};
 use durability::Durability;
-use link::{Export, Link, Outcome, Req, Sock, Waited};
+use link::{Export, Link, Outcome, Replies, Req, Sock, Waited};
 use nbd_proto::{Command, TransmissionFlags};
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
-use std::io::{self, BufReader};
+use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -86,6 +88,8 @@ pub struct NbdDevice {
 struct Shared {
     uri: String,
     target: Target,
+    /// The TLS settings of an `nbds://` URI, loaded at connect.
+    tls: Option<nbd_tls::ClientTls>,
     options: NbdOptions,
     export: Export,
     /// One slot per connection, `None` while it reconnects.
@@ -127,7 +131,12 @@ impl NbdDevice {
         );
         let (target, options) = parse_uri(uri, options)?;
         let context = |e: io::Error| io::Error::new(e.kind(), format!("{uri}: {e}"));
-        let (sock, export) = link::open(&target, options.timeout, |_| Ok(())).map_err(context)?;
+        let tls = match &target {
+            Target::Tcp { tls: Some(t), .. } => Some(t.load().map_err(context)?),
+            _ => None,
+        };
+        let (sock, export) =
+            link::open(&target, tls.as_ref(), options.timeout, |_| Ok(())).map_err(context)?;
         let count = if export.flags.contains(TransmissionFlags::CAN_MULTI_CONN) {
             options.connections
         } else {
@@ -136,7 +145,7 @@ impl NbdDevice {
         let mut socks = vec![sock];
         while socks.len() < count {
             let (sock, other) =
-                link::open(&target, options.timeout, |_| Ok(())).map_err(context)?;
+                link::open(&target, tls.as_ref(), options.timeout, |_| Ok(())).map_err(context)?;
             if other != export {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
@@ -152,6 +161,7 @@ impl NbdDevice {
         let shared = Arc::new(Shared {
             uri: uri.to_string(),
             target,
+            tls,
             options,
             export,
             links: Mutex::new(links.iter().map(|(l, _)| Some(l.clone())).collect()),
@@ -319,20 +329,25 @@ impl Shared {
     }
 
     /// Reconnects connection `index`, with backoff, until it works or the device closes.
-    fn reconnect(&self, index: usize) -> Option<(Arc<Link>, BufReader<Sock>)> {
+    fn reconnect(&self, index: usize) -> Option<(Arc<Link>, Replies)> {
         let mut delay = BACKOFF_MIN;
         for attempt in 1u64.. {
             if self.sleep_unless_closed(delay) {
                 return None;
             }
-            let opened = link::open(&self.target, self.options.timeout, |sock| {
-                let mut connecting = self.connecting.lock();
-                if self.closed.load(Ordering::SeqCst) {
-                    return Err(io::Error::new(io::ErrorKind::NotConnected, "closed"));
-                }
-                connecting.insert(index, sock.try_clone()?);
-                Ok(())
-            });
+            let opened = link::open(
+                &self.target,
+                self.tls.as_ref(),
+                self.options.timeout,
+                |sock| {
+                    let mut connecting = self.connecting.lock();
+                    if self.closed.load(Ordering::SeqCst) {
+                        return Err(io::Error::new(io::ErrorKind::NotConnected, "closed"));
+                    }
+                    connecting.insert(index, sock.try_clone()?);
+                    Ok(())
+                },
+            );
             self.connecting.lock().remove(&index);
             let linked = opened.and_then(|(sock, export)| {
                 if export != self.export {
@@ -433,12 +448,7 @@ impl Drop for Live {
 
 /// A connection's thread: reads replies; when the connection breaks, answers the requests in
 /// flight (see the reconnect rule) and reconnects; exits when the device closes.
-fn run_connection(
-    shared: Arc<Shared>,
-    index: usize,
-    mut link: Arc<Link>,
-    mut reader: BufReader<Sock>,
-) {
+fn run_connection(shared: Arc<Shared>, index: usize, mut link: Arc<Link>, mut reader: Replies) {
     let live = Live(shared);
     let shared = &live.0;
     loop {

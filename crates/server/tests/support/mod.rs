@@ -267,6 +267,49 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
 pub trait Io: io::Read + io::Write + Send {}
 impl<T: io::Read + io::Write + Send> Io for T {}
 
+/// Turns a connection into TLS after `NBD_OPT_STARTTLS` was acknowledged.
+pub type Upgrade = Box<dyn FnOnce() -> io::Result<Box<dyn Io>>>;
+
+/// A TLS client stream for [`RawClient`]: reads through the session's reader, writes through
+/// the session (one thread, so no write lock is needed).
+pub struct TlsIo<S: io::Read> {
+    reader: nbd_tls::TlsReader<S>,
+    writer: S,
+}
+
+impl<S: io::Read + io::Write + Send + 'static> TlsIo<S> {
+    /// The client side of TLS over a socket (two handles to it), handshake done.
+    pub fn connect(reader: S, mut writer: S, tls: &nbd_tls::ClientTls) -> io::Result<TlsIo<S>> {
+        let session = Arc::new(nbd_tls::Session::client(tls)?);
+        let mut reader = nbd_tls::TlsReader::new(session, reader, &[]);
+        reader.handshake(&mut writer)?;
+        Ok(TlsIo { reader, writer })
+    }
+
+    /// An [`Upgrade`] to TLS over `socket`.
+    pub fn upgrade(socket: S, clone: S, tls: nbd_tls::ClientTls) -> Upgrade {
+        Box::new(move || Ok(Box::new(TlsIo::connect(socket, clone, &tls)?) as Box<dyn Io>))
+    }
+}
+
+impl<S: io::Read> io::Read for TlsIo<S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.reader.read(buf)
+    }
+}
+
+impl<S: io::Read + io::Write> io::Write for TlsIo<S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.reader
+            .session()
+            .write_all(&mut self.writer, &[buf])
+            .map(|()| buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A minimal NBD client built on `nbd-proto`'s client side, for tests that need exact control
 /// over the bytes on the wire.
 pub struct RawClient {
@@ -282,10 +325,17 @@ impl RawClient {
         Self::handshake(Box::new(stream), export, structured)
     }
 
-    pub fn handshake(
+    pub fn handshake(stream: Box<dyn Io>, export: &str, structured: bool) -> io::Result<RawClient> {
+        Self::handshake_upgrading(stream, export, structured, None)
+    }
+
+    /// The handshake; with `upgrade`, `NBD_OPT_STARTTLS` comes first and, once acknowledged,
+    /// `upgrade` gives the stream to use from then on (TLS over the same socket).
+    pub fn handshake_upgrading(
         mut stream: Box<dyn Io>,
         export: &str,
         structured: bool,
+        mut upgrade: Option<Upgrade>,
     ) -> io::Result<RawClient> {
         use nbd_proto::{ClientConfig, ClientEvent, ClientHandshake};
         let mut hs = ClientHandshake::new(ClientConfig {
@@ -293,16 +343,27 @@ impl RawClient {
             structured_replies: structured,
             meta_contexts: vec![nbd_proto::BASE_ALLOCATION.to_string()],
         });
+        if upgrade.is_some() {
+            hs = hs.with_starttls();
+        }
         let mut buf = [0u8; 4096];
         loop {
             let event = hs.poll().map_err(io::Error::from)?;
             stream.write_all(&hs.take_output())?;
-            if let ClientEvent::Done(negotiated) = event {
-                return Ok(RawClient {
-                    stream,
-                    input: negotiated.leftover.clone(),
-                    negotiated,
-                });
+            match event {
+                ClientEvent::Done(negotiated) => {
+                    return Ok(RawClient {
+                        stream,
+                        input: negotiated.leftover.clone(),
+                        negotiated,
+                    })
+                }
+                ClientEvent::StartTls => {
+                    let upgrade = upgrade.take().expect("STARTTLS only when asked for");
+                    stream = upgrade()?;
+                    continue;
+                }
+                ClientEvent::NeedInput => {}
             }
             let n = stream.read(&mut buf)?;
             if n == 0 {
