@@ -95,12 +95,25 @@ const REUSE_BYTES_MAX: usize = 256 * 1024;
 /// which the socket buffer normally takes at once).
 const CLOSE_NOTIFY_WAIT: Duration = Duration::from_secs(1);
 
-/// Serves one connection until it ends; errors are logged, never propagated.
+/// Serves one connection until it ends; errors are logged, never propagated. A client that
+/// hung up (its socket closed under a reply, as `nbdinfo` does after NBD_OPT_ABORT) is a normal
+/// end, logged at debug level like a clean close; anything else is worth an info line.
 pub(crate) fn serve(stream: &Arc<Stream>, id: u64, activity: &Activity, shared: &Shared) {
     match serve_inner(stream, id, activity, shared) {
         Ok(()) => log::debug!("connection {id} closed"),
+        Err(err) if client_hung_up(&err) => log::debug!("connection {id} closed: {err}"),
         Err(err) => log::info!("connection {id} ended: {err}"),
     }
+}
+
+/// Whether an error only says that the client closed its end.
+fn client_hung_up(err: &io::Error) -> bool {
+    matches!(
+        err.kind(),
+        io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+    )
 }
 
 /// Names a passed deadline in an error.

@@ -1,11 +1,14 @@
 //! The admin protocol: live control of a running `tiercache serve` over a unix socket.
 //!
 //! One JSON object per line each way. A request names a command (`status`, `stats`, `set`,
-//! `detach`, `attach`, `readmit`, `degrade`, `stop`); the reply is `{"ok": true, ...}` or
-//! `{"ok": false, "error": "..."}`. Long operations (detach) first send progress lines
-//! `{"progress": {...}}`. `status` and `stats` carry the cache device's health (`ok` or
-//! `degraded`, why and since when, failure counts, latency estimates); `readmit` and
-//! `degrade` reply with it as it is after the change.
+//! `detach`, `attach`, `resize`, `readmit`, `degrade`, `stop`); the reply is
+//! `{"ok": true, ...}` or `{"ok": false, "error": "..."}`. Long operations (detach) first send
+//! progress lines `{"progress": {...}}`. `status` and `stats` carry the cache device's health
+//! (`ok` or `degraded`, why and since when, failure counts, latency estimates), each volume's
+//! knobs, and its writeback state and rate (measured by `writeback_meter`); `readmit` and
+//! `degrade` reply with the health as it is after the change, `set` with the knob's value as
+//! applied. `stop` replies with the server's pid and then keeps the connection open until the
+//! process exits, so a client that waits for end-of-file knows the server is gone.
 //! A server running without its cache device (`serve --without-cache-if-missing`) answers
 //! `status` with the volumes it serves directly and why the cache device is not in use, and
 //! `stop`; every other command needs the cache set and gets an error saying so.
@@ -17,8 +20,10 @@
 //! and closed after `ADMIN_IDLE_TIMEOUT` of silence; at the limit a newcomer displaces the
 //! connection idle longest, so a flood of admin connections costs a bounded number of threads
 //! and descriptors and cannot lock the operator out; a stuck client cannot block the others.
+//! A connection that asked to `stop` stays open (and counted) until the process exits.
 
 use crate::units::parse_size;
+use crate::writeback_meter::{self, WritebackMeter};
 use anyhow::{anyhow, bail, Context, Result};
 use engine::{CacheMode, CacheSet, DevStatus, Knob, Volume};
 use serde_json::{json, Value};
@@ -115,6 +120,12 @@ pub fn status_json(s: &DevStatus, name: &str) -> Value {
         "writeback_delay": s.knobs.writeback_delay_secs,
         "writeback_running": s.knobs.writeback_running,
         "writeback_rate": s.writeback.describe(),
+        "writeback_state": writeback_meter::state(s),
+        "writeback_error": s.writeback_error.as_ref().map(|e| json!({
+            "error": e.error,
+            "since_unix": e.since_unix,
+            "failures": e.failures,
+        })),
         "label": s.knobs.label,
         "stats_total": stats(&s.stats.total),
         "stats_five_minute": stats(&s.stats.five_minute),
@@ -159,7 +170,12 @@ fn cache_json(set: &CacheSet) -> Value {
 }
 
 /// Handles one request; `send` writes intermediate lines (progress).
-fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result<Value> {
+fn handle(
+    ctl: &dyn Control,
+    meter: &WritebackMeter,
+    req: &Value,
+    send: &mut dyn FnMut(Value),
+) -> Result<Value> {
     let field = |k: &str| {
         req.get(k)
             .and_then(Value::as_str)
@@ -176,7 +192,13 @@ fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result
             let devices: Vec<Value> = set
                 .volumes()
                 .iter()
-                .map(|v| status_json(&v.status(), &v.name()))
+                .map(|v| {
+                    let s = v.status();
+                    let mut d = status_json(&s, &v.name());
+                    d["writeback_bytes_per_sec"] =
+                        json!(meter.bytes_per_sec(s.uuid, s.stats.total.writeback_bytes));
+                    d
+                })
                 .collect();
             Ok(json!({
                 "ok": true,
@@ -217,11 +239,18 @@ fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result
         "set" => {
             let set = set()?;
             let vol = find(set, field("device")?)?;
-            set_knob(&vol, field("knob")?, field("value")?)?;
-            if field("knob")? == "label" {
+            let knob = field("knob")?;
+            set_knob(&vol, knob, field("value")?)?;
+            if knob == "label" {
                 ctl.volumes_changed();
             }
-            Ok(json!({"ok": true}))
+            Ok(json!({
+                "ok": true,
+                "device": vol.name(),
+                "knob": knob,
+                // As `status` reports it: sizes in bytes, booleans as booleans.
+                "value": status_json(&vol.status(), &vol.name())[knob],
+            }))
         }
         "detach" => {
             let set = set()?;
@@ -246,17 +275,40 @@ fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result
             ctl.volumes_changed();
             Ok(json!({"ok": true, "name": vol.name()}))
         }
+        "resize" => {
+            let set = set()?;
+            let vol = find(set, field("device")?)?;
+            let old = vol.size_bytes();
+            let new = grow(&vol)?;
+            if new != old {
+                log::info!("export '{}': resized from {old} to {new} bytes", vol.name());
+            }
+            // Clients that connect from now on are told the new size (the export reads it at
+            // every handshake); connected ones keep the size they negotiated.
+            Ok(json!({
+                "ok": true,
+                "device": vol.name(),
+                "old_size_bytes": old,
+                "size_bytes": new,
+            }))
+        }
         "stop" => {
             ctl.stop();
-            Ok(json!({"ok": true}))
+            Ok(json!({"ok": true, "pid": std::process::id()}))
         }
         other => {
             bail!(
                 "unknown command '{other}' (commands: status, stats, set, detach, attach, \
-                 readmit, degrade, stop)"
+                 resize, readmit, degrade, stop)"
             )
         }
     }
+}
+
+/// Re-reads the size of a volume's backing device and takes in what it grew by (the backing
+/// header records the new size); returns the volume's size after it.
+fn grow(vol: &Volume) -> Result<u64> {
+    Ok(vol.resize()?)
 }
 
 /// Most admin connections served at once. A newcomer over the limit closes the connection
@@ -317,6 +369,7 @@ fn mark(conns: &SharedConns, id: u64, idle: bool) -> bool {
 
 fn serve_conn(
     ctl: &dyn Control,
+    meter: &WritebackMeter,
     stream: UnixStream,
     conns: &SharedConns,
     id: u64,
@@ -336,8 +389,9 @@ fn serve_conn(
         }
         // Progress lines go out as they come; a failed write ends the connection afterwards.
         let mut progress_result = Ok(());
-        let reply = match serde_json::from_str::<Value>(&line) {
-            Ok(req) => handle(ctl, &req, &mut |v| {
+        let req = serde_json::from_str::<Value>(&line);
+        let reply = match &req {
+            Ok(req) => handle(ctl, meter, req, &mut |v| {
                 if progress_result.is_ok() {
                     progress_result = writeln!(writer, "{v}");
                 }
@@ -345,8 +399,17 @@ fn serve_conn(
             Err(e) => Err(anyhow!("malformed request: {e}")),
         };
         progress_result?;
+        let stopping = reply.is_ok() && req.is_ok_and(|r| r["cmd"] == "stop");
         let reply = reply.unwrap_or_else(|e| json!({"ok": false, "error": format!("{e:#}")}));
         writeln!(writer, "{reply}")?;
+        if stopping {
+            // Hold the connection (reading nothing, so no idle timeout) until the process
+            // exits and the kernel closes it: the client's end-of-file means "stopped".
+            let _held = (reader, writer);
+            loop {
+                std::thread::park();
+            }
+        }
     }
 }
 
@@ -354,6 +417,19 @@ fn serve_conn(
 /// at most `ADMIN_CONNECTIONS_MAX` of them (see [`admit`]).
 pub fn listen(listener: UnixListener, ctl: Arc<dyn Control>) -> Result<()> {
     let conns = SharedConns::default();
+    let meter = Arc::new(WritebackMeter::default());
+    if ctl.without_cache().is_none() {
+        // Served without the cache device there is no writeback to measure, for good.
+        let (sampler_ctl, sampler_meter) = (ctl.clone(), meter.clone());
+        std::thread::Builder::new()
+            .name("tc-wb-meter".into())
+            .spawn(move || loop {
+                if let Ok(set) = sampler_ctl.set("writeback sampling") {
+                    sampler_meter.sample(set);
+                }
+                std::thread::sleep(writeback_meter::SAMPLE_INTERVAL);
+            })?;
+    }
     std::thread::Builder::new()
         .name("tc-admin".into())
         .spawn(move || {
@@ -372,11 +448,12 @@ pub fn listen(listener: UnixListener, ctl: Arc<dyn Control>) -> Result<()> {
                     continue;
                 };
                 let ctl = ctl.clone();
+                let meter = meter.clone();
                 let thread_conns = conns.clone();
                 let spawned = std::thread::Builder::new()
                     .name("tc-admin-conn".into())
                     .spawn(move || {
-                        if let Err(e) = serve_conn(&*ctl, stream, &thread_conns, id) {
+                        if let Err(e) = serve_conn(&*ctl, &meter, stream, &thread_conns, id) {
                             log::debug!("admin connection: {e}");
                         }
                         lock(&thread_conns).open.remove(&id);
@@ -407,9 +484,19 @@ fn refuse_busy(mut stream: UnixStream) {
 
 /// Client side: sends one request, calls `progress` for progress lines, returns the reply.
 pub fn request(path: &Path, req: &Value, progress: &mut dyn FnMut(&Value)) -> Result<Value> {
+    exchange(path, req, progress).map(|(v, _)| v)
+}
+
+/// Like [`request`], also returning the connection, to wait for the server to close it.
+pub fn exchange(
+    path: &Path,
+    req: &Value,
+    progress: &mut dyn FnMut(&Value),
+) -> Result<(Value, BufReader<UnixStream>)> {
     let mut stream = UnixStream::connect(path).with_context(|| {
         format!(
-            "connecting to {} (is `tiercache serve` running? use --admin to name its socket)",
+            "connecting to {} (is `tiercache serve` running? name its admin socket with \
+             --admin, --config or TIERCACHE_ADMIN)",
             path.display()
         )
     })?;
@@ -426,7 +513,7 @@ pub fn request(path: &Path, req: &Value, progress: &mut dyn FnMut(&Value)) -> Re
             continue;
         }
         if v.get("ok") == Some(&json!(true)) {
-            return Ok(v);
+            return Ok((v, reader));
         }
         bail!(
             "{}",

@@ -1,15 +1,60 @@
-//! Client side of the admin commands: `status`, `stats`, `set`, `detach`, `attach`,
-//! `readmit`, `degrade`, `stop`.
-//! Each sends one request to the running server's admin socket and prints the answer.
+//! Client side of the admin commands: `status`, `stats`, `get`, `set`, `detach`, `attach`,
+//! `resize`, `readmit`, `degrade`, `stop`. Each sends one request to the running server's
+//! admin socket and prints the answer: text for people, or with `--json` the server's reply
+//! as one JSON document on stdout (progress lines, if any, go to stderr either way).
+//!
+//! Which admin socket: `--admin PATH`, else the `admin` (or `socket` + ".admin") of the
+//! `serve` configuration named by `--config`, else `$TIERCACHE_ADMIN`, else that of
+//! `/etc/tiercache/tiercache.toml` if the file exists (the systemd unit's), else
+//! `/tmp/tiercache.sock.admin` (`serve`'s default).
 //!
 //! Invariant: printing only; every decision is the server's (so the CLI and the admin API
-//! cannot disagree).
+//! cannot disagree). The one exception is waiting: `stop` returns once the server process has
+//! exited (it holds the admin connection open until then), unless told not to wait.
 
-use crate::admin::request;
+use crate::admin::{exchange, request};
 use crate::units::{human, iso_utc, span};
-use anyhow::Result;
+use anyhow::{anyhow, bail, Result};
 use serde_json::{json, Value};
-use std::path::Path;
+use std::ffi::OsString;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Environment variable naming the admin socket.
+pub const ADMIN_ENV: &str = "TIERCACHE_ADMIN";
+/// The configuration the systemd unit in contrib/systemd serves with.
+pub const SYSTEM_CONFIG: &str = "/etc/tiercache/tiercache.toml";
+
+/// Where to send admin requests, and how to print the answers.
+pub struct Admin {
+    pub socket: PathBuf,
+    pub json: bool,
+}
+
+/// Finds the admin socket (see the module comment for the order).
+pub fn admin_socket(
+    admin: Option<&Path>,
+    config: Option<&Path>,
+    env: Option<OsString>,
+    system_config: &Path,
+) -> Result<PathBuf> {
+    if let Some(a) = admin {
+        return Ok(a.to_path_buf());
+    }
+    if let Some(c) = config {
+        return Ok(crate::serve::ServeConfig::from_file(c)?.admin());
+    }
+    if let Some(e) = env.filter(|e| !e.is_empty()) {
+        return Ok(PathBuf::from(e));
+    }
+    if system_config.exists() {
+        return Ok(crate::serve::ServeConfig::from_file(system_config)?.admin());
+    }
+    Ok(crate::serve::admin_for(Path::new(
+        crate::serve::DEFAULT_SOCKET,
+    )))
+}
 
 fn num(v: &Value, k: &str) -> u64 {
     v.get(k).and_then(Value::as_u64).unwrap_or(0)
@@ -19,33 +64,94 @@ fn text<'a>(v: &'a Value, k: &str) -> &'a str {
     v.get(k).and_then(Value::as_str).unwrap_or("?")
 }
 
-pub fn status(admin: &Path, as_json: bool) -> Result<()> {
-    let r = request(admin, &json!({"cmd": "status"}), &mut |_| {})?;
-    if as_json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
-        return Ok(());
+fn print_json(v: &Value) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+/// A size as `set` accepts it back, exact: "4M", "512k", "1000".
+fn size_knob(bytes: u64) -> String {
+    for (shift, suffix) in [(30, "G"), (20, "M"), (10, "k")] {
+        if bytes != 0 && bytes.is_multiple_of(1 << shift) {
+            return format!("{}{suffix}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
+}
+
+/// A knob's value from a `status` device entry, as `set` accepts it back.
+fn knob_text(d: &Value, knob: &str) -> String {
+    match (knob, &d[knob]) {
+        (_, Value::Null) => "-".into(),
+        ("sequential_cutoff", v) => v.as_u64().map_or_else(|| v.to_string(), size_knob),
+        (_, Value::Bool(b)) => if *b { "on" } else { "off" }.into(),
+        (_, Value::String(s)) => s.clone(),
+        (_, v) => v.to_string(),
+    }
+}
+
+/// Knobs that the device table does not already show (mode) or name (label).
+const KNOBS_BESIDE_TABLE: [&str; 4] = [
+    "sequential_cutoff",
+    "writeback_percent",
+    "writeback_delay",
+    "writeback_running",
+];
+
+/// Writeback as an operator reads it: paused, failing, idle, delayed, or the rate in MB/s.
+fn writeback_text(d: &Value) -> String {
+    match text(d, "writeback_state") {
+        "running" => format!("{:.1} MB/s", num(d, "writeback_bytes_per_sec") as f64 / 1e6),
+        s => s.to_string(),
+    }
+}
+
+fn pct(part: u64, total: u64) -> f64 {
+    if total == 0 {
+        0.0
+    } else {
+        part as f64 * 100.0 / total as f64
+    }
+}
+
+/// The cache device's space: four parts that add up to its size, then bcache's in_use
+/// (a bucket count, which is what made "in_use 96 %" beside "0 B dirty, 0 B clean" puzzling).
+fn print_occupancy(c: &Value) {
+    let total = num(c, "total_bytes");
+    println!("cache set {}: {}", text(c, "set_uuid"), human(total));
+    for (what, k) in [
+        ("dirty", "dirty_bytes"),
+        ("clean", "clean_bytes"),
+        ("unused", "unused_bytes"),
+        ("metadata", "metadata_bytes"),
+    ] {
+        let v = num(c, k);
+        println!("  {what:<9} {:>10} {:>6.1} %", human(v), pct(v, total));
+    }
+    println!(
+        "  in_use {} % of buckets (bcache's figure: buckets not on the free list, also those \
+         partly\n  filled or holding stale data, whose free and stale space counts as unused)",
+        num(c, "in_use")
+    );
+}
+
+pub fn status(a: &Admin) -> Result<()> {
+    let r = request(&a.socket, &json!({"cmd": "status"}), &mut |_| {})?;
+    if a.json {
+        return print_json(&r);
     }
     if let Some(w) = r.get("without_cache") {
         return status_without_cache(w, &r);
     }
-    let c = &r["cache"];
-    println!(
-        "cache set {}: in_use {}%, {} dirty, {} clean, {} unused, {} metadata",
-        text(c, "set_uuid"),
-        num(c, "in_use"),
-        human(num(c, "dirty_bytes")),
-        human(num(c, "clean_bytes")),
-        human(num(c, "unused_bytes")),
-        human(num(c, "metadata_bytes"))
-    );
+    print_occupancy(&r["cache"]);
     print_health(&r["health"]);
     println!(
-        "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6} {:>9}",
+        "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6} {:>10}",
         "DEVICE", "SIZE", "MODE", "STATE", "DIRTY", "CACHED", "HIT%", "WRITEBACK"
     );
     for d in r["devices"].as_array().into_iter().flatten() {
         println!(
-            "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6} {:>9}",
+            "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6} {:>10}",
             text(d, "name"),
             human(num(d, "size_bytes")),
             text(d, "cache_mode"),
@@ -53,8 +159,21 @@ pub fn status(admin: &Path, as_json: bool) -> Result<()> {
             human(num(d, "dirty_bytes")),
             human(num(d, "cached_bytes")),
             num(&d["stats_total"], "cache_hit_ratio"),
-            text(d, "writeback_rate")
+            writeback_text(d)
         );
+        let knobs: Vec<String> = KNOBS_BESIDE_TABLE
+            .iter()
+            .map(|k| format!("{k} {}", knob_text(d, k)))
+            .collect();
+        println!("  {}", knobs.join(", "));
+        if let Some(e) = d.get("writeback_error").filter(|e| !e.is_null()) {
+            println!(
+                "  writeback failing since {} ({} passes): {}",
+                iso_utc(num(e, "since_unix")),
+                num(e, "failures"),
+                text(e, "error")
+            );
+        }
     }
     Ok(())
 }
@@ -120,11 +239,59 @@ fn status_without_cache(w: &Value, r: &Value) -> Result<()> {
     Ok(())
 }
 
-pub fn stats(admin: &Path, as_json: bool) -> Result<()> {
-    let r = request(admin, &json!({"cmd": "stats"}), &mut |_| {})?;
-    if as_json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+/// `tiercache get DEVICE [KNOB]`: the knobs of one device, from `status`.
+pub fn get(a: &Admin, device: &str, knob: Option<&str>) -> Result<()> {
+    let r = request(&a.socket, &json!({"cmd": "status"}), &mut |_| {})?;
+    let devices = r["devices"].as_array().cloned().unwrap_or_default();
+    let d = devices
+        .iter()
+        .find(|d| text(d, "name") == device || text(d, "uuid") == device)
+        .ok_or_else(|| {
+            let names: Vec<&str> = devices.iter().map(|d| text(d, "name")).collect();
+            anyhow!("no device named '{device}' (devices: {})", names.join(", "))
+        })?;
+    let names = engine::Knob::NAMES;
+    if let Some(k) = knob {
+        if !names.contains(&k) {
+            bail!("unknown knob '{k}' (knobs: {})", names.join(", "));
+        }
+        if a.json {
+            return print_json(&json!({"device": d["name"], "knob": k, "value": d[k]}));
+        }
+        println!("{}", knob_text(d, k));
         return Ok(());
+    }
+    if a.json {
+        let knobs: serde_json::Map<String, Value> = names
+            .iter()
+            .map(|k| (k.to_string(), d[*k].clone()))
+            .collect();
+        return print_json(&json!({"device": d["name"], "uuid": d["uuid"], "knobs": knobs}));
+    }
+    for k in names {
+        println!("{k:<18} {}", knob_text(d, k));
+    }
+    Ok(())
+}
+
+/// A counter of `stats` for people: sizes in binary units, the hit ratio in percent, counts
+/// as they are; with `bytes`, every value raw.
+fn stat_text(key: &str, v: u64, bytes: bool) -> String {
+    if bytes {
+        v.to_string()
+    } else if key.ends_with("_bytes") || key == "bypassed" {
+        human(v)
+    } else if key == "cache_hit_ratio" {
+        format!("{v} %")
+    } else {
+        v.to_string()
+    }
+}
+
+pub fn stats(a: &Admin, bytes: bool) -> Result<()> {
+    let r = request(&a.socket, &json!({"cmd": "stats"}), &mut |_| {})?;
+    if a.json {
+        return print_json(&r);
     }
     for d in r["devices"].as_array().into_iter().flatten() {
         println!("{} ({}):", text(d, "name"), text(d, "uuid"));
@@ -146,7 +313,7 @@ pub fn stats(admin: &Path, as_json: bool) -> Result<()> {
         for k in keys {
             print!("  {k:<24}");
             for w in windows {
-                print!(" {:>16}", num(&d[w], &k));
+                print!(" {:>16}", stat_text(&k, num(&d[w], &k), bytes));
             }
             println!();
         }
@@ -154,19 +321,27 @@ pub fn stats(admin: &Path, as_json: bool) -> Result<()> {
     Ok(())
 }
 
-pub fn set(admin: &Path, device: &str, knob: &str, value: &str) -> Result<()> {
-    request(
-        admin,
+pub fn set(a: &Admin, device: &str, knob: &str, value: &str) -> Result<()> {
+    let r = request(
+        &a.socket,
         &json!({"cmd": "set", "device": device, "knob": knob, "value": value}),
         &mut |_| {},
     )?;
-    println!("{device}: {knob} = {value}");
+    if a.json {
+        return print_json(&r);
+    }
+    let applied = json!({ knob: r["value"] });
+    println!(
+        "{}: {knob} = {}",
+        text(&r, "device"),
+        knob_text(&applied, knob)
+    );
     Ok(())
 }
 
-pub fn detach(admin: &Path, device: &str) -> Result<()> {
-    request(
-        admin,
+pub fn detach(a: &Admin, device: &str) -> Result<()> {
+    let r = request(
+        &a.socket,
         &json!({"cmd": "detach", "device": device}),
         &mut |p| {
             let (rem, total) = (num(p, "dirty_bytes"), num(p, "total_bytes"));
@@ -178,16 +353,22 @@ pub fn detach(admin: &Path, device: &str) -> Result<()> {
             );
         },
     )?;
+    if a.json {
+        return print_json(&r);
+    }
     println!("{device}: detached (all dirty data written back)");
     Ok(())
 }
 
-pub fn attach(admin: &Path, path: &Path) -> Result<()> {
+pub fn attach(a: &Admin, path: &Path) -> Result<()> {
     let r = request(
-        admin,
+        &a.socket,
         &json!({"cmd": "attach", "path": path.to_string_lossy()}),
         &mut |_| {},
     )?;
+    if a.json {
+        return print_json(&r);
+    }
     println!(
         "{}: attached, exported as '{}'",
         path.display(),
@@ -196,8 +377,34 @@ pub fn attach(admin: &Path, path: &Path) -> Result<()> {
     Ok(())
 }
 
-pub fn readmit(admin: &Path) -> Result<()> {
-    request(admin, &json!({"cmd": "readmit"}), &mut |_| {})?;
+pub fn resize(a: &Admin, device: &str) -> Result<()> {
+    let r = request(
+        &a.socket,
+        &json!({"cmd": "resize", "device": device}),
+        &mut |_| {},
+    )?;
+    if a.json {
+        return print_json(&r);
+    }
+    let (old, new) = (num(&r, "old_size_bytes"), num(&r, "size_bytes"));
+    if old == new {
+        println!("{}: size unchanged ({})", text(&r, "device"), human(new));
+    } else {
+        println!(
+            "{}: {} -> {} (clients that connect from now on see the new size)",
+            text(&r, "device"),
+            human(old),
+            human(new)
+        );
+    }
+    Ok(())
+}
+
+pub fn readmit(a: &Admin) -> Result<()> {
+    let r = request(&a.socket, &json!({"cmd": "readmit"}), &mut |_| {})?;
+    if a.json {
+        return print_json(&r);
+    }
     println!(
         "cache device re-admitted: volumes are served through the cache again \
          (its clean copies were dropped as stale)"
@@ -205,12 +412,15 @@ pub fn readmit(admin: &Path) -> Result<()> {
     Ok(())
 }
 
-pub fn degrade(admin: &Path, reason: &str) -> Result<()> {
+pub fn degrade(a: &Admin, reason: &str) -> Result<()> {
     let r = request(
-        admin,
+        &a.socket,
         &json!({"cmd": "degrade", "reason": reason}),
         &mut |_| {},
     )?;
+    if a.json {
+        return print_json(&r);
+    }
     let h = &r["health"];
     if r["already_degraded"] == json!(true) {
         println!(
@@ -227,8 +437,105 @@ pub fn degrade(admin: &Path, reason: &str) -> Result<()> {
     Ok(())
 }
 
-pub fn stop(admin: &Path) -> Result<()> {
-    request(admin, &json!({"cmd": "stop"}), &mut |_| {})?;
-    println!("server is stopping");
+/// How long a server that has closed its admin connection may take to disappear as a process.
+const EXIT_AFTER_CLOSE_MAX: Duration = Duration::from_secs(10);
+
+/// Whether process `pid` still runs (a zombie, exited but not yet reaped, does not).
+fn running(pid: u32) -> bool {
+    let Ok(pid_t) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    let exists = unsafe { libc::kill(pid_t, 0) } == 0
+        || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    if !exists {
+        return false;
+    }
+    // /proc/PID/stat: "PID (comm) STATE ..."; comm may hold spaces and parentheses.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_none_or(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+pub fn stop(a: &Admin, no_wait: bool) -> Result<()> {
+    let (mut r, mut conn) = exchange(&a.socket, &json!({"cmd": "stop"}), &mut |_| {})?;
+    let pid = r["pid"].as_u64().and_then(|p| u32::try_from(p).ok());
+    if !no_wait {
+        // The server holds this connection until its process exits: end-of-file (or a reset)
+        // means it is gone. Then make sure of it by its pid.
+        let mut sink = [0u8; 256];
+        while matches!(conn.read(&mut sink), Ok(n) if n > 0) {}
+        if let Some(pid) = pid {
+            let t = Instant::now();
+            while running(pid) {
+                if t.elapsed() > EXIT_AFTER_CLOSE_MAX {
+                    bail!("the server closed its admin socket, but its process {pid} still runs");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+    r["stopped"] = json!(!no_wait);
+    if a.json {
+        return print_json(&r);
+    }
+    let who = pid.map_or_else(String::new, |p| format!(" (pid {p})"));
+    if no_wait {
+        println!("server{who} is stopping");
+    } else {
+        println!("server{who} stopped");
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_admin_socket_comes_from_flag_config_env_system_config_default_in_that_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("c.toml");
+        std::fs::write(&cfg, "cache = \"/x\"\nsocket = \"/run/t/n.sock\"\n").unwrap();
+        let sys = dir.path().join("system.toml");
+        std::fs::write(&sys, "cache = \"/x\"\nadmin = \"/run/t/sys.admin\"\n").unwrap();
+        let none = dir.path().join("absent.toml");
+        let env = || Some(OsString::from("/env.admin"));
+        let flag = Some(Path::new("/flag.admin"));
+        let pick = |a, c, e, s: &Path| admin_socket(a, c, e, s).unwrap();
+        assert_eq!(
+            pick(flag, Some(&cfg), env(), &sys),
+            Path::new("/flag.admin")
+        );
+        assert_eq!(
+            pick(None, Some(&cfg), env(), &sys),
+            Path::new("/run/t/n.sock.admin")
+        );
+        assert_eq!(pick(None, None, env(), &sys), Path::new("/env.admin"));
+        assert_eq!(pick(None, None, None, &sys), Path::new("/run/t/sys.admin"));
+        assert_eq!(
+            pick(None, None, Some(OsString::new()), &none),
+            Path::new("/tmp/tiercache.sock.admin")
+        );
+        assert!(admin_socket(None, Some(&none), None, &none).is_err());
+    }
+
+    #[test]
+    fn sizes_print_as_set_reads_them() {
+        for (bytes, s) in [
+            (4 << 20, "4M"),
+            (512 << 10, "512k"),
+            (1000, "1000"),
+            (0, "0"),
+        ] {
+            assert_eq!(size_knob(bytes), s);
+            assert_eq!(crate::units::parse_size(s), Ok(bytes));
+        }
+        assert_eq!(stat_text("cache_read_bytes", 1536, false), "1.5 KiB");
+        assert_eq!(stat_text("cache_read_bytes", 1536, true), "1536");
+        assert_eq!(stat_text("cache_hits", 1536, false), "1536");
+    }
 }

@@ -85,13 +85,31 @@ pub fn run(dir: &Path, size: u64, no_serve: bool) -> Result<()> {
             "  sudo nbd-client -unix {} /dev/nbd0 -name {EXPORT}",
             socket.display()
         );
-        println!("Watch it:   tiercache status --admin {}", admin.display());
+        let tc = command_name();
+        println!("Watch it:   {tc} status --admin {}", admin.display());
         println!(
-            "Tune it:    tiercache set --admin {} {EXPORT} cache_mode writeback",
+            "Tune it:    {tc} set --admin {} {EXPORT} cache_mode writeback",
             admin.display()
         );
         println!("Press Ctrl-C to stop (the cache is saved and stays warm for the next run).");
     })
+}
+
+/// How to run this binary again: "tiercache" if that name on $PATH is this binary, else its
+/// full path (after `cargo run` it is under target/, not on $PATH).
+fn command_name() -> String {
+    let Ok(exe) = std::env::current_exe().and_then(|p| p.canonicalize()) else {
+        return "tiercache".into();
+    };
+    let on_path = std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path)
+            .any(|dir| dir.join("tiercache").canonicalize().ok().as_ref() == Some(&exe))
+    });
+    if on_path {
+        "tiercache".into()
+    } else {
+        exe.display().to_string()
+    }
 }
 
 /// Random 4 KiB reads over a hot set, pass after pass, through a real NBD connection.

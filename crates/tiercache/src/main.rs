@@ -12,15 +12,19 @@ mod demo;
 mod devices;
 mod emulate;
 mod export;
+mod generate;
+mod notify;
 mod serve;
 mod units;
 mod without_cache;
+mod writeback_meter;
 
 use anyhow::{bail, Context, Result};
 use blockdev::BlockDevice;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use devices::Access;
 use engine::{CacheMode, CacheSet, Config, FormatOptions};
+use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -29,7 +33,7 @@ use units::{human, parse_size};
 #[derive(Parser)]
 #[command(
     name = "tiercache",
-    version,
+    version = env!("TIERCACHE_VERSION"),
     about = "A crash-safe userspace block cache: a fast device caching slow ones, served over NBD",
     long_about = "tiercache keeps the hot blocks of slow backing devices (HDDs, disk images) on a fast \
 cache device (an SSD, or a file on one), like Linux bcache but in userspace, with checksums on \
@@ -37,7 +41,11 @@ all cached data and metadata and a journal that survives crashes.\n\n\
 Try it with `tiercache demo`. For your own devices: `tiercache make --backing SLOW --cache \
 FAST --label NAME`, then `tiercache serve --cache FAST --backing SLOW` and connect any NBD \
 client to nbd+unix:///NAME?socket=/tmp/tiercache.sock; watch and tune it with `tiercache \
-status` and `tiercache set`."
+status`, `tiercache get` and `tiercache set`.\n\n\
+Commands that talk to a running server find its admin socket from --admin, else --config \
+FILE (the `serve` configuration), else $TIERCACHE_ADMIN, else /etc/tiercache/tiercache.toml \
+if it exists, else /tmp/tiercache.sock.admin. Every command that reports something takes \
+--json."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -133,17 +141,44 @@ struct ServeTls {
     tls_ca: Option<PathBuf>,
 }
 
-/// Where a running server's admin socket is.
+/// Where a running server's admin socket is, and how to print its answer.
 #[derive(clap::Args)]
 struct AdminArgs {
-    /// Admin socket of the running `tiercache serve` (default: its NBD socket + ".admin").
-    #[arg(long, default_value_os_t = serve::admin_for(std::path::Path::new(serve::DEFAULT_SOCKET)))]
-    admin: PathBuf,
+    /// Admin socket of the running `tiercache serve`. Without it: from --config, else
+    /// $TIERCACHE_ADMIN, else from /etc/tiercache/tiercache.toml if it exists, else
+    /// /tmp/tiercache.sock.admin (serve's default).
+    #[arg(long)]
+    admin: Option<PathBuf>,
+    /// The `serve` configuration file whose admin socket (`admin`, or `socket` + ".admin")
+    /// to use.
+    #[arg(long, conflicts_with = "admin")]
+    config: Option<PathBuf>,
+    /// Print the server's reply as JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+impl AdminArgs {
+    fn target(&self) -> Result<client::Admin> {
+        Ok(client::Admin {
+            socket: client::admin_socket(
+                self.admin.as_deref(),
+                self.config.as_deref(),
+                std::env::var_os(client::ADMIN_ENV),
+                Path::new(client::SYSTEM_CONFIG),
+            )?,
+            json: self.json,
+        })
+    }
 }
 
 #[derive(Subcommand)]
 enum Cmd {
     /// Serve every attached backing device as an NBD export (named by its label or uuid).
+    ///
+    /// SIGINT or SIGTERM (`systemctl stop`) stops it cleanly: in-flight requests finish, the
+    /// cache is saved, exit status 0. Under systemd (`Type=notify`, $NOTIFY_SOCKET) it reports
+    /// READY=1 once every socket listens. See contrib/systemd for a unit and a config.
     Serve {
         /// Cache device (as formatted by `make`).
         #[arg(long, required_unless_present = "config")]
@@ -250,22 +285,38 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
-    /// Devices, modes, states, dirty data, occupancy and hit ratios of a running server (or,
-    /// when it serves without its cache device, why, and the volumes it serves directly).
+    /// A running server's cache device, health and volumes (or, when it serves without its
+    /// cache device, why, and the volumes it serves directly).
+    ///
+    /// The cache device's size is split into dirty + clean + unused + metadata, which add up
+    /// to it; `in_use` beside them is bcache's bucket count (buckets not on the free list,
+    /// also partly filled or stale ones), so it can be high while little is cached. Each
+    /// volume shows its size, mode, state, dirty and cached data, hit ratio, its knobs, and
+    /// writeback as `paused` (writeback_running off), `failing` (writes to the backing
+    /// device keep failing), `idle` (nothing dirty), `delayed` (dirty data waiting out
+    /// writeback_delay) or the rate it writes back at, in MB/s over the last 5 s.
     Status {
         #[command(flatten)]
         admin: AdminArgs,
-        /// Print the server's JSON reply instead of a table.
-        #[arg(long)]
-        json: bool,
     },
-    /// Statistics (bcache's names) for total, five_minute, hour and day.
+    /// Statistics (bcache's names) for total, five_minute, hour and day: sizes in KiB, MiB,
+    /// GiB (--bytes: raw byte counts).
     Stats {
         #[command(flatten)]
         admin: AdminArgs,
-        /// Print JSON instead of a table.
+        /// Print every value as a raw number (bytes, counts) instead of in human units.
         #[arg(long)]
-        json: bool,
+        bytes: bool,
+    },
+    /// Print the knobs of a device (all of them, or the value of one, as `set` accepts it).
+    Get {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Export name or uuid.
+        device: String,
+        /// cache_mode, sequential_cutoff, writeback_percent, writeback_delay,
+        /// writeback_running or label.
+        knob: Option<String>,
     },
     /// Change a knob of a device live: cache_mode, sequential_cutoff, writeback_percent,
     /// writeback_delay, writeback_running, label.
@@ -291,6 +342,16 @@ enum Cmd {
         admin: AdminArgs,
         path: PathBuf,
     },
+    /// Take in a backing device that grew (a bigger image file, an extended LV): its header
+    /// records the new size, and clients that connect from then on see it (connected clients
+    /// keep the size they negotiated). A device never shrinks. A restart takes in a device
+    /// that grew while it was not served, too.
+    Resize {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Export name or uuid.
+        device: String,
+    },
     /// Put a repaired cache device back in service after the cache set was degraded (by
     /// failures or `degrade`): its clean copies are dropped as stale, what the set holds is
     /// checkpointed, and volumes are served through the cache again. Fails, and the set stays
@@ -311,10 +372,15 @@ enum Cmd {
         #[arg(long)]
         reason: String,
     },
-    /// Stop the server gracefully (in-flight requests finish, the cache is saved).
+    /// Stop the server gracefully (in-flight requests finish, the cache is saved) and wait
+    /// until its process has exited.
     Stop {
         #[command(flatten)]
         admin: AdminArgs,
+        /// Return as soon as the server has accepted the request, without waiting for it to
+        /// exit.
+        #[arg(long)]
+        no_wait: bool,
     },
     /// Format a cache device and backing device(s) and attach them (like make-bcache).
     Make {
@@ -341,9 +407,17 @@ enum Cmd {
         /// table signature.
         #[arg(long)]
         force: bool,
+        /// Print what was made as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Print the superblock of a cache device or the header of a backing device.
-    Show { path: PathBuf },
+    Show {
+        path: PathBuf,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Verify all metadata of a device (and with --data, every cached block's checksum).
     /// Exit status: 0 healthy, 1 damaged but usable, 2 unusable.
     Check {
@@ -351,7 +425,28 @@ enum Cmd {
         /// Also read every cached block and verify its checksum.
         #[arg(long)]
         data: bool,
+        /// Print the findings as JSON (the exit status is the same).
+        #[arg(long)]
+        json: bool,
     },
+    /// Shell completions and man pages, generated from this binary's command line (for
+    /// packagers; see README).
+    #[command(hide = true)]
+    Generate {
+        #[command(subcommand)]
+        what: GenerateCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum GenerateCmd {
+    /// Print the completion script for SHELL (bash, zsh, fish, elvish, powershell).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write tiercache.1 and a tiercache-COMMAND.1 per command to DIR (which must exist).
+    Man { dir: PathBuf },
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -368,7 +463,7 @@ fn make(
     writeback: bool,
     label: &str,
     force: bool,
-) -> Result<()> {
+) -> Result<Value> {
     let to_u32 = |v: u64, what: &str| {
         u32::try_from(v).map_err(|_| anyhow::anyhow!("{what} {v} is too large"))
     };
@@ -413,34 +508,70 @@ fn make(
             ..Config::default()
         },
     )?;
+    let mut made = Vec::new();
     for (p, d) in backing.iter().zip(backing_devs) {
         let vol = set
             .attach(d)
             .with_context(|| format!("attaching {}", p.display()))?;
-        println!(
-            "backing {}: uuid {} export '{}' {} mode {}",
-            p.display(),
-            vol.uuid(),
-            vol.name(),
-            human(vol.size_bytes()),
-            vol.mode()
-        );
+        made.push(json!({
+            "path": p,
+            "uuid": vol.uuid().to_string(),
+            "export": vol.name(),
+            "size_bytes": vol.size_bytes(),
+            "cache_mode": vol.mode().name(),
+        }));
     }
     let l = set.layout().clone();
     set.close()?;
+    Ok(json!({
+        "cache": {
+            "path": cache,
+            "set_uuid": set_uuid.to_string(),
+            "nbuckets": l.nbuckets,
+            "bucket_size": l.bucket_size,
+            "block_size": l.block_size,
+            "cache_bytes": u64::from(l.nbuckets) * u64::from(l.bucket_size),
+        },
+        "backing": made,
+    }))
+}
+
+/// What `make` made, as JSON or as a line per device.
+fn print_made(made: &Value, as_json: bool) -> Result<()> {
+    if as_json {
+        return print_json(made);
+    }
+    let n = |v: &Value, k: &str| v[k].as_u64().unwrap_or(0);
+    let t = |v: &Value, k: &str| v[k].as_str().unwrap_or("?").to_string();
+    for b in made["backing"].as_array().into_iter().flatten() {
+        println!(
+            "backing {}: uuid {} export '{}' {} mode {}",
+            t(b, "path"),
+            t(b, "uuid"),
+            t(b, "export"),
+            human(n(b, "size_bytes")),
+            t(b, "cache_mode")
+        );
+    }
+    let c = &made["cache"];
     println!(
         "cache {}: set {} {} buckets of {} ({} of cache space), block size {}",
-        cache.display(),
-        set_uuid,
-        l.nbuckets,
-        human(u64::from(l.bucket_size)),
-        human(u64::from(l.nbuckets) * u64::from(l.bucket_size)),
-        human(u64::from(l.block_size))
+        t(c, "path"),
+        t(c, "set_uuid"),
+        n(c, "nbuckets"),
+        human(n(c, "bucket_size")),
+        human(n(c, "cache_bytes")),
+        human(n(c, "block_size"))
     );
     Ok(())
 }
 
-fn show(path: &Path) -> Result<()> {
+fn print_json(v: &Value) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+fn show(path: &Path, as_json: bool) -> Result<()> {
     // Headers only, without a lock: `show` works beside a running server (what it prints may
     // be about to change).
     let dev = devices::open_spec(&path.to_string_lossy(), Access::Inspect)?;
@@ -451,6 +582,24 @@ fn show(path: &Path) -> Result<()> {
     }
     if let Ok((sb, notes)) = read {
         let l = &sb.layout;
+        if as_json {
+            return print_json(&json!({
+                "type": "cache",
+                "sb_seq": sb.seq,
+                "sb_version": engine::format::FORMAT_VERSION,
+                "dev_uuid": sb.dev_uuid.to_string(),
+                "cset_uuid": sb.set_uuid.to_string(),
+                "dev_size": l.device_size,
+                "block_size": l.block_size,
+                "bucket_size": l.bucket_size,
+                "nbuckets": l.nbuckets,
+                "journal": {"offset": l.journal_off, "length": l.journal_len},
+                "checkpoints": {"offsets": l.ckpt_offsets, "length": l.ckpt_len},
+                "checkpoint": {"slot": sb.ckpt_slot, "seq": sb.ckpt_seq},
+                "data_offset": l.data_off,
+                "warnings": notes,
+            }));
+        }
         println!("type            cache device");
         println!("sb.seq          {}", sb.seq);
         println!("sb.version      {}", engine::format::FORMAT_VERSION);
@@ -480,6 +629,19 @@ fn show(path: &Path) -> Result<()> {
         return Ok(());
     }
     match engine::format::BackingHeader::read(&*dev) {
+        Ok((h, notes)) if as_json => print_json(&json!({
+            "type": "backing",
+            "sb_seq": h.seq,
+            "dev_uuid": h.dev_uuid.to_string(),
+            "dev_label": h.label,
+            "cset_uuid": (!h.set_uuid.is_nil()).then(|| h.set_uuid.to_string()),
+            "data_offset": h.data_offset,
+            "data_size": h.data_size,
+            "cache_mode": h.mode.name(),
+            "state": format!("{:?}", h.state).to_lowercase(),
+            "stale_copies": without_cache::stale_name(h.stale),
+            "warnings": notes,
+        })),
         Ok((h, notes)) => {
             println!("type            backing device");
             println!("sb.seq          {}", h.seq);
@@ -523,9 +685,28 @@ fn show(path: &Path) -> Result<()> {
     }
 }
 
-fn check(path: &Path, data: bool) -> Result<ExitCode> {
+fn check(path: &Path, data: bool, as_json: bool) -> Result<ExitCode> {
     let dev = devices::open_spec(&path.to_string_lossy(), Access::Check)?;
     let r = engine::check_device(&*dev, data).with_context(|| path.display().to_string())?;
+    let code = match (r.problems.is_empty(), r.fatal) {
+        (true, _) => 0,
+        (false, false) => 1,
+        (false, true) => 2,
+    };
+    if as_json {
+        let facts: serde_json::Map<String, Value> =
+            r.facts.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+        let verdict = ["healthy", "damaged but recoverable", "unusable"][usize::from(code)];
+        print_json(&json!({
+            "path": path,
+            "kind": r.kind,
+            "facts": facts,
+            "problems": r.problems,
+            "verdict": verdict,
+            "exit_status": code,
+        }))?;
+        return Ok(ExitCode::from(code));
+    }
     println!("{}: tiercache {} device", path.display(), r.kind);
     for (k, v) in &r.facts {
         println!("  {k}: {v}");
@@ -559,7 +740,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(
         cli.cmd,
-        Cmd::Show { .. } | Cmd::Status { .. } | Cmd::Stats { .. }
+        Cmd::Show { .. }
+            | Cmd::Status { .. }
+            | Cmd::Stats { .. }
+            | Cmd::Get { .. }
+            | Cmd::Generate { .. }
     ) {
         // Commands that only print end quietly when their reader goes away (`... | head`),
         // as Unix tools do; servers keep Rust's default (EPIPE as an error on the socket).
@@ -568,6 +753,7 @@ fn main() -> ExitCode {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
+    let done = |r: Result<()>| r.map(|_| ExitCode::SUCCESS);
     let res = match cli.cmd {
         Cmd::Make {
             backing,
@@ -577,18 +763,30 @@ fn main() -> ExitCode {
             writeback,
             label,
             force,
-        } => make(
-            &backing,
-            &cache,
-            bucket_size,
-            block_size,
-            writeback,
-            &label,
-            force,
-        )
-        .map(|_| ExitCode::SUCCESS),
-        Cmd::Show { path } => show(&path).map(|_| ExitCode::SUCCESS),
-        Cmd::Check { path, data } => check(&path, data),
+            json,
+        } => done(
+            make(
+                &backing,
+                &cache,
+                bucket_size,
+                block_size,
+                writeback,
+                &label,
+                force,
+            )
+            .and_then(|made| print_made(&made, json)),
+        ),
+        Cmd::Show { path, json } => show(&path, json).map(|_| ExitCode::SUCCESS),
+        Cmd::Check { path, data, json } => check(&path, data, json),
+        Cmd::Generate { what } => match what {
+            GenerateCmd::Completions { shell } => {
+                generate::completions(Cli::command(), shell);
+                Ok(ExitCode::SUCCESS)
+            }
+            GenerateCmd::Man { dir } => {
+                generate::man(Cli::command(), &dir).map(|_| ExitCode::SUCCESS)
+            }
+        },
         Cmd::Serve {
             cache,
             backing,
@@ -668,26 +866,40 @@ fn main() -> ExitCode {
             size,
             no_serve,
         } => demo::run(&dir, size, no_serve).map(|_| ExitCode::SUCCESS),
-        Cmd::Status { admin, json } => {
-            client::status(&admin.admin, json).map(|_| ExitCode::SUCCESS)
-        }
-        Cmd::Stats { admin, json } => client::stats(&admin.admin, json).map(|_| ExitCode::SUCCESS),
+        Cmd::Status { admin } => done(admin.target().and_then(|a| client::status(&a))),
+        Cmd::Stats { admin, bytes } => done(admin.target().and_then(|a| client::stats(&a, bytes))),
+        Cmd::Get {
+            admin,
+            device,
+            knob,
+        } => done(
+            admin
+                .target()
+                .and_then(|a| client::get(&a, &device, knob.as_deref())),
+        ),
         Cmd::Set {
             admin,
             device,
             knob,
             value,
-        } => client::set(&admin.admin, &device, &knob, &value).map(|_| ExitCode::SUCCESS),
+        } => done(
+            admin
+                .target()
+                .and_then(|a| client::set(&a, &device, &knob, &value)),
+        ),
         Cmd::Detach { admin, device } => {
-            client::detach(&admin.admin, &device).map(|_| ExitCode::SUCCESS)
+            done(admin.target().and_then(|a| client::detach(&a, &device)))
         }
-        Cmd::Attach { admin, path } => {
-            client::attach(&admin.admin, &path).map(|_| ExitCode::SUCCESS)
+        Cmd::Attach { admin, path } => done(admin.target().and_then(|a| client::attach(&a, &path))),
+        Cmd::Resize { admin, device } => {
+            done(admin.target().and_then(|a| client::resize(&a, &device)))
         }
-        Cmd::Stop { admin } => client::stop(&admin.admin).map(|_| ExitCode::SUCCESS),
-        Cmd::Readmit { admin } => client::readmit(&admin.admin).map(|_| ExitCode::SUCCESS),
+        Cmd::Stop { admin, no_wait } => {
+            done(admin.target().and_then(|a| client::stop(&a, no_wait)))
+        }
+        Cmd::Readmit { admin } => done(admin.target().and_then(|a| client::readmit(&a))),
         Cmd::Degrade { admin, reason } => {
-            client::degrade(&admin.admin, &reason).map(|_| ExitCode::SUCCESS)
+            done(admin.target().and_then(|a| client::degrade(&a, &reason)))
         }
     };
     match res {

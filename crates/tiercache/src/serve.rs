@@ -1,6 +1,7 @@
 //! `tiercache serve`: opens a cache set and its backing devices, serves every attached volume
-//! as an NBD export (named by its label, or uuid), runs the admin socket, and shuts down
-//! cleanly on SIGINT/SIGTERM or `tiercache stop`.
+//! as an NBD export (named by its label, or uuid), runs the admin socket, tells systemd it is
+//! ready (`notify`, under `Type=notify`), and shuts down cleanly on SIGINT/SIGTERM or
+//! `tiercache stop`.
 //!
 //! Invariants: exports always mirror the set's attached volumes (attach/detach/label changes
 //! re-sync them); shutdown order is stop accepting → finish in-flight requests → close the
@@ -660,12 +661,18 @@ fn run(
             .map(|t| format!(", tcp {t} (TLS {})", cfg.tls_mode()))
             .unwrap_or_default()
     );
+    // systemd's Type=notify: ready once the NBD and admin sockets all listen.
+    crate::notify::notify(&format!(
+        "READY=1\nSTATUS=serving on {}",
+        cfg.socket().display()
+    ));
     std::thread::scope(|s| {
         s.spawn(|| on_ready(&running));
         while !signals.load(Ordering::SeqCst) && !running.stop.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(100));
         }
     });
+    crate::notify::notify("STOPPING=1\nSTATUS=finishing in-flight requests, saving the cache");
     log::info!("shutting down: finishing in-flight requests");
     for h in handles {
         h.shutdown();

@@ -125,15 +125,17 @@ impl Fixture {
     /// Starts `serve` on the fixture's devices with extra arguments and waits until both
     /// sockets exist.
     pub fn start_with(&mut self, extra: &[&str]) {
+        let mut cmd = self.serve_cmd();
+        cmd.args(extra).stderr(Stdio::inherit());
+        self.start_cmd(cmd);
+    }
+
+    /// Starts a server command (`serve_cmd` with changes) and waits until both sockets exist.
+    pub fn start_cmd(&mut self, mut cmd: Command) {
         // A killed server leaves both sockets behind; wait for the new ones.
         let _ = std::fs::remove_file(self.socket());
         let _ = std::fs::remove_file(self.admin());
-        let child = self
-            .serve_cmd()
-            .args(extra)
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("starting tiercache serve");
+        let child = cmd.spawn().expect("starting tiercache serve");
         self.server = Some(child);
         let t = Instant::now();
         while !(self.socket().exists() && Path::new(&self.admin()).exists()) {
