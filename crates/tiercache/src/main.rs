@@ -13,7 +13,7 @@ mod devices;
 mod emulate;
 mod export;
 mod serve;
-mod units;
+use tiercache_units as units;
 mod without_cache;
 
 use anyhow::{bail, Context, Result};
