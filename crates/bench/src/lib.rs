@@ -23,6 +23,7 @@ mod cgroup;
 mod fio;
 mod fs;
 mod hits;
+mod plot;
 mod procs;
 mod report;
 mod scale;
@@ -682,6 +683,7 @@ fn run_step(
     let samples = std::mem::take(&mut *samples.lock().expect("sampler lock"));
     let series = s.plot.then(|| Series {
         workload: w.to_string(),
+        step: s.name.clone(),
         config: c.to_string(),
         iops: fio::iops_series(&log_prefix),
         dirty_mib: samples.iter().map(|s| (s.0, s.1)).collect(),

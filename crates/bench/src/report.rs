@@ -1,9 +1,13 @@
-//! Benchmark results: ratios to `hdd` and `ssd`, the Markdown tables, `results.json`, and SVG
-//! line charts of the time series (written by hand: three polylines need no plotting crate).
+//! Benchmark results: ratios to `hdd` and `ssd`, the Markdown tables, `results.json`, and the
+//! charts ([`super::plot`]): `w1.svg`, W1's IOPS as bars per step and configuration, and
+//! `w4.svg` / `w6.svg`, the plotted step's time series (IOPS, dirty data, cache occupancy)
+//! with every configuration overlaid. Each chart is embedded under its workload's table.
 //!
 //! Invariant: every number written comes from a `Row` or `Series` measured in this run; a
-//! ratio is present only when the reference row of the same workload step exists.
+//! ratio is present only when the reference row of the same workload step exists; one
+//! configuration has one colour in every chart.
 
+use super::plot::{self, BarSeries, Key, Line, Panel, Rgb};
 use super::{Params, Scale, WORKLOADS};
 use anyhow::Result;
 use std::fmt::Write as _;
@@ -28,6 +32,8 @@ pub struct Row {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Series {
     pub workload: String,
+    /// The step the series was sampled in.
+    pub step: String,
     pub config: String,
     pub iops: Vec<(f64, f64)>,
     pub dirty_mib: Vec<(f64, f64)>,
@@ -79,7 +85,8 @@ pub fn opt(v: Option<f64>, digits: usize) -> String {
         .unwrap_or_else(|| "n/a".into())
 }
 
-/// Writes results.md, results.json and one SVG per plotted workload and configuration.
+/// Writes results.md, results.json and the charts (`w1.svg`, and `wN.svg` for each workload
+/// with time series).
 pub fn write(
     dir: &Path,
     scale: Scale,
@@ -108,6 +115,10 @@ pub fn write(
     )?;
     for n in notices {
         writeln!(md, "> {n}\n")?;
+    }
+    let charts = charts(rows, series)?;
+    for (_, name, svg) in &charts {
+        std::fs::write(dir.join(name), svg)?;
     }
     for (w, what) in WORKLOADS {
         let wr: Vec<&Row> = rows.iter().filter(|r| r.workload == w).collect();
@@ -154,19 +165,11 @@ pub fn write(
             }
         }
         writeln!(md)?;
-    }
-    let mut plots = Vec::new();
-    for s in series {
-        let name = format!("{}-{}.svg", s.workload.to_lowercase(), s.config);
-        std::fs::write(dir.join(&name), svg(s))?;
-        plots.push(name);
-    }
-    if !plots.is_empty() {
-        writeln!(md, "## Time series\n")?;
-        for p in &plots {
-            writeln!(md, "![{p}]({p})")?;
+        for (_, name, _) in charts.iter().filter(|c| c.0 == w) {
+            writeln!(md, "![{w}]({name})\n")?;
         }
     }
+    let plots: Vec<&str> = charts.iter().map(|c| c.1.as_str()).collect();
     std::fs::write(dir.join("results.md"), &md)?;
     let json = serde_json::json!({
         "date": date,
@@ -220,56 +223,119 @@ pub fn machine() -> String {
     format!("{cores} cores ({cpu}), {mem_gib} GiB")
 }
 
-/// Three stacked line charts (IOPS, dirty MiB, occupancy %) against seconds.
-fn svg(s: &Series) -> String {
-    let (w, h, pad) = (640.0, 160.0, 40.0);
-    let mut out = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"11\">\n<text x=\"{pad}\" y=\"16\" font-size=\"13\">{} on {}</text>\n",
-        3.0 * h + 30.0,
-        s.workload,
-        s.config
-    );
-    let t_max = [&s.iops, &s.dirty_mib, &s.in_use_pct]
-        .iter()
-        .flat_map(|v| v.iter().map(|p| p.0))
-        .fold(1.0f64, f64::max);
-    for (i, (label, pts)) in [
-        ("IOPS", &s.iops),
-        ("dirty MiB", &s.dirty_mib),
-        ("cache in use %", &s.in_use_pct),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let top = 30.0 + i as f64 * h;
-        let y_max = pts.iter().map(|p| p.1).fold(1.0f64, f64::max) * 1.1;
-        let _ = write!(
-            out,
-            "<rect x=\"{pad}\" y=\"{top}\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#999\"/>\n<text x=\"{}\" y=\"{}\">{label} (max {:.0})</text>\n",
-            w - 2.0 * pad,
-            h - 30.0,
-            pad + 4.0,
-            top + 12.0,
-            y_max / 1.1
-        );
-        let poly: Vec<String> = pts
+/// One colour per configuration (matplotlib's "tab10"), the same in every chart.
+fn color(config: &str) -> Rgb {
+    match config {
+        "hdd" => (127, 127, 127),
+        "ssd" => (23, 190, 207),
+        "tiercache-writethrough" => (31, 119, 180),
+        "tiercache-writeback" => (255, 127, 14),
+        "tiercache-writearound" => (44, 160, 44),
+        "nbdkit-cache" => (214, 39, 40),
+        "tiercache-writeback+memlimit" => (140, 86, 75),
+        "nbdkit-cache+memlimit" => (227, 119, 194),
+        c if c.ends_with(super::MEMLIMIT) => (188, 189, 34),
+        _ => (148, 103, 189),
+    }
+}
+
+/// The distinct values of `items`, in the order they first appear.
+fn in_order<'a>(items: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+    let mut v: Vec<&str> = Vec::new();
+    for i in items {
+        if !v.contains(&i) {
+            v.push(i);
+        }
+    }
+    v
+}
+
+/// The charts of a run: (workload, file name, SVG). W1 as bars, each workload with time series
+/// as one overlaid figure.
+fn charts(rows: &[Row], series: &[Series]) -> Result<Vec<(String, String, String)>> {
+    let mut out = Vec::new();
+    let w1: Vec<&Row> = rows.iter().filter(|r| r.workload == "W1").collect();
+    if !w1.is_empty() {
+        let steps = in_order(w1.iter().map(|r| r.step.as_str()));
+        let configs = in_order(w1.iter().map(|r| r.config.as_str()));
+        let groups: Vec<String> = steps
             .iter()
-            .map(|&(t, v)| {
-                let x = pad + t / t_max * (w - 2.0 * pad);
-                let y = top + (h - 30.0) * (1.0 - v / y_max);
-                format!("{x:.1},{y:.1}")
+            // "read-seq (cold)" on two lines: "read-seq", "cold".
+            .map(|s| s.replace(" (", "\n").replace(')', ""))
+            .collect();
+        let bars: Vec<BarSeries> = configs
+            .iter()
+            .map(|c| BarSeries {
+                key: Key {
+                    label: c,
+                    color: color(c),
+                },
+                values: steps
+                    .iter()
+                    .map(|s| {
+                        w1.iter()
+                            .find(|r| r.config == *c && r.step == *s)
+                            .map(|r| r.iops)
+                    })
+                    .collect(),
             })
             .collect();
-        let _ = writeln!(
-            out,
-            "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{}\"/>\n<text x=\"{}\" y=\"{}\">{t_max:.0} s</text>",
-            poly.join(" "),
-            w - pad - 30.0,
-            top + h - 18.0
-        );
+        let svg = plot::bars(
+            "W1: 4 KiB QD1 IOPS per step and configuration, cold then warm",
+            "IOPS (log scale)",
+            &groups,
+            &bars,
+        )?;
+        out.push(("W1".to_string(), "w1.svg".to_string(), svg));
     }
-    out.push_str("</svg>\n");
-    out
+    for w in in_order(series.iter().map(|s| s.workload.as_str())) {
+        let ws: Vec<&Series> = series.iter().filter(|s| s.workload == w).collect();
+        let keys: Vec<Key> = ws
+            .iter()
+            .map(|s| Key {
+                label: &s.config,
+                color: color(&s.config),
+            })
+            .collect();
+        // Only tiercache answers the admin `stats` the dirty and occupancy samples come from.
+        let lines = |pick: fn(&Series) -> &[(f64, f64)], iops: bool| -> Vec<Line> {
+            ws.iter()
+                .zip(&keys)
+                .map(|(s, k)| Line {
+                    key: *k,
+                    points: pick(s),
+                    empty_why: if iops {
+                        "fio logged no whole second (the step was shorter)"
+                    } else if s.config.starts_with("tiercache-") {
+                        "no sample was taken"
+                    } else {
+                        "only tiercache reports it"
+                    },
+                })
+                .collect()
+        };
+        let panels = [
+            Panel {
+                y_desc: "IOPS",
+                y_max: None,
+                lines: lines(|s| &s.iops, true),
+            },
+            Panel {
+                y_desc: "dirty data (MiB)",
+                y_max: None,
+                lines: lines(|s| &s.dirty_mib, false),
+            },
+            Panel {
+                y_desc: "cache in use (%)",
+                y_max: Some(100.0),
+                lines: lines(|s| &s.in_use_pct, false),
+            },
+        ];
+        let title = format!("{w}: {}, every configuration over time", ws[0].step);
+        let svg = plot::time_series(&title, &keys, &panels)?;
+        out.push((w.to_string(), format!("{}.svg", w.to_lowercase()), svg));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -294,5 +360,64 @@ mod tests {
         assert_eq!(rows[2].ratio_hdd, Some(50.0));
         assert_eq!(rows[2].ratio_ssd, Some(0.5));
         assert_eq!(rows[0].ratio_hdd, Some(1.0));
+    }
+
+    #[test]
+    fn one_w1_bar_chart_and_one_overlaid_figure_per_plotted_workload() {
+        let row = |step: &str, cfg: &str, iops: f64| Row {
+            workload: "W1".into(),
+            step: step.into(),
+            config: cfg.into(),
+            iops,
+            ..Row::default()
+        };
+        let rows = vec![
+            row("read-seq (cold)", "hdd", 150.0),
+            row("read-seq (cold)", "tiercache-writeback", 900.0),
+            row("read-seq (warm)", "hdd", 160.0),
+            row("read-seq (warm)", "tiercache-writeback", 20_000.0),
+        ];
+        let series = |w: &str, cfg: &str, tc: bool| Series {
+            workload: w.into(),
+            step: "sync randwrite".into(),
+            config: cfg.into(),
+            iops: vec![(1.0, 100.0), (2.0, 120.0)],
+            dirty_mib: if tc {
+                vec![(0.0, 1.0), (1.0, 5.0)]
+            } else {
+                vec![]
+            },
+            in_use_pct: if tc {
+                vec![(0.0, 2.0), (1.0, 9.0)]
+            } else {
+                vec![]
+            },
+        };
+        let s = vec![
+            series("W4", "hdd", false),
+            series("W4", "tiercache-writeback", true),
+            series("W6", "hdd", false),
+        ];
+        let charts = charts(&rows, &s).unwrap();
+        let names: Vec<&str> = charts.iter().map(|c| c.1.as_str()).collect();
+        assert_eq!(names, ["w1.svg", "w4.svg", "w6.svg"]);
+        let w1 = &charts[0].2;
+        assert!(w1.contains(">\nread-seq\n</text>") && w1.contains(">\nwarm\n</text>"));
+        // Background, two legend swatches, four bars.
+        assert_eq!(w1.matches("<rect").count(), 7);
+        let w4 = &charts[1].2;
+        for cfg in ["hdd", "tiercache-writeback"] {
+            assert!(
+                w4.contains(&format!(">\n{cfg}\n</text>")),
+                "no legend for {cfg}"
+            );
+        }
+        // hdd: an IOPS line; writeback: IOPS, dirty and occupancy lines.
+        let lines = w4.matches("stroke-width=\"2\"").count();
+        assert_eq!(lines, 4, "{w4}");
+        // hdd has no dirty or occupancy line, and W6 ran only on hdd: the panels say why.
+        let why = "no data for hdd: only tiercache reports it";
+        assert_eq!(w4.matches(why).count(), 2, "{w4}");
+        assert_eq!(charts[2].2.matches(why).count(), 2);
     }
 }
