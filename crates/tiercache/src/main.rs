@@ -15,7 +15,7 @@ mod export;
 mod generate;
 mod notify;
 mod serve;
-mod units;
+use tiercache_units as units;
 mod without_cache;
 mod writeback_meter;
 

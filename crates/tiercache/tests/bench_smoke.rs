@@ -1,8 +1,9 @@
 //! Smoke test of `tiercache bench --scale tiny`: the harness runs end to end and its outputs
 //! are well formed (results.json parses and has a row for every configuration × workload that
 //! ran, including W2's sequential steps, W3 on ext4 when root, both W4 jobs and the
-//! `+memlimit` variants when root; results.md has the tables; every plot is a non-empty SVG;
-//! no mount or loop device is left behind), that `--workloads hits` fills its two tables from a
+//! `+memlimit` variants when root; results.md has the tables; the charts `w1.svg` (bars) and
+//! `w4.svg` (time series) exist, are SVG with a legend entry per configuration, and are
+//! embedded in results.md; no mount or loop device is left behind), that `--workloads hits` fills its two tables from a
 //! fully cached region, and that bad options fail with a clear message. It asserts no timing.
 //!
 //! Needs fio; W3 needs root, nbdfuse, losetup, mkfs.ext4, mount and fusermount3; the
@@ -120,13 +121,13 @@ fn bench_tiny_writes_well_formed_results() {
     let w3_runs = root && fs_tools.iter().all(|t| have(t));
     let out = tempfile::tempdir().expect("tempdir");
 
-    // The new and changed workloads on the disk alone and one tiercache mode; W1, W5 and W6
-    // are unchanged paths and stay out to keep this short.
+    // The workloads with their own code paths on the disk alone and one tiercache mode (W1 for
+    // its bar chart); W5 and W6 share W1's and W4's paths and stay out to keep this short.
     let (json, md) = bench(
         out.path(),
         &[
             "--workloads",
-            "W2,W3,W4,W7",
+            "W1,W2,W3,W4,W7",
             "--configs",
             "hdd,tiercache-writeback",
         ],
@@ -162,14 +163,32 @@ fn bench_tiny_writes_well_formed_results() {
     for heading in ["## W2", "## W4", "## W7", "|---|"] {
         assert!(md.contains(heading), "results.md lacks {heading}");
     }
-    let plots = json["plots"].as_array().expect("plots");
-    assert!(!plots.is_empty(), "no plots");
+    let plots: Vec<&str> = json["plots"]
+        .as_array()
+        .expect("plots")
+        .iter()
+        .map(|p| p.as_str().expect("plot name"))
+        .collect();
+    assert_eq!(
+        plots,
+        ["w1.svg", "w4.svg"],
+        "one chart per plotted workload"
+    );
     for p in plots {
-        let svg = std::fs::read_to_string(out.path().join(p.as_str().expect("plot name")))
-            .expect("plot file");
+        let svg = std::fs::read_to_string(out.path().join(p)).expect("plot file");
         assert!(
             svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"),
             "{p} is not an SVG"
+        );
+        for c in ["hdd", "tiercache-writeback"] {
+            assert!(
+                svg.contains(&format!(">\n{c}\n</text>")),
+                "{p} has no legend entry for {c}"
+            );
+        }
+        assert!(
+            md.contains(&format!("]({p})")),
+            "results.md does not show {p}"
         );
     }
 

@@ -180,21 +180,45 @@ fn stat_ticks(stat: &str) -> Option<u64> {
     Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
 }
 
-/// Changes a knob of tiercache's device `device` through its admin socket.
-pub fn set_knob(admin: &Path, device: &str, knob: &str, value: &str) -> Result<()> {
-    crate::admin::request(
-        admin,
-        &serde_json::json!({"cmd": "set", "device": device, "knob": knob, "value": value}),
-        &mut |_| {},
-    )?;
-    Ok(())
+/// What the harness needs of the tiercache it measures, handed over by the `tiercache` binary
+/// that runs it (this crate links none of tiercache's internals: it runs the binary, and speaks
+/// the admin protocol through the client the binary lends it).
+#[derive(Clone)]
+pub struct Tiercache {
+    /// The `tiercache` binary, run as `emulate`, `make` and `serve`.
+    pub exe: PathBuf,
+    /// The client side of the admin protocol: one request to the admin socket at the path,
+    /// and the server's reply (an error when it answers `{"ok": false, ...}`).
+    pub admin_request: fn(&Path, &serde_json::Value) -> Result<serde_json::Value>,
 }
 
-/// The running `tiercache` binary, as a command (servers log warnings only).
-pub fn tiercache() -> Result<Command> {
-    let mut c = Command::new(std::env::current_exe().context("finding the tiercache binary")?);
-    c.env("RUST_LOG", "warn");
-    Ok(c)
+impl Tiercache {
+    /// The binary as a command (its servers log warnings only).
+    pub fn command(&self) -> Command {
+        let mut c = Command::new(&self.exe);
+        c.env("RUST_LOG", "warn");
+        c
+    }
+
+    /// The admin `stats` of the server whose admin socket is `admin`.
+    pub fn stats(&self, admin: &Path) -> Result<serde_json::Value> {
+        (self.admin_request)(admin, &serde_json::json!({"cmd": "stats"}))
+    }
+
+    /// Changes a knob of the device `device` through the admin socket `admin`.
+    pub fn set(&self, admin: &Path, device: &str, knob: &str, value: &str) -> Result<()> {
+        (self.admin_request)(
+            admin,
+            &serde_json::json!({"cmd": "set", "device": device, "knob": knob, "value": value}),
+        )?;
+        Ok(())
+    }
+}
+
+/// The admin socket the harness gives a `tiercache serve` listening on NBD socket `socket`
+/// (passed as `--admin`, so the harness never relies on the server's default).
+pub fn admin_socket(socket: &Path) -> PathBuf {
+    socket.with_extension("admin")
 }
 
 /// Creates `path` with `bytes` of non-zero data on disk (no holes, no unwritten extents),
@@ -267,19 +291,26 @@ pub struct Sizes {
 pub struct Running {
     pub uri: String,
     pub admin: Option<PathBuf>,
+    pub tc: Tiercache,
     procs: Vec<Proc>,
 }
 
 /// Starts `config` (a base name from [`CONFIGS`]) with fresh devices in `dir`; with `limit`,
 /// every server process runs in its own memory cgroup.
-pub fn start(config: &str, dir: &Path, sizes: Sizes, limit: Option<&Limiter>) -> Result<Running> {
+pub fn start(
+    tc: &Tiercache,
+    config: &str,
+    dir: &Path,
+    sizes: Sizes,
+    limit: Option<&Limiter>,
+) -> Result<Running> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir)?;
     let disk = dir.join("disk.img");
     let hdd_sock = dir.join("hdd.sock");
     let hdd_uri = format!("nbd+unix:///disk?socket={}", hdd_sock.display());
     let emulate = |kind: &str, file: &Path, sock: &Path, extra: &[&str]| -> Result<Proc> {
-        let mut c = tiercache()?;
+        let mut c = tc.command();
         c.args([
             "emulate",
             kind,
@@ -299,6 +330,7 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes, limit: Option<&Limiter>) ->
         "hdd" => Ok(Running {
             uri: hdd_uri,
             admin: None,
+            tc: tc.clone(),
             procs: vec![emulate("hdd", &disk, &hdd_sock, &[])?],
         }),
         "ssd" => {
@@ -317,6 +349,7 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes, limit: Option<&Limiter>) ->
             Ok(Running {
                 uri: format!("nbd+unix:///disk?socket={}", sock.display()),
                 admin: None,
+                tc: tc.clone(),
                 procs: vec![p],
             })
         }
@@ -339,6 +372,7 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes, limit: Option<&Limiter>) ->
             Ok(Running {
                 uri: format!("nbd+unix:///?socket={}", sock.display()),
                 admin: None,
+                tc: tc.clone(),
                 procs: vec![kit, hdd],
             })
         }
@@ -352,7 +386,7 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes, limit: Option<&Limiter>) ->
             let cache = dir.join("cache.img");
             write_whole_file(&cache, sizes.cache_bytes)?;
             run_tool(
-                tiercache()?
+                tc.command()
                     .args([
                         "make",
                         "--force",
@@ -366,19 +400,22 @@ pub fn start(config: &str, dir: &Path, sizes: Sizes, limit: Option<&Limiter>) ->
                 "tiercache make",
             )?;
             let sock = dir.join("tc.sock");
-            let mut c = tiercache()?;
+            let admin = admin_socket(&sock);
+            let mut c = tc.command();
             c.arg("serve")
                 .arg("--cache")
                 .arg(&cache)
                 .args(["--backing", &hdd_uri, "--socket"])
-                .arg(&sock);
-            let tc = Proc::spawn(&mut c, "tiercache serve", limit)?;
-            let admin = crate::serve::admin_for(&sock);
+                .arg(&sock)
+                .arg("--admin")
+                .arg(&admin);
+            let server = Proc::spawn(&mut c, "tiercache serve", limit)?;
             wait_for(&admin, "tiercache serve")?;
             let running = Running {
                 uri: format!("nbd+unix:///data?socket={}", sock.display()),
                 admin: Some(admin),
-                procs: vec![tc, hdd],
+                tc: tc.clone(),
+                procs: vec![server, hdd],
             };
             running.set("cache_mode", mode)?;
             Ok(running)
@@ -394,7 +431,7 @@ impl Running {
     /// Changes a tiercache knob (no-op for peers).
     pub fn set(&self, knob: &str, value: &str) -> Result<()> {
         match &self.admin {
-            Some(admin) => set_knob(admin, "data", knob, value),
+            Some(admin) => self.tc.set(admin, "data", knob, value),
             None => Ok(()),
         }
     }
@@ -420,7 +457,7 @@ impl Running {
     /// tiercache's statistics (None for peers).
     pub fn stats(&self) -> Option<serde_json::Value> {
         let admin = self.admin.as_ref()?;
-        crate::admin::request(admin, &serde_json::json!({"cmd": "stats"}), &mut |_| {}).ok()
+        self.tc.stats(admin).ok()
     }
 }
 

@@ -1,7 +1,12 @@
-//! `tiercache bench`: runs the field's workloads (W1–W7 of BENCHMARKS.md) against every
-//! configuration (the emulated disk alone, the fast file alone, tiercache in three modes,
-//! nbdkit's cache filter, and memory-limited variants) through fio, and reports tables, JSON
-//! and plots.
+//! The harness behind `tiercache bench`: runs the field's workloads (W1–W7 of BENCHMARKS.md)
+//! against every configuration (the emulated disk alone, the fast file alone, tiercache in
+//! three modes, nbdkit's cache filter, and memory-limited variants) through fio, and reports
+//! tables, JSON and plots.
+//!
+//! Owns: process orchestration of the benchmarks (servers, fio, cgroups, W3's filesystem) and
+//! their reports. It links none of tiercache's internals: it runs the `tiercache` binary
+//! (`emulate`, `make`, `serve`) named by the [`Tiercache`] the binary hands to [`run`], and
+//! speaks the admin protocol through the client lent with it.
 //!
 //! Invariants: every (workload, configuration) pair starts from fresh devices and fresh
 //! processes, and (as root) from an empty page cache; every configuration reaches the same
@@ -18,12 +23,14 @@ mod cgroup;
 mod fio;
 mod fs;
 mod hits;
+mod plot;
 mod procs;
 mod report;
 mod scale;
 
 use anyhow::{bail, Context, Result};
 use cgroup::Limiter;
+pub use procs::Tiercache;
 use procs::{Running, Sizes, CONFIGS, MEMLIMIT, MEMLIMIT_CONFIGS};
 use report::{Row, Series};
 use std::path::{Path, PathBuf};
@@ -365,14 +372,16 @@ impl Progress {
 
 /// What every pair of a run shares.
 struct Ctx {
+    tc: Tiercache,
     p: Params,
     scale: Scale,
     scratch: PathBuf,
     limiter: Option<Limiter>,
 }
 
-/// Runs the selected workloads on the selected configurations.
-pub fn run(args: &BenchArgs) -> Result<()> {
+/// Runs the selected workloads on the selected configurations, starting `tc`'s binary for the
+/// emulated disks and the tiercache configurations.
+pub fn run(args: &BenchArgs, tc: &Tiercache) -> Result<()> {
     // Workloads that run alone (their own measurements, no configurations).
     for alone in ["scale", "hits"] {
         if !args.workloads.iter().any(|w| w.eq_ignore_ascii_case(alone)) {
@@ -382,8 +391,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             bail!("the {alone} workload runs alone: no other workload and no --configs");
         }
         return match alone {
-            "scale" => scale::run(&args.scale_workload, &args.out),
-            _ => hits::run(args.scale, &args.out),
+            "scale" => scale::run(tc, &args.scale_workload, &args.out),
+            _ => hits::run(tc, args.scale, &args.out),
         };
     }
     let mut p = params(args.scale);
@@ -457,6 +466,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .with_context(|| format!("creating {}", args.out.display()))?;
     let out = std::fs::canonicalize(&args.out)?;
     let ctx = Ctx {
+        tc: tc.clone(),
         p,
         scale: args.scale,
         scratch: out.join("scratch"),
@@ -546,7 +556,7 @@ fn run_pair(ctx: &Ctx, w: &str, c: &str, progress: &Progress) -> Result<PairOut>
         disk_bytes: ctx.p.disk_bytes,
         cache_bytes: ctx.p.cache_bytes,
     };
-    let mut running = procs::start(base, &ctx.scratch, sizes, limit)?;
+    let mut running = procs::start(&ctx.tc, base, &ctx.scratch, sizes, limit)?;
     if w == "W5" || w == "W6" || w == "W7" {
         running.set("sequential_cutoff", "0")?;
     }
@@ -620,13 +630,11 @@ fn run_step(
     let stop = Arc::new(AtomicBool::new(false));
     let sampler = (s.plot && running.admin.is_some()).then(|| {
         let admin = running.admin.clone().expect("checked");
-        let (samples, stop) = (samples.clone(), stop.clone());
+        let (samples, stop, tc) = (samples.clone(), stop.clone(), running.tc.clone());
         std::thread::spawn(move || {
             let t0 = Instant::now();
             while !stop.load(Ordering::SeqCst) {
-                if let Ok(v) =
-                    crate::admin::request(&admin, &serde_json::json!({"cmd": "stats"}), &mut |_| {})
-                {
+                if let Ok(v) = tc.stats(&admin) {
                     let dirty =
                         v["cache"]["dirty_bytes"].as_f64().unwrap_or(0.0) / (1 << 20) as f64;
                     let in_use = v["cache"]["in_use"].as_f64().unwrap_or(0.0);
@@ -675,6 +683,7 @@ fn run_step(
     let samples = std::mem::take(&mut *samples.lock().expect("sampler lock"));
     let series = s.plot.then(|| Series {
         workload: w.to_string(),
+        step: s.name.clone(),
         config: c.to_string(),
         iops: fio::iops_series(&log_prefix),
         dirty_mib: samples.iter().map(|s| (s.0, s.1)).collect(),

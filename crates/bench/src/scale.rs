@@ -22,9 +22,8 @@
 //! and its row says so, so that measuring never takes the machine down.
 
 use super::fio::{self, Target};
-use super::procs::{self, Proc};
+use super::procs::{self, Proc, Tiercache};
 use super::report::{self, opt};
-use crate::units::{human, parse_size};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -32,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
+use tiercache_units::{human, parse_size};
 
 /// Options of the `scale` workload (ignored by W1–W7).
 #[derive(clap::Args)]
@@ -135,7 +135,7 @@ fn ended(notes: &mut Vec<String>, e: anyhow::Error) -> bool {
 }
 
 /// Runs the scale workload and writes `scale.md` and `scale.json` into `out`.
-pub fn run(a: &ScaleArgs, out: &Path) -> Result<()> {
+pub fn run(tc: &Tiercache, a: &ScaleArgs, out: &Path) -> Result<()> {
     validate(a)?;
     if !procs::on_path("fio") {
         bail!("fio is not installed (Debian: apt-get install fio)");
@@ -163,7 +163,13 @@ pub fn run(a: &ScaleArgs, out: &Path) -> Result<()> {
             bucket_bytes: SIZE_ROW_BUCKET,
             ..SizeRow::default()
         };
-        if let Err(e) = size_row(&mut row, &scratch.join(format!("size-{i}")), a.fill, limit) {
+        if let Err(e) = size_row(
+            tc,
+            &mut row,
+            &scratch.join(format!("size-{i}")),
+            a.fill,
+            limit,
+        ) {
             failures += usize::from(ended(&mut row.notes, e));
         }
         sizes.push(row);
@@ -183,7 +189,7 @@ pub fn run(a: &ScaleArgs, out: &Path) -> Result<()> {
                 ..CpuRow::default()
             };
             let dir = scratch.join(format!("cpu-{bucket}"));
-            if let Err(e) = cpu_row(&mut row, &dir, a.cpu_window_s, limit) {
+            if let Err(e) = cpu_row(tc, &mut row, &dir, a.cpu_window_s, limit) {
                 failures += usize::from(ended(&mut row.notes, e));
             }
             cpu.push(row);
@@ -234,10 +240,16 @@ pub(super) struct Devices {
     pub(super) cache: PathBuf,
     pub(super) backing: PathBuf,
     socket: PathBuf,
+    tc: Tiercache,
 }
 
 impl Devices {
-    pub(super) fn create(dir: &Path, cache_bytes: u64, backing_bytes: u64) -> Result<Devices> {
+    pub(super) fn create(
+        tc: &Tiercache,
+        dir: &Path,
+        cache_bytes: u64,
+        backing_bytes: u64,
+    ) -> Result<Devices> {
         let _ = std::fs::remove_dir_all(dir);
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let d = Devices {
@@ -245,6 +257,7 @@ impl Devices {
             cache: dir.join("cache.img"),
             backing: dir.join("backing.img"),
             socket: dir.join("tc.sock"),
+            tc: tc.clone(),
         };
         for (p, len) in [(&d.cache, cache_bytes), (&d.backing, backing_bytes)] {
             std::fs::File::create(p)
@@ -259,12 +272,12 @@ impl Devices {
     }
 
     pub(super) fn admin(&self) -> PathBuf {
-        crate::serve::admin_for(&self.socket)
+        procs::admin_socket(&self.socket)
     }
 
     /// `tiercache make ... --writeback` with `bucket` bytes per bucket; its wall time.
     pub(super) fn make(&self, bucket: u64, limit: Duration) -> Result<f64> {
-        let mut c = procs::tiercache()?;
+        let mut c = self.tc.command();
         c.args(["make", "--label", LABEL, "--writeback", "--bucket-size"])
             .arg(bucket.to_string())
             .arg("--backing")
@@ -279,7 +292,7 @@ impl Devices {
 
     /// Changes a knob of the device (`sequential_cutoff`, `cache_mode`, ...).
     pub(super) fn set(&self, knob: &str, value: &str) -> Result<()> {
-        procs::set_knob(&self.admin(), LABEL, knob, value)
+        self.tc.set(&self.admin(), LABEL, knob, value)
     }
 
     /// Spawns `tiercache serve` and waits until an NBD client completes its handshake.
@@ -288,14 +301,16 @@ impl Devices {
         // A killed server leaves its sockets behind.
         let _ = std::fs::remove_file(&self.socket);
         let _ = std::fs::remove_file(self.admin());
-        let mut c = procs::tiercache()?;
+        let mut c = self.tc.command();
         c.arg("serve")
             .arg("--cache")
             .arg(&self.cache)
             .arg("--backing")
             .arg(&self.backing)
             .arg("--socket")
-            .arg(&self.socket);
+            .arg(&self.socket)
+            .arg("--admin")
+            .arg(self.admin());
         let t = Instant::now();
         let mut server = Proc::spawn(&mut c, "tiercache serve", None)?;
         let answered = connect_loop(self.uri());
@@ -401,11 +416,7 @@ fn memory_floor() -> u64 {
 
 /// The server's admin `stats`.
 pub(super) fn stats(dev: &Devices) -> Result<serde_json::Value> {
-    crate::admin::request(
-        &dev.admin(),
-        &serde_json::json!({"cmd": "stats"}),
-        &mut |_| {},
-    )
+    dev.tc.stats(&dev.admin())
 }
 
 pub(super) fn cached_bytes(dev: &Devices) -> Result<u64> {
@@ -432,8 +443,14 @@ fn randwrite(dev: &Devices, extra: &[String]) -> Result<fio::Measured> {
 }
 
 /// make, start, fill, kill -9, restart on one cache size, filling `row` as it goes.
-fn size_row(row: &mut SizeRow, dir: &Path, fill: u64, limit: Duration) -> Result<()> {
-    let dev = Devices::create(dir, row.cache_bytes, row.backing_bytes)?;
+fn size_row(
+    tc: &Tiercache,
+    row: &mut SizeRow,
+    dir: &Path,
+    fill: u64,
+    limit: Duration,
+) -> Result<()> {
+    let dev = Devices::create(tc, dir, row.cache_bytes, row.backing_bytes)?;
     eprintln!("    make");
     row.make_s = Some(dev.make(row.bucket_bytes, limit)?);
     eprintln!("    start (empty)");
@@ -486,8 +503,14 @@ fn size_row(row: &mut SizeRow, dir: &Path, fill: u64, limit: Duration) -> Result
 
 /// 4 KiB random writes over 4× the cache until it is full, then a measured window: server
 /// CPU time per write.
-fn cpu_row(row: &mut CpuRow, dir: &Path, window_s: u64, limit: Duration) -> Result<()> {
-    let dev = Devices::create(dir, row.cache_bytes, row.backing_bytes)?;
+fn cpu_row(
+    tc: &Tiercache,
+    row: &mut CpuRow,
+    dir: &Path,
+    window_s: u64,
+    limit: Duration,
+) -> Result<()> {
+    let dev = Devices::create(tc, dir, row.cache_bytes, row.backing_bytes)?;
     dev.make(row.bucket_bytes, limit)?;
     let (mut server, _) = dev.serve(limit)?;
     eprintln!("    fill until {FULL_IN_USE_PCT} % of the buckets hold data");

@@ -24,16 +24,16 @@
 //! leaves its columns n/a with a notice; any other failure fails the workload.
 
 use super::fio::{self, Target};
-use super::procs::{self, Proc};
+use super::procs::{self, Proc, Tiercache};
 use super::report::{self, opt};
 use super::scale::{self, Devices};
 use super::Scale;
-use crate::units::human;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
+use tiercache_units::human;
 
 /// Time limit of `make` and of the server's start.
 const LIMIT: Duration = Duration::from_secs(120);
@@ -197,7 +197,7 @@ struct Measured {
 }
 
 /// Runs the hits workload and writes `hits.md` and `hits.json` into `out`.
-pub fn run(scale: Scale, out: &Path) -> Result<()> {
+pub fn run(tc: &Tiercache, scale: Scale, out: &Path) -> Result<()> {
     if !procs::on_path("fio") {
         bail!("fio is not installed (Debian: apt-get install fio)");
     }
@@ -212,7 +212,7 @@ pub fn run(scale: Scale, out: &Path) -> Result<()> {
     let p = params(scale);
     let t0 = Instant::now();
     let progress = |what: &str| eprintln!("{what} ({:.0} s elapsed)", t0.elapsed().as_secs_f64());
-    let measured = measure_all(&p, &scratch, have_nbdkit, &progress);
+    let measured = measure_all(tc, &p, &scratch, have_nbdkit, &progress);
     let _ = std::fs::remove_dir_all(&scratch);
     let m = measured?;
     for r in &m.reads {
@@ -229,6 +229,7 @@ pub fn run(scale: Scale, out: &Path) -> Result<()> {
 }
 
 fn measure_all(
+    tc: &Tiercache,
     p: &Params,
     scratch: &Path,
     have_nbdkit: bool,
@@ -240,7 +241,7 @@ fn measure_all(
         human(p.backing_bytes)
     ));
     // Deletes the scratch directory when dropped.
-    let dev = Devices::create(scratch, p.cache_bytes, p.backing_bytes)?;
+    let dev = Devices::create(tc, scratch, p.cache_bytes, p.backing_bytes)?;
     procs::write_whole_file(&dev.cache, p.cache_bytes)?;
     procs::write_whole_file(&dev.backing, p.backing_bytes)?;
     dev.make(BUCKET, LIMIT)?;

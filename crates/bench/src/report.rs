@@ -1,0 +1,423 @@
+//! Benchmark results: ratios to `hdd` and `ssd`, the Markdown tables, `results.json`, and the
+//! charts ([`super::plot`]): `w1.svg`, W1's IOPS as bars per step and configuration, and
+//! `w4.svg` / `w6.svg`, the plotted step's time series (IOPS, dirty data, cache occupancy)
+//! with every configuration overlaid. Each chart is embedded under its workload's table.
+//!
+//! Invariant: every number written comes from a `Row` or `Series` measured in this run; a
+//! ratio is present only when the reference row of the same workload step exists; one
+//! configuration has one colour in every chart.
+
+use super::plot::{self, BarSeries, Key, Line, Panel, Rgb};
+use super::{Params, Scale, WORKLOADS};
+use anyhow::Result;
+use std::fmt::Write as _;
+use std::path::Path;
+
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Row {
+    pub workload: String,
+    pub step: String,
+    pub config: String,
+    pub iops: f64,
+    pub bw_mib_s: f64,
+    pub mean_lat_us: f64,
+    pub p99_lat_us: f64,
+    pub hit_ratio_pct: Option<f64>,
+    pub cache_written_mib: Option<f64>,
+    pub seconds: f64,
+    pub ratio_hdd: Option<f64>,
+    pub ratio_ssd: Option<f64>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Series {
+    pub workload: String,
+    /// The step the series was sampled in.
+    pub step: String,
+    pub config: String,
+    pub iops: Vec<(f64, f64)>,
+    pub dirty_mib: Vec<(f64, f64)>,
+    pub in_use_pct: Vec<(f64, f64)>,
+}
+
+/// Fills the ratio columns: a row's throughput over the `hdd` (`ssd`) row of the same step.
+/// For W7, where less time is better, the ratio is the reference time over this time.
+pub fn ratios(rows: &mut [Row]) {
+    let find = |rows: &[Row], r: &Row, cfg: &str| {
+        rows.iter()
+            .find(|x| {
+                x.config == cfg
+                    && x.workload == r.workload
+                    && (x.step == r.step || r.workload == "W7")
+            })
+            .map(|x| {
+                if r.workload == "W7" {
+                    x.seconds
+                } else {
+                    x.iops
+                }
+            })
+    };
+    let copy = rows.to_vec();
+    for r in rows.iter_mut() {
+        let mine = if r.workload == "W7" {
+            r.seconds
+        } else {
+            r.iops
+        };
+        let ratio = |reference: Option<f64>| {
+            reference.filter(|v| *v > 0.0 && mine > 0.0).map(|v| {
+                if r.workload == "W7" {
+                    v / mine
+                } else {
+                    mine / v
+                }
+            })
+        };
+        r.ratio_hdd = ratio(find(&copy, r, "hdd"));
+        r.ratio_ssd = ratio(find(&copy, r, "ssd"));
+    }
+}
+
+/// A value with `digits` decimals, or "n/a" when it was not measured.
+pub fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map(|v| format!("{v:.digits$}"))
+        .unwrap_or_else(|| "n/a".into())
+}
+
+/// Writes results.md, results.json and the charts (`w1.svg`, and `wN.svg` for each workload
+/// with time series).
+pub fn write(
+    dir: &Path,
+    scale: Scale,
+    p: &Params,
+    rows: &[Row],
+    series: &[Series],
+    notices: &[String],
+) -> Result<()> {
+    let machine = machine();
+    let date = date();
+    let mut md = String::new();
+    writeln!(
+        md,
+        "# tiercache bench ({scale:?} scale, {date})\n\nMachine: {machine}. Emulated disk {} MiB, cache {} MiB, {} s per timed step (W4's sync writes: until 70 % of the cache is written, at most {} s). {}\n",
+        p.disk_bytes >> 20,
+        p.cache_bytes >> 20,
+        p.runtime_s,
+        p.w4_cap_s,
+        match p.mem_limit_bytes {
+            Some(b) => format!(
+                "`+memlimit`: each server process in a memory cgroup of {} MiB, page cache included.",
+                b >> 20
+            ),
+            None => "No `+memlimit` configurations (--mem-limit 0).".into(),
+        }
+    )?;
+    for n in notices {
+        writeln!(md, "> {n}\n")?;
+    }
+    let charts = charts(rows, series)?;
+    for (_, name, svg) in &charts {
+        std::fs::write(dir.join(name), svg)?;
+    }
+    for (w, what) in WORKLOADS {
+        let wr: Vec<&Row> = rows.iter().filter(|r| r.workload == w).collect();
+        if wr.is_empty() {
+            continue;
+        }
+        writeln!(md, "## {w}: {what}\n")?;
+        if w == "W7" {
+            writeln!(
+                md,
+                "| step | config | seconds | MiB/s | ×hdd (time) |\n|---|---|---|---|---|"
+            )?;
+            for r in wr {
+                writeln!(
+                    md,
+                    "| {} | {} | {:.1} | {:.2} | {} |",
+                    r.step,
+                    r.config,
+                    r.seconds,
+                    r.bw_mib_s,
+                    opt(r.ratio_hdd, 2)
+                )?;
+            }
+        } else {
+            writeln!(
+                md,
+                "| step | config | IOPS | MiB/s | mean µs | p99 µs | hit % | cache MiB written | ×hdd | ×ssd |\n|---|---|---|---|---|---|---|---|---|---|"
+            )?;
+            for r in wr {
+                writeln!(
+                    md,
+                    "| {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {} | {} | {} | {} |",
+                    r.step,
+                    r.config,
+                    r.iops,
+                    r.bw_mib_s,
+                    r.mean_lat_us,
+                    r.p99_lat_us,
+                    opt(r.hit_ratio_pct, 0),
+                    opt(r.cache_written_mib, 1),
+                    opt(r.ratio_hdd, 2),
+                    opt(r.ratio_ssd, 2)
+                )?;
+            }
+        }
+        writeln!(md)?;
+        for (_, name, _) in charts.iter().filter(|c| c.0 == w) {
+            writeln!(md, "![{w}]({name})\n")?;
+        }
+    }
+    let plots: Vec<&str> = charts.iter().map(|c| c.1.as_str()).collect();
+    std::fs::write(dir.join("results.md"), &md)?;
+    let json = serde_json::json!({
+        "date": date,
+        "machine": machine,
+        "scale": scale,
+        "params": p,
+        "notices": notices,
+        "rows": rows,
+        "series": series,
+        "plots": plots,
+    });
+    std::fs::write(
+        dir.join("results.json"),
+        serde_json::to_string_pretty(&json)?,
+    )?;
+    Ok(())
+}
+
+/// Now, in UTC to the minute, for report headers.
+pub fn date() -> String {
+    std::process::Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d %H:%M UTC")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+/// The machine, for report headers: cores, CPU model, RAM.
+pub fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let mem_gib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .next()
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map(|kib| kib >> 20)
+        .unwrap_or(0);
+    format!("{cores} cores ({cpu}), {mem_gib} GiB")
+}
+
+/// One colour per configuration (matplotlib's "tab10"), the same in every chart.
+fn color(config: &str) -> Rgb {
+    match config {
+        "hdd" => (127, 127, 127),
+        "ssd" => (23, 190, 207),
+        "tiercache-writethrough" => (31, 119, 180),
+        "tiercache-writeback" => (255, 127, 14),
+        "tiercache-writearound" => (44, 160, 44),
+        "nbdkit-cache" => (214, 39, 40),
+        "tiercache-writeback+memlimit" => (140, 86, 75),
+        "nbdkit-cache+memlimit" => (227, 119, 194),
+        c if c.ends_with(super::MEMLIMIT) => (188, 189, 34),
+        _ => (148, 103, 189),
+    }
+}
+
+/// The distinct values of `items`, in the order they first appear.
+fn in_order<'a>(items: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+    let mut v: Vec<&str> = Vec::new();
+    for i in items {
+        if !v.contains(&i) {
+            v.push(i);
+        }
+    }
+    v
+}
+
+/// The charts of a run: (workload, file name, SVG). W1 as bars, each workload with time series
+/// as one overlaid figure.
+fn charts(rows: &[Row], series: &[Series]) -> Result<Vec<(String, String, String)>> {
+    let mut out = Vec::new();
+    let w1: Vec<&Row> = rows.iter().filter(|r| r.workload == "W1").collect();
+    if !w1.is_empty() {
+        let steps = in_order(w1.iter().map(|r| r.step.as_str()));
+        let configs = in_order(w1.iter().map(|r| r.config.as_str()));
+        let groups: Vec<String> = steps
+            .iter()
+            // "read-seq (cold)" on two lines: "read-seq", "cold".
+            .map(|s| s.replace(" (", "\n").replace(')', ""))
+            .collect();
+        let bars: Vec<BarSeries> = configs
+            .iter()
+            .map(|c| BarSeries {
+                key: Key {
+                    label: c,
+                    color: color(c),
+                },
+                values: steps
+                    .iter()
+                    .map(|s| {
+                        w1.iter()
+                            .find(|r| r.config == *c && r.step == *s)
+                            .map(|r| r.iops)
+                    })
+                    .collect(),
+            })
+            .collect();
+        let svg = plot::bars(
+            "W1: 4 KiB QD1 IOPS per step and configuration, cold then warm",
+            "IOPS (log scale)",
+            &groups,
+            &bars,
+        )?;
+        out.push(("W1".to_string(), "w1.svg".to_string(), svg));
+    }
+    for w in in_order(series.iter().map(|s| s.workload.as_str())) {
+        let ws: Vec<&Series> = series.iter().filter(|s| s.workload == w).collect();
+        let keys: Vec<Key> = ws
+            .iter()
+            .map(|s| Key {
+                label: &s.config,
+                color: color(&s.config),
+            })
+            .collect();
+        // Only tiercache answers the admin `stats` the dirty and occupancy samples come from.
+        let lines = |pick: fn(&Series) -> &[(f64, f64)], iops: bool| -> Vec<Line> {
+            ws.iter()
+                .zip(&keys)
+                .map(|(s, k)| Line {
+                    key: *k,
+                    points: pick(s),
+                    empty_why: if iops {
+                        "fio logged no whole second (the step was shorter)"
+                    } else if s.config.starts_with("tiercache-") {
+                        "no sample was taken"
+                    } else {
+                        "only tiercache reports it"
+                    },
+                })
+                .collect()
+        };
+        let panels = [
+            Panel {
+                y_desc: "IOPS",
+                y_max: None,
+                lines: lines(|s| &s.iops, true),
+            },
+            Panel {
+                y_desc: "dirty data (MiB)",
+                y_max: None,
+                lines: lines(|s| &s.dirty_mib, false),
+            },
+            Panel {
+                y_desc: "cache in use (%)",
+                y_max: Some(100.0),
+                lines: lines(|s| &s.in_use_pct, false),
+            },
+        ];
+        let title = format!("{w}: {}, every configuration over time", ws[0].step);
+        let svg = plot::time_series(&title, &keys, &panels)?;
+        out.push((w.to_string(), format!("{}.svg", w.to_lowercase()), svg));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratios_compare_the_same_step() {
+        let row = |cfg: &str, iops: f64| Row {
+            workload: "W5".into(),
+            step: "randread".into(),
+            config: cfg.into(),
+            iops,
+            ..Row::default()
+        };
+        let mut rows = vec![
+            row("hdd", 100.0),
+            row("ssd", 10000.0),
+            row("tiercache-writeback", 5000.0),
+        ];
+        ratios(&mut rows);
+        assert_eq!(rows[2].ratio_hdd, Some(50.0));
+        assert_eq!(rows[2].ratio_ssd, Some(0.5));
+        assert_eq!(rows[0].ratio_hdd, Some(1.0));
+    }
+
+    #[test]
+    fn one_w1_bar_chart_and_one_overlaid_figure_per_plotted_workload() {
+        let row = |step: &str, cfg: &str, iops: f64| Row {
+            workload: "W1".into(),
+            step: step.into(),
+            config: cfg.into(),
+            iops,
+            ..Row::default()
+        };
+        let rows = vec![
+            row("read-seq (cold)", "hdd", 150.0),
+            row("read-seq (cold)", "tiercache-writeback", 900.0),
+            row("read-seq (warm)", "hdd", 160.0),
+            row("read-seq (warm)", "tiercache-writeback", 20_000.0),
+        ];
+        let series = |w: &str, cfg: &str, tc: bool| Series {
+            workload: w.into(),
+            step: "sync randwrite".into(),
+            config: cfg.into(),
+            iops: vec![(1.0, 100.0), (2.0, 120.0)],
+            dirty_mib: if tc {
+                vec![(0.0, 1.0), (1.0, 5.0)]
+            } else {
+                vec![]
+            },
+            in_use_pct: if tc {
+                vec![(0.0, 2.0), (1.0, 9.0)]
+            } else {
+                vec![]
+            },
+        };
+        let s = vec![
+            series("W4", "hdd", false),
+            series("W4", "tiercache-writeback", true),
+            series("W6", "hdd", false),
+        ];
+        let charts = charts(&rows, &s).unwrap();
+        let names: Vec<&str> = charts.iter().map(|c| c.1.as_str()).collect();
+        assert_eq!(names, ["w1.svg", "w4.svg", "w6.svg"]);
+        let w1 = &charts[0].2;
+        assert!(w1.contains(">\nread-seq\n</text>") && w1.contains(">\nwarm\n</text>"));
+        // Background, two legend swatches, four bars.
+        assert_eq!(w1.matches("<rect").count(), 7);
+        let w4 = &charts[1].2;
+        for cfg in ["hdd", "tiercache-writeback"] {
+            assert!(
+                w4.contains(&format!(">\n{cfg}\n</text>")),
+                "no legend for {cfg}"
+            );
+        }
+        // hdd: an IOPS line; writeback: IOPS, dirty and occupancy lines.
+        let lines = w4.matches("stroke-width=\"2\"").count();
+        assert_eq!(lines, 4, "{w4}");
+        // hdd has no dirty or occupancy line, and W6 ran only on hdd: the panels say why.
+        let why = "no data for hdd: only tiercache reports it";
+        assert_eq!(w4.matches(why).count(), 2, "{w4}");
+        assert_eq!(charts[2].2.matches(why).count(), 2);
+    }
+}
