@@ -58,5 +58,5 @@ mod unix_socket;
 pub use export::{Detached, Export, ExportRegistry};
 pub use nbd_proto::ValidRequest;
 pub use net::{tcp_exposure_warning, BindAddr, LocalAddr};
-pub use server::{start, ServerConfig, ServerHandle, ServerStats};
+pub use server::{start, ServerConfig, ServerHandle, ServerStats, StatsView};
 pub use unix_socket::{bind_unix, UnixSocketFile, UnixSocketPerms, SOCKET_MODE_DEFAULT};

@@ -5,10 +5,13 @@
 //! `{"ok": false, "error": "..."}`. Long operations (detach) first send progress lines
 //! `{"progress": {...}}`. `status` and `stats` carry the cache device's health (`ok` or
 //! `degraded`, why and since when, failure counts, latency estimates); `readmit` and
-//! `degrade` reply with it as it is after the change.
+//! `degrade` reply with it as it is after the change. `metrics` returns everything the
+//! server measures (`crate::metrics::Sample`: counters, latency histograms, occupancy,
+//! connections), which `tiercache top` samples every second.
 //! A server running without its cache device (`serve --without-cache-if-missing`) answers
-//! `status` with the volumes it serves directly and why the cache device is not in use, and
-//! `stop`; every other command needs the cache set and gets an error saying so.
+//! `status` with the volumes it serves directly and why the cache device is not in use,
+//! `metrics` with what it can measure without the set, and `stop`; every other command needs
+//! the cache set and gets an error saying so.
 //!
 //! Invariants: the socket is 0600 from the moment it exists (only its owner may control the
 //! cache; the caller binds it with `server::bind_unix`); a malformed or unknown request gets an
@@ -44,6 +47,8 @@ pub trait Control: Send + Sync + 'static {
     fn stop(&self);
     /// Opens a backing device by path (for `attach`).
     fn open_backing(&self, path: &Path) -> Result<Arc<dyn blockdev::BlockDevice>>;
+    /// Everything the server measures (`crate::metrics::Sample`), for `metrics`.
+    fn metrics(&self) -> Result<Value>;
 }
 
 fn find(set: &CacheSet, name: &str) -> Result<Volume> {
@@ -250,10 +255,11 @@ fn handle(ctl: &dyn Control, req: &Value, send: &mut dyn FnMut(Value)) -> Result
             ctl.stop();
             Ok(json!({"ok": true}))
         }
+        "metrics" => Ok(json!({"ok": true, "metrics": ctl.metrics()?})),
         other => {
             bail!(
                 "unknown command '{other}' (commands: status, stats, set, detach, attach, \
-                 readmit, degrade, stop)"
+                 readmit, degrade, stop, metrics)"
             )
         }
     }

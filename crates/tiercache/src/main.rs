@@ -12,7 +12,9 @@ mod demo;
 mod devices;
 mod emulate;
 mod export;
+mod metrics;
 mod serve;
+mod top;
 mod units;
 mod without_cache;
 
@@ -137,6 +139,10 @@ enum Cmd {
         /// Admin socket for `tiercache status/set/...` (default: SOCKET.admin); always 0600.
         #[arg(long)]
         admin: Option<PathBuf>,
+        /// Serve Prometheus metrics at http://ADDRESS:PORT/metrics: a port (bound to
+        /// 127.0.0.1) or ADDRESS:PORT (see docs/metrics.md).
+        #[arg(long)]
+        metrics: Option<String>,
         #[command(flatten)]
         limits: ServeLimits,
         #[command(flatten)]
@@ -169,7 +175,7 @@ enum Cmd {
             "max_connections_per_client", "request_memory", "io_error_limit",
             "io_error_halflife", "cache_io_timeout_ms", "congested_read_threshold_us",
             "congested_write_threshold_us", "without_cache_if_missing",
-            "without_cache_discard_dirty",
+            "without_cache_discard_dirty", "metrics",
         ])]
         config: Option<PathBuf>,
     },
@@ -231,6 +237,19 @@ enum Cmd {
         /// Print the server's JSON reply instead of a table.
         #[arg(long)]
         json: bool,
+    },
+    /// A live view of a running server, refreshed every second: per volume, reads and writes
+    /// per second by hit/miss/bypass and their MiB/s, hit ratio, latency percentiles, dirty
+    /// data and its trend, writeback; the cache's occupancy and health (q quits).
+    Top {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Print the view once as plain text, from two samples an interval apart, and exit.
+        #[arg(long)]
+        once: bool,
+        /// Seconds between samples (0.1 to 60).
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
     },
     /// Statistics (bcache's names) for total, five_minute, hour and day.
     Stats {
@@ -532,7 +551,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     if matches!(
         cli.cmd,
-        Cmd::Show { .. } | Cmd::Status { .. } | Cmd::Stats { .. }
+        Cmd::Show { .. } | Cmd::Status { .. } | Cmd::Stats { .. } | Cmd::Top { .. }
     ) {
         // Commands that only print end quietly when their reader goes away (`... | head`),
         // as Unix tools do; servers keep Rust's default (EPIPE as an error on the socket).
@@ -568,6 +587,7 @@ fn main() -> ExitCode {
             socket,
             tcp,
             admin,
+            metrics,
             limits,
             health,
             without_cache_if_missing,
@@ -598,6 +618,7 @@ fn main() -> ExitCode {
                     volumes: Default::default(),
                     without_cache_if_missing,
                     without_cache_discard_dirty,
+                    metrics,
                 },
             };
             serve::serve(&cfg, |_| {})
@@ -639,6 +660,22 @@ fn main() -> ExitCode {
             client::status(&admin.admin, json).map(|_| ExitCode::SUCCESS)
         }
         Cmd::Stats { admin, json } => client::stats(&admin.admin, json).map(|_| ExitCode::SUCCESS),
+        Cmd::Top {
+            admin,
+            once,
+            interval,
+        } => (|| {
+            if !(0.1..=60.0).contains(&interval) {
+                bail!("--interval must be between 0.1 and 60 seconds");
+            }
+            let interval = std::time::Duration::from_secs_f64(interval);
+            if once {
+                top::once(&admin.admin, interval)
+            } else {
+                top::live(&admin.admin, interval)
+            }
+        })()
+        .map(|_| ExitCode::SUCCESS),
         Cmd::Set {
             admin,
             device,
