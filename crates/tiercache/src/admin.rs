@@ -1,7 +1,7 @@
 //! The admin protocol: live control of a running `tiercache serve` over a unix socket.
 //!
 //! One JSON object per line each way. A request names a command (`status`, `stats`, `set`,
-//! `detach`, `attach`, `readmit`, `degrade`, `stop`); the reply is `{"ok": true, ...}` or
+//! `detach`, `attach`, `readmit`, `degrade`, `stop`, `metrics`); the reply is `{"ok": true, ...}` or
 //! `{"ok": false, "error": "..."}`. Long operations (detach) first send progress lines
 //! `{"progress": {...}}`. `status` and `stats` carry the cache device's health (`ok` or
 //! `degraded`, why and since when, failure counts, latency estimates); `readmit` and

@@ -10,6 +10,9 @@
 //! distinct devices, and another server, `make`, `check` or `attach` of them is refused.
 //! The cache set's failure and congestion limits (`io_error_limit`, `io_error_halflife`,
 //! `cache_io_timeout_ms`, `congested_*_threshold_us`) are checked before any device is opened.
+//! Every device is handed to the engine inside a timing wrapper and every export counts its
+//! requests (`metrics`); with `metrics` set, `/metrics` is served over HTTP (loopback unless
+//! an address is given), bound before the admin socket appears.
 //!
 //! Without the cache device: only with `without_cache_if_missing`, and only when the cache
 //! device cannot be opened or its metadata cannot be loaded (never when another process owns
