@@ -261,6 +261,17 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_bare_port_means_loopback() {
+        assert_eq!(
+            parse_addr("9563").unwrap(),
+            "127.0.0.1:9563".parse().unwrap()
+        );
+        assert_eq!(parse_addr("[::1]:0").unwrap(), "[::1]:0".parse().unwrap());
+        assert!(parse_addr("localhost:9563").is_err());
+        assert!(parse_addr("70000").is_err());
+    }
+
     fn get(addr: SocketAddr, req: &[u8]) -> String {
         let mut s = TcpStream::connect(addr).unwrap();
         s.write_all(req).unwrap();

@@ -13,7 +13,8 @@
 //! and per device I/O; a volume's request metrics are keyed by its uuid, so they survive a
 //! label change (the `volume` label follows the new name) and a re-export; memory is fixed
 //! per volume and per device (`SERIES` and `DEVICE_OPS` histograms of `hist::BUCKETS`
-//! words). Taking a sample locks the engine's state briefly, like `status` does.
+//! words), and a detached volume's or dropped device's metrics go at the next sample. Taking
+//! a sample locks the engine's state briefly, like `status` does.
 
 pub mod device;
 pub mod hist;
@@ -28,7 +29,7 @@ use engine::CacheSet;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 use uuid::Uuid;
 use volume::{SeriesSample, VolumeMetrics};
@@ -64,7 +65,9 @@ pub fn listener_name(addr: &server::LocalAddr) -> String {
 pub struct Metrics {
     started: Instant,
     volumes: Mutex<BTreeMap<Uuid, Arc<VolumeMetrics>>>,
-    devices: Mutex<Vec<Arc<DeviceMetrics>>>,
+    /// Held by the devices' wrappers: a device the engine dropped (detached, or an attach
+    /// that failed) leaves the list at the next sample.
+    devices: Mutex<Vec<Weak<DeviceMetrics>>>,
     /// Backing device spec of each volume uuid (from the device's header at open).
     backing_names: Mutex<BTreeMap<Uuid, String>>,
     /// Where the cache device's data area starts (`u64::MAX` until the set is open).
@@ -99,7 +102,7 @@ impl Metrics {
             device: name.to_string(),
             ops: Default::default(),
         });
-        lock(&self.devices).push(m.clone());
+        lock(&self.devices).push(Arc::downgrade(&m));
         let data_offset = match role {
             Role::Cache => self.cache_data_offset.clone(),
             Role::Backing => Arc::new(AtomicU64::new(0)),
@@ -153,7 +156,7 @@ impl Metrics {
             cache_set,
             without_cache,
             volumes,
-            devices: lock(&self.devices).iter().map(|d| d.sample()).collect(),
+            devices: self.device_samples(),
             listeners: lock(&self.listeners)
                 .iter()
                 .map(|(name, view)| ListenerSample::of(name, &view.stats()))
@@ -162,10 +165,21 @@ impl Metrics {
         }
     }
 
+    fn device_samples(&self) -> Vec<DeviceSample> {
+        let mut devices = lock(&self.devices);
+        devices.retain(|d| d.strong_count() > 0);
+        devices
+            .iter()
+            .filter_map(|d| Some(d.upgrade()?.sample()))
+            .collect()
+    }
+
     fn volume_samples(&self, set: &CacheSet) -> Vec<VolumeSample> {
         let names = lock(&self.backing_names).clone();
-        set.volumes()
-            .iter()
+        let vols = set.volumes();
+        // Detached volumes' request metrics go (an export still serving holds its own).
+        lock(&self.volumes).retain(|uuid, _| vols.iter().any(|v| v.uuid() == *uuid));
+        vols.iter()
             .map(|v| {
                 let s = v.status();
                 let (rate, share) = match s.writeback {
@@ -425,5 +439,30 @@ pub mod test_samples {
             listeners: Vec::new(),
             metrics_address: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_device_leaves_the_samples() {
+        let m = Metrics::default();
+        let mem = || Arc::new(blockdev::MemDevice::new(1 << 20)) as Arc<dyn BlockDevice>;
+        let cache = m.wrap_cache(mem(), "fast");
+        let backing = m.wrap_backing(mem(), "slow");
+        let names =
+            |s: &Sample| -> Vec<String> { s.devices.iter().map(|d| d.device.clone()).collect() };
+        assert_eq!(
+            names(&m.sample(None, Some("test".into()))),
+            ["fast", "slow"]
+        );
+        drop(backing);
+        let s = m.sample(None, Some("test".into()));
+        assert_eq!(names(&s), ["fast"]);
+        assert_eq!(s.without_cache.as_deref(), Some("test"));
+        drop(cache);
+        assert!(m.sample(None, None).devices.is_empty());
     }
 }
