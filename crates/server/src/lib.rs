@@ -71,5 +71,5 @@ pub use export::{Detached, Export, ExportRegistry};
 pub use nbd_proto::ValidRequest;
 pub use nbd_tls::ServerTls;
 pub use net::{tcp_exposure_warning, BindAddr, LocalAddr};
-pub use server::{start, ServerConfig, ServerHandle, ServerStats, TlsConfig};
+pub use server::{start, ServerConfig, ServerHandle, ServerStats, StatsView, TlsConfig};
 pub use unix_socket::{bind_unix, UnixSocketFile, UnixSocketPerms, SOCKET_MODE_DEFAULT};

@@ -388,18 +388,13 @@ impl ServerHandle {
 
     /// Current load and what the limits did so far.
     pub fn stats(&self) -> ServerStats {
-        let shared = &self.shared;
-        let counters = &shared.table.counters;
-        ServerStats {
-            connections: shared.table.len(),
-            connections_max: shared.table.limits().connections_max,
-            connections_refused: counters.refused.load(Ordering::Relaxed),
-            connections_evicted: counters.evicted.load(Ordering::Relaxed),
-            connections_idle_closed: counters.idle_closed.load(Ordering::Relaxed),
-            bytes_in_flight: shared.budget.bytes_held(),
-            bytes_in_flight_peak: shared.budget.bytes_held_peak(),
-            workers_extra: shared.threads.used(),
-        }
+        stats_of(&self.shared)
+    }
+
+    /// A handle that reads [`stats`](Self::stats) from elsewhere (a metrics exporter), also
+    /// after shutdown (the final values then).
+    pub fn stats_view(&self) -> StatsView {
+        StatsView(Arc::clone(&self.shared))
     }
 
     /// Stops accepting, stops reading new requests, answers every request already read, closes
@@ -435,5 +430,29 @@ impl ServerHandle {
                 log::error!("connection {id} thread panicked");
             }
         }
+    }
+}
+
+/// A clonable reader of a server's [`ServerStats`] (see [`ServerHandle::stats_view`]).
+#[derive(Clone)]
+pub struct StatsView(Arc<Shared>);
+
+impl StatsView {
+    pub fn stats(&self) -> ServerStats {
+        stats_of(&self.0)
+    }
+}
+
+fn stats_of(shared: &Shared) -> ServerStats {
+    let counters = &shared.table.counters;
+    ServerStats {
+        connections: shared.table.len(),
+        connections_max: shared.table.limits().connections_max,
+        connections_refused: counters.refused.load(Ordering::Relaxed),
+        connections_evicted: counters.evicted.load(Ordering::Relaxed),
+        connections_idle_closed: counters.idle_closed.load(Ordering::Relaxed),
+        bytes_in_flight: shared.budget.bytes_held(),
+        bytes_in_flight_peak: shared.budget.bytes_held_peak(),
+        workers_extra: shared.threads.used(),
     }
 }

@@ -1,17 +1,20 @@
 //! The admin protocol: live control of a running `tiercache serve` over a unix socket.
 //!
 //! One JSON object per line each way. A request names a command (`status`, `stats`, `set`,
-//! `detach`, `attach`, `resize`, `readmit`, `degrade`, `stop`); the reply is
+//! `detach`, `attach`, `resize`, `readmit`, `degrade`, `stop`, `metrics`); the reply is
 //! `{"ok": true, ...}` or `{"ok": false, "error": "..."}`. Long operations (detach) first send
 //! progress lines `{"progress": {...}}`. `status` and `stats` carry the cache device's health
 //! (`ok` or `degraded`, why and since when, failure counts, latency estimates), each volume's
 //! knobs, and its writeback state and rate (measured by `writeback_meter`); `readmit` and
 //! `degrade` reply with the health as it is after the change, `set` with the knob's value as
 //! applied. `stop` replies with the server's pid and then keeps the connection open until the
-//! process exits, so a client that waits for end-of-file knows the server is gone.
+//! process exits, so a client that waits for end-of-file knows the server is gone. `metrics`
+//! returns everything the server measures (`crate::metrics::Sample`: counters, latency
+//! histograms, occupancy, connections), which `tiercache top` samples every second.
 //! A server running without its cache device (`serve --without-cache-if-missing`) answers
-//! `status` with the volumes it serves directly and why the cache device is not in use, and
-//! `stop`; every other command needs the cache set and gets an error saying so.
+//! `status` with the volumes it serves directly and why the cache device is not in use,
+//! `metrics` with what it can measure without the set, and `stop`; every other command needs
+//! the cache set and gets an error saying so.
 //!
 //! Invariants: the socket is 0600 from the moment it exists (only its owner may control the
 //! cache; the caller binds it with `server::bind_unix`); a malformed or unknown request gets an
@@ -49,6 +52,8 @@ pub trait Control: Send + Sync + 'static {
     fn stop(&self);
     /// Opens a backing device by path (for `attach`).
     fn open_backing(&self, path: &Path) -> Result<Arc<dyn blockdev::BlockDevice>>;
+    /// Everything the server measures (`crate::metrics::Sample`), for `metrics`.
+    fn metrics(&self) -> Result<Value>;
 }
 
 fn find(set: &CacheSet, name: &str) -> Result<Volume> {
@@ -296,10 +301,11 @@ fn handle(
             ctl.stop();
             Ok(json!({"ok": true, "pid": std::process::id()}))
         }
+        "metrics" => Ok(json!({"ok": true, "metrics": ctl.metrics()?})),
         other => {
             bail!(
                 "unknown command '{other}' (commands: status, stats, set, detach, attach, \
-                 resize, readmit, degrade, stop)"
+                 resize, readmit, degrade, stop, metrics)"
             )
         }
     }

@@ -3,21 +3,33 @@
 //!
 //! Invariant: a thin adapter — every decision about caching is the engine's; this only maps
 //! calls and errors (engine errors become `io::Error`s, which the server turns into NBD error
-//! replies).
+//! replies), and times and counts each request of a volume (`metrics::volume`: which devices
+//! served it, how long it took), since every client request passes here.
 
+use crate::metrics::volume::{Op, VolumeMetrics};
 use engine::Volume;
 use server::ValidRequest;
 use std::io;
+use std::sync::Arc;
 
 pub struct VolumeExport {
     vol: Volume,
     name: String,
+    metrics: Arc<VolumeMetrics>,
 }
 
 impl VolumeExport {
-    pub fn new(vol: Volume) -> VolumeExport {
+    pub fn new(vol: Volume, metrics: Arc<VolumeMetrics>) -> VolumeExport {
         let name = vol.name();
-        VolumeExport { vol, name }
+        VolumeExport { vol, name, metrics }
+    }
+
+    /// Runs one request of `bytes` bytes, recording its time and result.
+    fn timed(&self, op: Op, bytes: u64, f: impl FnOnce() -> engine::Result<()>) -> io::Result<()> {
+        let t = self.metrics.start();
+        let r = f().map_err(io::Error::from);
+        self.metrics.finish(t, op, bytes, &r);
+        r
     }
 }
 
@@ -49,24 +61,28 @@ impl server::Export for VolumeExport {
         }
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        Ok(self.vol.read(offset, buf)?)
+        let n = buf.len() as u64;
+        self.timed(Op::Read, n, || self.vol.read(offset, buf))
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
-        Ok(self.vol.write(offset, data, fua)?)
+        let n = data.len() as u64;
+        self.timed(Op::Write, n, || self.vol.write(offset, data, fua))
     }
     fn flush(&self) -> io::Result<()> {
-        Ok(self.vol.flush()?)
+        self.timed(Op::Flush, 0, || self.vol.flush())
     }
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
-        Ok(self.vol.discard(offset, len)?)
+        self.timed(Op::Trim, len, || self.vol.discard(offset, len))
     }
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool, _no_hole: bool) -> io::Result<()> {
         // Zeroes always reach the backing device as a zeroing command (never a hole in the
         // cache), which satisfies NO_HOLE too.
-        Ok(self.vol.write_zeroes(offset, len, fua)?)
+        self.timed(Op::WriteZeroes, len, || {
+            self.vol.write_zeroes(offset, len, fua)
+        })
     }
     fn cache(&self, offset: u64, len: u64) -> io::Result<()> {
-        Ok(self.vol.prefetch(offset, len)?)
+        self.timed(Op::Cache, len, || self.vol.prefetch(offset, len))
     }
     fn block_status(&self, _offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>> {
         // The cache does not know where the backing device has holes: everything is data.

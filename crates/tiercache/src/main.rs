@@ -13,8 +13,10 @@ mod devices;
 mod emulate;
 mod export;
 mod generate;
+mod metrics;
 mod notify;
 mod serve;
+mod top;
 use tiercache_units as units;
 mod without_cache;
 mod writeback_meter;
@@ -195,10 +197,14 @@ enum Cmd {
         /// Admin socket for `tiercache status/set/...` (default: SOCKET.admin); always 0600.
         #[arg(long)]
         admin: Option<PathBuf>,
+        /// Serve Prometheus metrics at http://ADDRESS:PORT/metrics: a port (bound to
+        /// 127.0.0.1) or ADDRESS:PORT (see docs/metrics.md).
+        #[arg(long)]
+        metrics: Option<String>,
         #[command(flatten)]
         limits: ServeLimits,
         #[command(flatten)]
-        health: ServeHealth,
+        health: Box<ServeHealth>,
         #[command(flatten)]
         tls: Box<ServeTls>,
         /// If the cache device cannot be opened (missing, an open or read error, metadata that
@@ -231,7 +237,7 @@ enum Cmd {
             "io_error_halflife", "cache_io_timeout_ms", "congested_read_threshold_us",
             "congested_write_threshold_us", "without_cache_if_missing",
             "without_cache_discard_dirty", "tls", "tls_cert", "tls_key", "tls_verify_peer",
-            "tls_ca",
+            "tls_ca", "metrics",
         ])]
         config: Option<PathBuf>,
     },
@@ -298,6 +304,19 @@ enum Cmd {
     Status {
         #[command(flatten)]
         admin: AdminArgs,
+    },
+    /// A live view of a running server, refreshed every second: per volume, reads and writes
+    /// per second by hit/miss/bypass and their MiB/s, hit ratio, latency percentiles, dirty
+    /// data and its trend, writeback; the cache's occupancy and health (q quits).
+    Top {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Print the view once as plain text, from two samples an interval apart, and exit.
+        #[arg(long)]
+        once: bool,
+        /// Seconds between samples (0.1 to 60).
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
     },
     /// Statistics (bcache's names) for total, five_minute, hour and day: sizes in KiB, MiB,
     /// GiB (--bytes: raw byte counts).
@@ -745,6 +764,7 @@ fn main() -> ExitCode {
             | Cmd::Stats { .. }
             | Cmd::Get { .. }
             | Cmd::Generate { .. }
+            | Cmd::Top { .. }
     ) {
         // Commands that only print end quietly when their reader goes away (`... | head`),
         // as Unix tools do; servers keep Rust's default (EPIPE as an error on the socket).
@@ -793,6 +813,7 @@ fn main() -> ExitCode {
             socket,
             tcp,
             admin,
+            metrics,
             limits,
             health,
             tls,
@@ -829,6 +850,7 @@ fn main() -> ExitCode {
                     tls_key: tls.tls_key,
                     tls_verify_peer: tls.tls_verify_peer,
                     tls_ca: tls.tls_ca,
+                    metrics,
                 },
             };
             serve::serve(&cfg, |_| {})
@@ -877,6 +899,23 @@ fn main() -> ExitCode {
                 .target()
                 .and_then(|a| client::get(&a, &device, knob.as_deref())),
         ),
+        Cmd::Top {
+            admin,
+            once,
+            interval,
+        } => (|| {
+            if !(0.1..=60.0).contains(&interval) {
+                bail!("--interval must be between 0.1 and 60 seconds");
+            }
+            let interval = std::time::Duration::from_secs_f64(interval);
+            let socket = admin.target()?.socket;
+            if once {
+                top::once(&socket, interval)
+            } else {
+                top::live(&socket, interval)
+            }
+        })()
+        .map(|_| ExitCode::SUCCESS),
         Cmd::Set {
             admin,
             device,

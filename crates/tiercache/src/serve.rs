@@ -14,6 +14,9 @@
 //! distinct devices, and another server, `make`, `check` or `attach` of them is refused.
 //! The cache set's failure and congestion limits (`io_error_limit`, `io_error_halflife`,
 //! `cache_io_timeout_ms`, `congested_*_threshold_us`) are checked before any device is opened.
+//! Every device is handed to the engine inside a timing wrapper and every export counts its
+//! requests (`metrics`); with `metrics` set, `/metrics` is served over HTTP (loopback unless
+//! an address is given), bound before the admin socket appears.
 //!
 //! Without the cache device: only with `without_cache_if_missing`, and only when the cache
 //! device cannot be opened or its metadata cannot be loaded (never when another process owns
@@ -23,6 +26,7 @@
 use crate::admin::{self, Control};
 use crate::devices::Access;
 use crate::export::VolumeExport;
+use crate::metrics::{http::MetricsServer, Metrics};
 use crate::without_cache::WithoutCache;
 use anyhow::{Context, Result};
 use blockdev::BlockDevice;
@@ -116,6 +120,9 @@ pub struct ServeConfig {
     pub tls_verify_peer: bool,
     /// CA certificate(s) (PEM) that client certificates must chain to, with `tls_verify_peer`.
     pub tls_ca: Option<PathBuf>,
+    /// Serve Prometheus metrics over HTTP at `/metrics` on this address ("127.0.0.1:9563",
+    /// or a port alone for 127.0.0.1; default: none). See docs/metrics.md.
+    pub metrics: Option<String>,
 }
 
 /// Whether the TCP listener offers TLS: the NBD spec's NOTLS, SELECTIVETLS and FORCEDTLS.
@@ -256,6 +263,9 @@ impl ServeConfig {
                  (--without-cache-discard-dirty needs --without-cache-if-missing)"
             );
         }
+        if let Some(m) = &self.metrics {
+            crate::metrics::http::parse_addr(m)?;
+        }
         self.engine_config()?;
         self.check_tls()
     }
@@ -389,7 +399,11 @@ fn apply_volume_knobs(set: &CacheSet, volumes: &BTreeMap<String, toml::Table>) -
 fn listen_all(
     cfg: &ServeConfig,
     running: &Arc<Running>,
-) -> Result<(Vec<server::ServerHandle>, server::UnixSocketFile)> {
+) -> Result<(
+    Vec<server::ServerHandle>,
+    server::UnixSocketFile,
+    Option<MetricsServer>,
+)> {
     let server_cfg = cfg.server_config()?;
     let tls = cfg.tls_config()?;
     let mut binds = vec![server::BindAddr::Unix(cfg.socket())];
@@ -414,6 +428,25 @@ fn listen_all(
             }
         }
     }
+    running.metrics.set_listeners(
+        handles
+            .iter()
+            .map(|h| {
+                (
+                    crate::metrics::listener_name(h.local_addr()),
+                    h.stats_view(),
+                )
+            })
+            .collect(),
+    );
+    // Before the admin socket appears, so the address is known once it does.
+    let metrics_http = match crate::metrics::start_http(cfg.metrics.as_deref(), running) {
+        Ok(m) => m,
+        Err(e) => {
+            handles.into_iter().for_each(server::ServerHandle::shutdown);
+            return Err(e);
+        }
+    };
     let admin_perms = server::UnixSocketPerms {
         mode: 0o600,
         uid: None,
@@ -422,10 +455,13 @@ fn listen_all(
     match server::bind_unix(&cfg.admin(), &admin_perms) {
         Ok((listener, file)) => {
             admin::listen(listener, running.clone() as Arc<dyn Control>)?;
-            Ok((handles, file))
+            Ok((handles, file, metrics_http))
         }
         Err(e) => {
             handles.into_iter().for_each(server::ServerHandle::shutdown);
+            if let Some(m) = metrics_http {
+                m.shutdown();
+            }
             Err(anyhow::Error::new(e).context("binding the admin socket"))
         }
     }
@@ -443,6 +479,8 @@ pub struct Running {
     source: Source,
     pub exports: server::ExportRegistry,
     stop: AtomicBool,
+    /// Request, device and connection metrics (`serve --metrics`, `tiercache top`).
+    pub metrics: Arc<Metrics>,
 }
 
 impl Running {
@@ -480,11 +518,18 @@ impl Running {
         }
         for v in vols {
             if !self.exports.names().contains(&v.name()) {
-                if let Err(e) = self.exports.add(Arc::new(VolumeExport::new(v))) {
+                let m = self.metrics.volume(v.uuid());
+                if let Err(e) = self.exports.add(Arc::new(VolumeExport::new(v, m))) {
                     log::error!("cannot export a volume: {e}");
                 }
             }
         }
+    }
+
+    /// Everything the metrics report, now.
+    pub fn sample(&self) -> crate::metrics::Sample {
+        let without = self.without_cache().map(|w| w.reason.clone());
+        self.metrics.sample(self.set().map(|s| &**s), without)
     }
 
     pub fn request_stop(&self) {
@@ -523,7 +568,12 @@ impl Control for Running {
     /// Exclusive: a device this server already has open (its cache, an attached backing
     /// device) or another process owns is refused.
     fn open_backing(&self, path: &Path) -> Result<Arc<dyn BlockDevice>> {
-        crate::devices::open_spec(&path.to_string_lossy(), Access::Write)
+        let spec = path.to_string_lossy();
+        let dev = crate::devices::open_spec(&spec, Access::Write)?;
+        Ok(self.metrics.wrap_backing(dev, &spec))
+    }
+    fn metrics(&self) -> Result<serde_json::Value> {
+        Ok(serde_json::to_value(self.sample())?)
     }
 }
 
@@ -533,7 +583,9 @@ impl Control for Running {
 pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> Result<()> {
     cfg.check()?;
     crate::devices::ensure_distinct(&cfg.cache, &cfg.backing)?;
-    let cache = crate::devices::open_path(&cfg.cache, Access::Write);
+    let metrics = Arc::new(Metrics::default());
+    let cache = crate::devices::open_path(&cfg.cache, Access::Write)
+        .map(|d| metrics.wrap_cache(d, &cfg.cache.to_string_lossy()));
     if let Err(e) = &cache {
         if !may_serve_without(cfg, e) {
             return cache.map(drop);
@@ -542,10 +594,10 @@ pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> 
     let backings = cfg
         .backing
         .iter()
-        .map(|b| crate::devices::open_spec(b, Access::Write))
+        .map(|b| Ok(metrics.wrap_backing(crate::devices::open_spec(b, Access::Write)?, b)))
         .collect::<Result<Vec<_>>>()?;
     match cache.and_then(|c| open_set(c, cfg.engine_config()?)) {
-        Ok(set) => run(cfg, with_set(cfg, set, backings)?, on_ready),
+        Ok(set) => run(cfg, with_set(cfg, set, backings, metrics)?, on_ready),
         Err(e) if may_serve_without(cfg, &e) => {
             let named = cfg.backing.iter().cloned().zip(backings).collect();
             let without = crate::without_cache::prepare(
@@ -560,7 +612,11 @@ pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> 
                      without the cache device (they are applied at the next start with it)"
                 );
             }
-            run(cfg, running(Source::WithoutCache(without)), on_ready)
+            run(
+                cfg,
+                running(Source::WithoutCache(without), metrics),
+                on_ready,
+            )
         }
         Err(e) => Err(e),
     }
@@ -579,8 +635,13 @@ pub fn serve_devices(
     backings: Vec<Arc<dyn BlockDevice>>,
     on_ready: impl FnOnce(&Arc<Running>) + Send,
 ) -> Result<()> {
+    let metrics = Arc::new(Metrics::default());
+    let cache = metrics.wrap_cache(cache, &cfg.cache.to_string_lossy());
+    let backings = (backings.into_iter().zip(&cfg.backing))
+        .map(|(d, name)| metrics.wrap_backing(d, name))
+        .collect();
     let set = open_set(cache, cfg.engine_config()?)?;
-    run(cfg, with_set(cfg, set, backings)?, on_ready)
+    run(cfg, with_set(cfg, set, backings, metrics)?, on_ready)
 }
 
 /// Opens (recovers) the cache set on its device.
@@ -599,11 +660,15 @@ fn open_set(cache: Arc<dyn BlockDevice>, config: Config) -> Result<CacheSet> {
     Ok(set)
 }
 
-fn running(source: Source) -> Arc<Running> {
+fn running(source: Source, metrics: Arc<Metrics>) -> Arc<Running> {
+    if let Source::Set(set) = &source {
+        metrics.set_opened(set);
+    }
     Arc::new(Running {
         source,
         exports: server::ExportRegistry::default(),
         stop: AtomicBool::new(false),
+        metrics,
     })
 }
 
@@ -612,6 +677,7 @@ fn with_set(
     cfg: &ServeConfig,
     set: CacheSet,
     backings: Vec<Arc<dyn BlockDevice>>,
+    metrics: Arc<Metrics>,
 ) -> Result<Arc<Running>> {
     for (i, b) in backings.into_iter().enumerate() {
         let v = set.attach(b).with_context(|| {
@@ -628,7 +694,7 @@ fn with_set(
         );
     }
     apply_volume_knobs(&set, &cfg.volumes)?;
-    Ok(running(Source::Set(Arc::new(set))))
+    Ok(running(Source::Set(Arc::new(set)), metrics))
 }
 
 /// Serves `running` until stopped, then shuts down.
@@ -642,7 +708,7 @@ fn run(
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, signals.clone()).context("installing signal handlers")?;
     }
-    let (handles, admin_file) = match listen_all(cfg, &running) {
+    let (handles, admin_file, metrics_http) = match listen_all(cfg, &running) {
         Ok(l) => l,
         Err(e) => {
             // Nothing was served: close the set cleanly so the next start needs no recovery.
@@ -676,6 +742,9 @@ fn run(
     log::info!("shutting down: finishing in-flight requests");
     for h in handles {
         h.shutdown();
+    }
+    if let Some(m) = metrics_http {
+        m.shutdown();
     }
     if let Err(e) = admin_file.remove_if_ours() {
         log::warn!("could not remove {}: {e}", cfg.admin().display());

@@ -1,0 +1,569 @@
+//! A [`Sample`] in the OpenMetrics text format (which Prometheus scrapes), encoded with
+//! `prometheus-client`. Every metric is listed in docs/metrics.md; a test fails when one is
+//! missing there, or when the engine grows a counter this file has no description for.
+//!
+//! Names follow Prometheus' conventions: `tiercache_` prefix, base units (bytes, seconds) as
+//! a suffix, `_total` on counters (added by the encoder), ratios as 0..1 `_ratio` gauges.
+//! Per-volume series carry a `volume` label (the export name); per-device series `role`
+//! (`cache` or `backing`) and `device` (as named on the command line).
+
+use super::hist::BOUNDS_US;
+use super::{Sample, VOLUME_STATES, WRITEBACK_STATES};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+use std::fmt::Error;
+
+/// The engine's counters (`engine::stats::Snapshot` fields): metric name (without unit and
+/// `_total`), whether it counts bytes, and what it means.
+pub const ENGINE_COUNTERS: [(&str, &str, bool, &str); 16] = [
+    ("cache_hits", "cache_hits", false, "Reads served entirely from the cache (bcache's cache_hits; bypassed reads not counted)."),
+    ("cache_misses", "cache_misses", false, "Reads that needed the backing device and were not bypassed (bcache's cache_misses)."),
+    ("cache_bypass_hits", "cache_bypass_hits", false, "Reads that bypassed the cache (sequential past the cutoff) and were entirely cached anyway."),
+    ("cache_bypass_misses", "cache_bypass_misses", false, "Reads that bypassed the cache and were not cached."),
+    ("cache_miss_collisions", "cache_miss_collisions", false, "Misses whose fill of the cache was abandoned because a write to the same blocks raced it."),
+    ("bypassed", "bypassed", true, "Bytes of reads and writes that bypassed the cache (bcache's bypassed)."),
+    ("cache_read_bytes", "cache_read", true, "Bytes read from the cache device for client reads."),
+    ("cache_written_bytes", "cache_written", true, "Bytes written to the cache device (client writes and miss fills)."),
+    ("backing_read_bytes", "backing_read", true, "Bytes read from the backing device for client requests (misses, bypasses, readahead)."),
+    ("backing_written_bytes", "backing_written", true, "Bytes written to the backing device by client requests (writethrough, bypass)."),
+    ("writeback_bytes", "writeback", true, "Bytes of dirty data written back to the backing device."),
+    ("checksum_repairs", "checksum_repairs", false, "Clean cached blocks that failed their checksum: dropped, and the read served from the backing device."),
+    ("io_errors", "io_errors", false, "Client requests and writeback passes that failed (I/O errors, and checksum mismatches on dirty data)."),
+    ("cache_io_errors", "cache_io_errors", false, "Cache-device failures met by requests and served from the backing device instead."),
+    ("congested", "congested", false, "Requests sent to the backing device because the cache device was slow (congested)."),
+    ("degraded_bytes", "degraded", true, "Bytes served by the backing device alone while the cache set was degraded."),
+];
+
+/// A row of a table of metrics: name, help, and how to read the value.
+type Row<T, V> = (&'static str, &'static str, fn(&T) -> V);
+
+/// The registry's single collector: encodes the sample it holds.
+#[derive(Debug)]
+struct SampleCollector(Sample);
+
+/// Renders a sample (OpenMetrics text, ending in `# EOF`).
+pub fn render(sample: &Sample) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(SampleCollector(sample.clone())));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)
+        .expect("writing to a String does not fail");
+    out
+}
+
+/// A sample's value: counts and bytes stay integers (exact past 2^53), the rest floats.
+#[derive(Clone, Copy)]
+enum Num {
+    U(u64),
+    F(f64),
+}
+use Num::{F, U};
+
+fn histogram(m: &mut MetricEncoder, h: &super::hist::HistSnapshot) -> Result<(), Error> {
+    let buckets: Vec<(f64, u64)> = BOUNDS_US
+        .iter()
+        .map(|&b| b as f64 / 1e6)
+        .chain([f64::INFINITY])
+        .zip(h.buckets.iter().copied())
+        .collect();
+    m.encode_histogram::<NoLabelSet>(h.sum_seconds(), h.count(), &buckets, None)
+}
+
+fn encode_num(m: &mut MetricEncoder, kind: MetricType, v: Num) -> Result<(), Error> {
+    match (kind, v) {
+        (MetricType::Counter, U(v)) => m.encode_counter::<NoLabelSet, u64, u64>(&v, None),
+        (MetricType::Counter, F(v)) => m.encode_counter::<NoLabelSet, f64, u64>(&v, None),
+        (_, U(v)) => m.encode_gauge(&v),
+        (_, F(v)) => m.encode_gauge(&v),
+    }
+}
+
+/// Encodes a metric without labels.
+fn single(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    kind: MetricType,
+    v: Num,
+) -> Result<(), Error> {
+    let mut m = enc.encode_descriptor(name, help, unit, kind)?;
+    encode_num(&mut m, kind, v)
+}
+
+/// Encodes one metric family: a descriptor, then one sample per item with its labels.
+fn family<T, L: prometheus_client::encoding::EncodeLabelSet>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    kind: MetricType,
+    items: impl IntoIterator<Item = T>,
+    mut each: impl FnMut(&T) -> (L, Num),
+) -> Result<(), Error> {
+    let items: Vec<T> = items.into_iter().collect();
+    if items.is_empty() {
+        return Ok(());
+    }
+    let mut m = enc.encode_descriptor(name, help, unit, kind)?;
+    for item in &items {
+        let (labels, v) = each(item);
+        encode_num(&mut m.encode_family(&labels)?, kind, v)?;
+    }
+    Ok(())
+}
+
+impl Collector for SampleCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), Error> {
+        let s = &self.0;
+        let bytes = Unit::Bytes;
+        let seconds = Unit::Seconds;
+        let vols = &s.volumes;
+        let vol = |v: &super::VolumeSample| [("volume", v.name.clone())];
+
+        // ----- volumes -----
+        // Info metrics carry their labels instead of a value; encoded by hand here.
+        if !vols.is_empty() {
+            let mut m = enc.encode_descriptor(
+                "tiercache_volume",
+                "A served volume (value 1): export name, uuid, backing device, cache mode.",
+                None,
+                MetricType::Info,
+            )?;
+            for v in vols {
+                m.encode_info(&[
+                    ("volume", v.name.clone()),
+                    ("uuid", v.uuid.clone()),
+                    (
+                        "backing_device",
+                        v.backing_device.clone().unwrap_or_default(),
+                    ),
+                    ("cache_mode", v.cache_mode.clone()),
+                ])?;
+            }
+        }
+        for (field, name, is_bytes, help) in ENGINE_COUNTERS {
+            family(
+                &mut enc,
+                &format!("tiercache_volume_{name}"),
+                help,
+                is_bytes.then_some(&bytes),
+                MetricType::Counter,
+                vols,
+                |v| (vol(v), U(v.counters.get(field).copied().unwrap_or(0))),
+            )?;
+        }
+        let series = || {
+            vols.iter()
+                .flat_map(|v| v.requests.iter().map(move |r| (v, r)))
+        };
+        family(
+            &mut enc,
+            "tiercache_volume_requests",
+            "Client requests by operation and result (read: hit, miss, bypass; write: \
+             writeback, writethrough, bypass; others: done; any: error).",
+            None,
+            MetricType::Counter,
+            series(),
+            |(v, r)| {
+                (
+                    [
+                        ("volume", v.name.clone()),
+                        ("op", r.op.clone()),
+                        ("result", r.result.clone()),
+                    ],
+                    U(r.latency.count()),
+                )
+            },
+        )?;
+        family(
+            &mut enc,
+            "tiercache_volume_request",
+            "Bytes client requests asked for, by operation and result.",
+            Some(&bytes),
+            MetricType::Counter,
+            series().filter(|(_, r)| r.op != "flush"),
+            |(v, r)| {
+                (
+                    [
+                        ("volume", v.name.clone()),
+                        ("op", r.op.clone()),
+                        ("result", r.result.clone()),
+                    ],
+                    U(r.bytes),
+                )
+            },
+        )?;
+        if !vols.is_empty() {
+            let mut m = enc.encode_descriptor(
+                "tiercache_volume_request_duration",
+                "Time from a client request reaching the cache to its completion, by \
+                 operation and result.",
+                Some(&seconds),
+                MetricType::Histogram,
+            )?;
+            for (v, r) in series() {
+                let labels = [
+                    ("volume", v.name.clone()),
+                    ("op", r.op.clone()),
+                    ("result", r.result.clone()),
+                ];
+                histogram(&mut m.encode_family(&labels)?, &r.latency)?;
+            }
+        }
+        let byte_gauges: [Row<super::VolumeSample, u64>; 3] = [
+            ("tiercache_volume_size", "Size of the volume.", |v| {
+                v.size_bytes
+            }),
+            (
+                "tiercache_volume_dirty",
+                "Dirty data of the volume in the cache (not yet on the backing device).",
+                |v| v.dirty_bytes,
+            ),
+            (
+                "tiercache_volume_cached",
+                "Data of the volume held in the cache (clean and dirty).",
+                |v| v.cached_bytes,
+            ),
+        ];
+        for (name, help, get) in byte_gauges {
+            family(
+                &mut enc,
+                name,
+                help,
+                Some(&bytes),
+                MetricType::Gauge,
+                vols,
+                |v| (vol(v), U(get(v))),
+            )?;
+        }
+        family(
+            &mut enc,
+            "tiercache_volume_writeback_rate_ratio",
+            "Writeback's share of a busy backing device's time: 0 idle, 1 full speed (bcache's \
+             writeback_rate as a fraction; bytes written back are \
+             tiercache_volume_writeback_bytes_total).",
+            None,
+            MetricType::Gauge,
+            vols,
+            |v| (vol(v), F(v.writeback.share)),
+        )?;
+        family(
+            &mut enc,
+            "tiercache_volume_writeback_running",
+            "The writeback_running knob: 1 writeback allowed, 0 paused.",
+            None,
+            MetricType::Gauge,
+            vols,
+            |v| (vol(v), U(u64::from(v.writeback.running))),
+        )?;
+        family(
+            &mut enc,
+            "tiercache_volume_writeback_failures",
+            "Writeback passes that failed in a row (0 while writeback works).",
+            None,
+            MetricType::Gauge,
+            vols,
+            |v| (vol(v), U(u64::from(v.writeback.failures))),
+        )?;
+        family(
+            &mut enc,
+            "tiercache_volume_writeback_state",
+            "Writeback state, one series per state, 1 for the current one: idle, active \
+             (a share of a busy disk), full, paused (writeback_running off), failing.",
+            None,
+            MetricType::Gauge,
+            vols.iter()
+                .flat_map(|v| WRITEBACK_STATES.iter().map(move |st| (v, *st))),
+            |(v, st)| {
+                (
+                    [("volume", v.name.clone()), ("state", st.to_string())],
+                    U(u64::from(v.writeback.state() == *st)),
+                )
+            },
+        )?;
+        family(
+            &mut enc,
+            "tiercache_volume_state",
+            "Volume state, one series per state, 1 for the current one: clean, dirty, \
+             detaching, degraded.",
+            None,
+            MetricType::Gauge,
+            vols.iter()
+                .flat_map(|v| VOLUME_STATES.iter().map(move |st| (v, *st))),
+            |(v, st)| {
+                (
+                    [("volume", v.name.clone()), ("state", st.to_string())],
+                    U(u64::from(v.state == *st)),
+                )
+            },
+        )?;
+
+        // ----- the cache set -----
+        single(
+            &mut enc,
+            "tiercache_without_cache",
+            "1 while the server serves its volumes without the cache device (see the log and \
+             `tiercache status` for why), else 0.",
+            None,
+            MetricType::Gauge,
+            U(u64::from(s.without_cache.is_some())),
+        )?;
+        if let Some(c) = &s.cache_set {
+            let mut m = enc.encode_descriptor(
+                "tiercache_cache_set",
+                "The cache set (value 1): its uuid.",
+                None,
+                MetricType::Info,
+            )?;
+            m.encode_info(&[("cache_set", c.uuid.clone())])?;
+            for (field, name, is_bytes, help) in ENGINE_COUNTERS {
+                single(
+                    &mut enc,
+                    &format!("tiercache_cache_set_{name}"),
+                    &format!("{help} Summed over the volumes attached now."),
+                    is_bytes.then_some(&bytes),
+                    MetricType::Counter,
+                    U(c.counters.get(field).copied().unwrap_or(0)),
+                )?;
+            }
+            single(
+                &mut enc,
+                "tiercache_cache_set_size",
+                "Size of the cache device.",
+                Some(&bytes),
+                MetricType::Gauge,
+                U(c.total_bytes),
+            )?;
+            family(
+                &mut enc,
+                "tiercache_cache_set_occupancy",
+                "The cache device by use (bcache's priority_stats): unused, clean, dirty, \
+                 metadata; they add up to tiercache_cache_set_size_bytes.",
+                Some(&bytes),
+                MetricType::Gauge,
+                [
+                    ("unused", c.unused_bytes),
+                    ("clean", c.clean_bytes),
+                    ("dirty", c.dirty_bytes),
+                    ("metadata", c.metadata_bytes),
+                ],
+                |(kind, b)| ([("kind", kind.to_string())], U(*b)),
+            )?;
+            let gauges: [(&str, &str, Num); 6] = [
+                ("tiercache_cache_set_in_use_ratio", "Fraction of the data buckets holding something (bcache's in_use, as 0..1).", F(f64::from(c.in_use_pct) / 100.0)),
+                ("tiercache_cache_set_degraded", "1 while the cache set is degraded (every volume served from its backing device), else 0.", U(u64::from(c.degraded.is_some()))),
+                ("tiercache_cache_set_error_count", "Cache-device failures, decayed by io_error_halflife; the set degrades when it reaches tiercache_cache_set_io_error_limit.", F(c.error_count)),
+                ("tiercache_cache_set_io_error_limit", "The io_error_limit setting.", U(u64::from(c.io_error_limit))),
+                ("tiercache_cache_set_read_latency_estimate_seconds", "The engine's recent average cache-device read latency (0: no recent read), compared with congested_read_threshold_us.", F(c.read_latency_us as f64 / 1e6)),
+                ("tiercache_cache_set_write_latency_estimate_seconds", "The engine's recent average cache-device write latency (0: no recent write), compared with congested_write_threshold_us.", F(c.write_latency_us as f64 / 1e6)),
+            ];
+            for (name, help, v) in gauges {
+                single(&mut enc, name, help, None, MetricType::Gauge, v)?;
+            }
+            single(
+                &mut enc,
+                "tiercache_cache_set_errors",
+                "Cache-device failures since the server started (I/O errors, timeouts, \
+                 checksum mismatches; health's errors_total).",
+                None,
+                MetricType::Counter,
+                U(c.errors_total),
+            )?;
+        }
+
+        // ----- devices -----
+        let dev_ops = || {
+            s.devices
+                .iter()
+                .flat_map(|d| d.ops.iter().map(move |o| (d, o)))
+        };
+        let dev_labels = |d: &super::device::DeviceSample, op: &str| {
+            [
+                ("role", d.role.name().to_string()),
+                ("device", d.device.clone()),
+                ("op", op.to_string()),
+            ]
+        };
+        if !s.devices.is_empty() {
+            let mut m = enc.encode_descriptor(
+                "tiercache_device_io_duration",
+                "Time of each I/O the cache handed to a device, by device and operation.",
+                Some(&seconds),
+                MetricType::Histogram,
+            )?;
+            for (d, o) in dev_ops() {
+                histogram(&mut m.encode_family(&dev_labels(d, &o.op))?, &o.latency)?;
+            }
+        }
+        family(
+            &mut enc,
+            "tiercache_device_io",
+            "Bytes moved by successful device I/O (discard and write_zeroes: their length).",
+            Some(&bytes),
+            MetricType::Counter,
+            dev_ops().filter(|(_, o)| o.op != "flush"),
+            |(d, o)| (dev_labels(d, &o.op), U(o.bytes)),
+        )?;
+        family(
+            &mut enc,
+            "tiercache_device_io_errors",
+            "Device I/Os that failed, by device and operation.",
+            None,
+            MetricType::Counter,
+            dev_ops(),
+            |(d, o)| (dev_labels(d, &o.op), U(o.errors)),
+        )?;
+
+        // ----- NBD listeners -----
+        let l = &s.listeners;
+        let lis = |name: &String| [("listener", name.clone())];
+        let listener_gauges: [Row<super::ListenerSample, u64>; 4] = [
+            ("tiercache_connections", "NBD connections open now (including handshakes).", |l| l.connections),
+            ("tiercache_connections_max", "The connection limit in effect (max_connections, lowered to fit the descriptor limit).", |l| l.connections_max),
+            ("tiercache_request_memory_in_use_bytes", "Bytes of request and reply buffers held now (bounded by request_memory).", |l| l.bytes_in_flight),
+            ("tiercache_extra_workers", "Worker threads running now beyond each connection's first.", |l| l.workers_extra),
+        ];
+        for (name, help, get) in listener_gauges {
+            family(&mut enc, name, help, None, MetricType::Gauge, l, |x| {
+                (lis(&x.listener), U(get(x)))
+            })?;
+        }
+        let listener_counters: [Row<super::ListenerSample, u64>; 3] = [
+            (
+                "tiercache_connections_refused",
+                "Connections closed on arrival (no room, or no thread).",
+                |l| l.refused,
+            ),
+            (
+                "tiercache_connections_evicted",
+                "Idle connections closed to make room for new ones.",
+                |l| l.evicted,
+            ),
+            (
+                "tiercache_connections_idle_closed",
+                "Connections closed for being idle longer than idle_close_after.",
+                |l| l.idle_closed,
+            ),
+        ];
+        for (name, help, get) in listener_counters {
+            family(&mut enc, name, help, None, MetricType::Counter, l, |x| {
+                (lis(&x.listener), U(get(x)))
+            })?;
+        }
+        single(
+            &mut enc,
+            "tiercache_uptime",
+            "Seconds since the server started.",
+            Some(&seconds),
+            MetricType::Gauge,
+            F(s.uptime_seconds),
+        )?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::device::{DeviceMetrics, Role};
+    use crate::metrics::test_samples::{sample, volume};
+    use crate::metrics::ListenerSample;
+
+    /// A sample with something of every kind: a volume, the cache set, a device, a listener.
+    fn full_sample() -> Sample {
+        let mut s = sample(12.5, vec![volume("data", 3, 4096, 3)]);
+        let dev = DeviceMetrics {
+            role: Role::Backing,
+            device: "/dev/\"odd\" name".into(),
+            ops: Default::default(),
+        };
+        dev.ops[0]
+            .latency
+            .observe(std::time::Duration::from_micros(70));
+        s.devices.push(dev.sample());
+        s.listeners.push(ListenerSample {
+            listener: "unix:/tmp/x.sock".into(),
+            connections: 2,
+            connections_max: 256,
+            refused: 0,
+            evicted: 0,
+            idle_closed: 0,
+            bytes_in_flight: 0,
+            workers_extra: 0,
+        });
+        s
+    }
+
+    /// `(name as scraped, type)` of every family: counters end in `_total`, infos in `_info`.
+    fn families(text: &str) -> Vec<(String, String)> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .map(|l| {
+                let (name, kind) = l.split_once(' ').unwrap();
+                let shown = match kind {
+                    "counter" => format!("{name}_total"),
+                    "info" => format!("{name}_info"),
+                    _ => name.to_string(),
+                };
+                (shown, kind.to_string())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_engine_counter_has_a_description() {
+        let fields: Vec<&str> = engine::stats::Snapshot::default()
+            .fields()
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        let described: Vec<&str> = ENGINE_COUNTERS.iter().map(|c| c.0).collect();
+        assert_eq!(
+            fields, described,
+            "the engine's counters changed: describe them in ENGINE_COUNTERS and docs/metrics.md"
+        );
+    }
+
+    #[test]
+    fn every_metric_is_documented_and_well_formed() {
+        let text = render(&full_sample());
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        let docs = include_str!("../../../../docs/metrics.md");
+        let fams = families(&text);
+        assert!(fams.len() > 40, "{fams:?}");
+        for (name, kind) in &fams {
+            assert!(
+                docs.contains(&format!("`{name}`")),
+                "{name} ({kind}) is not in docs/metrics.md"
+            );
+            assert!(name.starts_with("tiercache_"), "{name}");
+            assert!(
+                name.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
+                "{name}"
+            );
+        }
+        // And nothing documented that is not exported (a renamed metric left behind).
+        for line in docs.lines().filter(|l| l.starts_with("| `tiercache_")) {
+            let name = line.split('`').nth(1).unwrap();
+            assert!(
+                fams.iter().any(|(n, _)| n == name),
+                "docs/metrics.md lists {name}, which is not exported"
+            );
+        }
+        // Label values are escaped.
+        assert!(text.contains(r#"device="/dev/\"odd\" name""#), "{text}");
+        // A histogram: cumulative buckets ending in +Inf, with sum and count.
+        let b: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("tiercache_device_io_duration_seconds_bucket{"))
+            .filter(|l| l.contains("role=\"backing\"") && l.contains("op=\"read\""))
+            .collect();
+        assert_eq!(b.len(), BOUNDS_US.len() + 1);
+        assert!(b[3].contains("le=\"0.00005\""), "{}", b[3]);
+        assert!(b[3].ends_with(" 0") && b[4].ends_with(" 1") && b[20].ends_with(" 1"));
+        assert!(b[20].contains("le=\"+Inf\""));
+    }
+}

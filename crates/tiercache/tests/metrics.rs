@@ -1,0 +1,453 @@
+//! `serve --metrics` and `tiercache top` against the real binary and a real NBD client
+//! (qemu-io): the counters move as the I/O says, histograms are complete, every line of the
+//! exposition parses and its names are well-formed; `top --once` shows the volume with
+//! plausible numbers in 80 columns.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+fn admin(f: &Fixture, req: &Value) -> Value {
+    let mut s = UnixStream::connect(f.admin()).unwrap();
+    writeln!(s, "{req}").unwrap();
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).unwrap();
+    let v: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(v["ok"], true, "{v}");
+    v
+}
+
+/// A plain HTTP GET of /metrics, as any scraper would send it.
+fn scrape(addr: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nAccept: */*\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    let (head, body) = reply.split_once("\r\n\r\n").expect("an HTTP reply");
+    assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+    assert!(head.contains("application/openmetrics-text"), "{head}");
+    body.to_string()
+}
+
+type Labels = BTreeMap<String, String>;
+
+/// Parses the text format strictly: comments are HELP/TYPE/UNIT/EOF, every sample belongs to
+/// a family declared before it, names and label names are well-formed, values are numbers.
+fn parse(text: &str) -> Vec<(String, Labels, f64)> {
+    let name_ok = |n: &str| {
+        !n.is_empty()
+            && n.chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    let mut families: BTreeMap<String, String> = BTreeMap::new();
+    let mut samples = Vec::new();
+    let mut lines = text.lines().peekable();
+    while let Some(line) = lines.next() {
+        if let Some(c) = line.strip_prefix("# ") {
+            let mut parts = c.splitn(3, ' ');
+            let (kind, name) = (parts.next().unwrap(), parts.next().unwrap_or(""));
+            match kind {
+                "EOF" => {
+                    assert!(lines.peek().is_none(), "text after # EOF");
+                    return samples;
+                }
+                "TYPE" => {
+                    let t = parts.next().unwrap();
+                    assert!(
+                        ["counter", "gauge", "histogram", "info"].contains(&t),
+                        "{line}"
+                    );
+                    assert!(name_ok(name), "bad family name {name}");
+                    assert!(
+                        families.insert(name.into(), t.into()).is_none(),
+                        "{name} twice"
+                    );
+                }
+                "HELP" | "UNIT" => assert!(name_ok(name), "{line}"),
+                _ => panic!("unexpected comment: {line}"),
+            }
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').expect("NAME VALUE");
+        let value: f64 = value.parse().unwrap_or_else(|_| panic!("value of {line}"));
+        let (name, labels) = match series.split_once('{') {
+            None => (series, Labels::new()),
+            Some((name, rest)) => (name, parse_labels(rest.strip_suffix('}').unwrap())),
+        };
+        assert!(name_ok(name), "bad name in {line}");
+        for k in labels.keys() {
+            assert!(name_ok(k), "bad label name in {line}");
+        }
+        let family = families
+            .iter()
+            .find(|(f, t)| {
+                let sfx: &[&str] = match t.as_str() {
+                    "counter" => &["_total"],
+                    "histogram" => &["_bucket", "_sum", "_count"],
+                    "info" => &["_info"],
+                    _ => &[""],
+                };
+                sfx.iter().any(|s| name == format!("{f}{s}"))
+            })
+            .unwrap_or_else(|| panic!("{name} belongs to no declared family"));
+        assert!(family.0.starts_with("tiercache_"), "{name}");
+        if family.1 == "counter" {
+            assert!(name.ends_with("_total"));
+        }
+        samples.push((name.to_string(), labels, value));
+    }
+    panic!("no # EOF at the end");
+}
+
+fn parse_labels(s: &str) -> Labels {
+    let mut out = Labels::new();
+    let mut chars = s.chars().peekable();
+    while chars.peek().is_some() {
+        let key: String = chars.by_ref().take_while(|&c| c != '=').collect();
+        assert_eq!(chars.next(), Some('"'), "label {key} in {s}");
+        let mut value = String::new();
+        loop {
+            match chars.next().expect("unterminated label value") {
+                '\\' => value.push(match chars.next().unwrap() {
+                    'n' => '\n',
+                    c => c,
+                }),
+                '"' => break,
+                c => value.push(c),
+            }
+        }
+        out.insert(key, value);
+        if chars.peek() == Some(&',') {
+            chars.next();
+        }
+    }
+    out
+}
+
+/// The value of the one sample named `name` whose labels include `want`.
+fn value(samples: &[(String, Labels, f64)], name: &str, want: &[(&str, &str)]) -> f64 {
+    let found: Vec<f64> = samples
+        .iter()
+        .filter(|(n, l, _)| {
+            n == name
+                && want
+                    .iter()
+                    .all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map(|s| s.2)
+        .collect();
+    assert_eq!(found.len(), 1, "{name} {want:?}: {found:?}");
+    found[0]
+}
+
+fn qemu_io(f: &Fixture, cmds: &[&str]) {
+    let mut c = Command::new("qemu-io");
+    c.args(["-f", "raw"]);
+    for cmd in cmds {
+        c.args(["-c", cmd]);
+    }
+    run(c.arg(f.uri()));
+}
+
+fn metrics_address(f: &Fixture) -> String {
+    let r = admin(f, &json!({"cmd": "metrics"}));
+    r["metrics"]["metrics_address"]
+        .as_str()
+        .expect("the server reports where /metrics is")
+        .to_string()
+}
+
+#[test]
+fn counters_follow_real_client_io() {
+    if !have("qemu-io") {
+        return;
+    }
+    let mut f = Fixture::new(64, 32, false);
+    // Port 0: the server picks a free one and reports it. No congestion: a cache device
+    // slower than 2 ms per read on a busy machine would send the re-read to the backing
+    // device (a bypass here; neither hit nor miss to the engine).
+    f.start_with(&[
+        "--metrics",
+        "127.0.0.1:0",
+        "--congested-read-threshold-us",
+        "0",
+    ]);
+    let addr = metrics_address(&f);
+    assert!(
+        addr.starts_with("127.0.0.1:") && !addr.ends_with(":0"),
+        "{addr}"
+    );
+    let before = parse(&scrape(&addr));
+    let vol = [("volume", "data")];
+    let get = |s: &[_], name: &str, extra: &[(&str, &str)]| {
+        let mut want = vol.to_vec();
+        want.extend_from_slice(extra);
+        value(s, name, &want)
+    };
+
+    // A miss, then a hit of the same MiB; a writethrough write; a bypassed write.
+    qemu_io(&f, &["read 0 1M", "read 0 1M", "write -P 7 4M 64k"]);
+    f.tc_admin(&["set", "data", "cache_mode", "writearound"]);
+    qemu_io(&f, &["write -P 8 8M 64k"]);
+    let after = parse(&scrape(&addr));
+    let delta =
+        |name: &str, extra: &[(&str, &str)]| get(&after, name, extra) - get(&before, name, extra);
+    let req = |op, result| [("op", op), ("result", result)];
+    assert_eq!(delta("tiercache_volume_cache_hits_total", &[]), 1.0);
+    assert_eq!(delta("tiercache_volume_cache_misses_total", &[]), 1.0);
+    assert_eq!(
+        delta("tiercache_volume_requests_total", &req("read", "hit")),
+        1.0
+    );
+    assert_eq!(
+        delta("tiercache_volume_requests_total", &req("read", "miss")),
+        1.0
+    );
+    assert_eq!(
+        delta("tiercache_volume_requests_total", &req("read", "bypass")),
+        0.0
+    );
+    assert_eq!(
+        delta("tiercache_volume_request_bytes_total", &req("read", "hit")),
+        1048576.0
+    );
+    assert_eq!(
+        delta(
+            "tiercache_volume_requests_total",
+            &req("write", "writethrough")
+        ),
+        1.0
+    );
+    assert_eq!(
+        delta("tiercache_volume_requests_total", &req("write", "bypass")),
+        1.0
+    );
+    assert_eq!(
+        delta(
+            "tiercache_volume_request_bytes_total",
+            &req("write", "bypass")
+        ),
+        65536.0
+    );
+    assert_eq!(delta("tiercache_volume_bypassed_bytes_total", &[]), 65536.0);
+    assert_eq!(
+        delta("tiercache_volume_requests_total", &req("read", "error")),
+        0.0
+    );
+
+    // Histograms: every bucket, cumulative, +Inf equal to the count and to the requests.
+    let buckets: Vec<(f64, f64)> = after
+        .iter()
+        .filter(|(n, l, _)| {
+            n == "tiercache_volume_request_duration_seconds_bucket"
+                && l["volume"] == "data"
+                && l["op"] == "read"
+                && l["result"] == "hit"
+        })
+        .map(|(_, l, v)| {
+            let le = if l["le"] == "+Inf" {
+                f64::INFINITY
+            } else {
+                l["le"].parse().unwrap()
+            };
+            (le, *v)
+        })
+        .collect();
+    assert_eq!(buckets.len(), 21, "{buckets:?}");
+    assert!(buckets
+        .windows(2)
+        .all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1));
+    let count = get(
+        &after,
+        "tiercache_volume_request_duration_seconds_count",
+        &req("read", "hit"),
+    );
+    assert_eq!(buckets.last().unwrap(), &(f64::INFINITY, count));
+    assert_eq!(
+        count,
+        get(
+            &after,
+            "tiercache_volume_requests_total",
+            &req("read", "hit")
+        )
+    );
+    assert!(
+        get(
+            &after,
+            "tiercache_volume_request_duration_seconds_sum",
+            &req("read", "hit")
+        ) > 0.0
+    );
+
+    // The devices under the cache: the backing device was read for the miss, both flushed.
+    let dev = |role: &str, op: &str, name: &str| value(&after, name, &[("role", role), ("op", op)]);
+    assert!(
+        dev(
+            "backing",
+            "read",
+            "tiercache_device_io_duration_seconds_count"
+        ) >= 1.0
+    );
+    assert!(dev("backing", "read", "tiercache_device_io_bytes_total") >= 1048576.0);
+    assert!(
+        dev(
+            "cache",
+            "write",
+            "tiercache_device_io_duration_seconds_count"
+        ) >= 1.0
+    );
+    assert_eq!(
+        dev("cache", "read", "tiercache_device_io_errors_total"),
+        0.0
+    );
+
+    // The cache set: the occupancy adds up; healthy; the MiB read is cached.
+    let occ = |kind| {
+        value(
+            &after,
+            "tiercache_cache_set_occupancy_bytes",
+            &[("kind", kind)],
+        )
+    };
+    let size = value(&after, "tiercache_cache_set_size_bytes", &[]);
+    assert_eq!(
+        occ("unused") + occ("clean") + occ("dirty") + occ("metadata"),
+        size
+    );
+    assert!(occ("clean") >= 1048576.0);
+    assert_eq!(value(&after, "tiercache_cache_set_degraded", &[]), 0.0);
+    assert_eq!(value(&after, "tiercache_cache_set_errors_total", &[]), 0.0);
+    assert!(get(&after, "tiercache_volume_cached_bytes", &[]) >= 1048576.0);
+    assert_eq!(
+        get(&after, "tiercache_volume_state", &[("state", "clean")]),
+        1.0
+    );
+    assert_eq!(
+        get(
+            &after,
+            "tiercache_volume_info",
+            &[("cache_mode", "writearound")]
+        ),
+        1.0
+    );
+    // The NBD listener: qemu-io has gone (the server notices within moments).
+    let sock = format!("unix:{}", f.socket().display());
+    let connections = |s: &[_]| value(s, "tiercache_connections", &[("listener", &sock)]);
+    let t = std::time::Instant::now();
+    while connections(&parse(&scrape(&addr))) != 0.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "a connection stays open"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(value(&after, "tiercache_connections_max", &[("listener", &sock)]) > 0.0);
+    f.stop();
+}
+
+/// Parses a count as `top` prints it ("12", "3.4k", "1.2M").
+fn count(s: &str) -> f64 {
+    match s.strip_suffix('k') {
+        Some(k) => k.parse::<f64>().unwrap() * 1e3,
+        None => match s.strip_suffix('M') {
+            Some(m) => m.parse::<f64>().unwrap() * 1e6,
+            None => s.parse().unwrap_or_else(|_| panic!("not a count: {s}")),
+        },
+    }
+}
+
+#[test]
+fn top_once_shows_each_volume_with_plausible_numbers() {
+    if !have("qemu-io") {
+        return;
+    }
+    let mut f = Fixture::new(64, 32, false);
+    f.start_with(&["--congested-read-threshold-us", "0"]); // see the test above
+    qemu_io(&f, &["read 0 1M"]); // now cached
+                                 // Re-read it over and over while top takes its two samples.
+    let stop = AtomicBool::new(false);
+    let out = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                qemu_io(&f, &["read 0 1M"; 20]);
+            }
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let out = f.tc_admin(&["top", "--once"]);
+        stop.store(true, Ordering::SeqCst);
+        out
+    });
+    let text = stdout(&out);
+    println!("{text}");
+    for l in text.lines() {
+        assert!(l.chars().count() <= 80, "wider than 80 columns: {l}");
+    }
+    let lines: Vec<&str> = text.lines().collect();
+    let head = lines.iter().position(|l| l.starts_with("VOLUME")).unwrap();
+    let cols: Vec<&str> = lines[head].split_whitespace().collect();
+    assert_eq!(cols[..3], ["VOLUME", "MODE", "HIT%"]);
+    let row: Vec<&str> = lines[head + 1].split_whitespace().collect();
+    assert_eq!(row[..2], ["data", "wt"], "{text}");
+    // HIT% R hit R miss R byp R MiB/s W wb W wt W byp W MiB/s
+    let hit_pct: f64 = row[2].parse().unwrap();
+    assert!((90.0..=100.0).contains(&hit_pct), "{text}");
+    let reads_hit = count(row[3]);
+    assert!(reads_hit >= 1.0, "{text}");
+    assert_eq!(count(row[4]), 0.0, "{text}");
+    assert_eq!(count(row[5]), 0.0, "{text}");
+    let read_mib_s: f64 = row[6].parse().unwrap();
+    // Every read is 1 MiB: MiB/s and reads/s agree (within rounding of the printout).
+    let reads: f64 = row[3..6].iter().map(|c| count(c)).sum();
+    assert!((read_mib_s - reads).abs() <= 0.5 + reads * 0.01, "{text}");
+    for w in &row[7..] {
+        assert_eq!(count(w), 0.0, "{text}");
+    }
+    assert!(
+        lines[head + 2].contains("latency read p50 ") && lines[head + 2].contains(" p99 "),
+        "{text}"
+    );
+    assert!(lines[head + 3].contains("dirty 0 B"), "{text}");
+    assert!(text.contains("health ok"), "{text}");
+    f.stop();
+}
+
+#[test]
+fn a_metrics_port_in_use_stops_the_start() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let f = Fixture::new(16, 16, false);
+    let o = output_within(
+        f.serve_cmd().args(["--metrics", &port]),
+        Duration::from_secs(30),
+    )
+    .expect("serve exits");
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(&format!("binding the metrics address 127.0.0.1:{port}")),
+        "{err}"
+    );
+    // A bad address is refused before any device is opened.
+    let o = output_within(
+        f.serve_cmd().args(["--metrics", "localhost"]),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("metrics address 'localhost'"));
+}
