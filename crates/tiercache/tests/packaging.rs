@@ -115,13 +115,17 @@ fn the_systemd_unit_is_valid_and_runs_serve_as_a_notify_service() {
     );
     assert!(section(&unit, "Install")
         .contains(&("WantedBy".to_string(), "multi-user.target".to_string())));
-    // systemd's own checker, where it is installed (not a CI dependency: it is skipped, not
-    // failed, without it). It checks that ExecStart exists, so point it at this build.
+    // systemd's own checker (`.ci/run` installs it; under CI=true its absence is a failure).
+    // It checks that ExecStart exists, so point it at this build.
     let have_analyze = Command::new("systemd-analyze")
         .arg("--version")
         .output()
         .is_ok_and(|o| o.status.success());
     if !have_analyze {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "systemd-analyze is required under CI=true"
+        );
         eprintln!("SKIP: systemd-analyze is not installed; checked the keys only");
         return;
     }
