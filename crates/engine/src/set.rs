@@ -395,14 +395,9 @@ impl Backing {
             Ok(()) => *w = None,
             Err(e) => {
                 let failures = w.as_ref().map_or(0, |w| w.failures) + 1;
-                let since_unix = w.as_ref().map_or_else(
-                    || {
-                        std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map_or(0, |d| d.as_secs())
-                    },
-                    |w| w.since_unix,
-                );
+                let since_unix = w
+                    .as_ref()
+                    .map_or_else(crate::health::unix_now, |w| w.since_unix);
                 *w = Some(WritebackError {
                     error: e.to_string(),
                     since_unix,
