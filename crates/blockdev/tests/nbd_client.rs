@@ -144,7 +144,13 @@ impl Nbdkit {
         assert_eq!(answer[0], command.to_ascii_uppercase());
     }
 
-    /// Waits until the log shows `count` requests of `kind` ("Read", "Write", ...) received.
+    /// How many requests of `kind` ("Read", "Write", ...) this run of nbdkit has received so far.
+    fn received(&self, kind: &str) -> usize {
+        request_lines(&self.log(), kind)
+    }
+
+    /// Waits until this run of nbdkit has received `count` requests of `kind` in all (count
+    /// from [`Nbdkit::received`]: a request resent after a restart is in the new run's log too).
     fn wait_for_requests(&self, kind: &str, count: usize) {
         let t = Instant::now();
         while request_lines(&self.log(), kind) < count {
@@ -439,9 +445,10 @@ fn a_server_restart_is_survived_and_unflushed_writes_fail_the_next_flush() {
     k.restart();
     assert_eq!(read(&dev, 0, p1.len()).unwrap(), p1);
     k.pause_control(b'p');
+    let reads = k.received("Read");
     let d = dev.clone();
     let in_flight = std::thread::spawn(move || read(&d, 0, 4096));
-    k.wait_for_requests("Read", 1);
+    k.wait_for_requests("Read", reads + 1);
     k.kill9();
     k.restart();
     let got = within("the read in flight", move || in_flight.join().unwrap());
@@ -456,9 +463,10 @@ fn a_server_restart_is_survived_and_unflushed_writes_fail_the_next_flush() {
     // so does the next flush, once.
     dev.write_at(&pattern(0x22, 4096), 1 << 20).unwrap();
     k.pause_control(b'p');
+    let reads = k.received("Read");
     let d = dev.clone();
     let in_flight = std::thread::spawn(move || read(&d, 0, 4096));
-    k.wait_for_requests("Read", 1);
+    k.wait_for_requests("Read", reads + 1);
     k.kill9();
     k.restart();
     let err = failed(

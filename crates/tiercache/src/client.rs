@@ -440,23 +440,71 @@ pub fn degrade(a: &Admin, reason: &str) -> Result<()> {
 /// How long a server that has closed its admin connection may take to disappear as a process.
 const EXIT_AFTER_CLOSE_MAX: Duration = Duration::from_secs(10);
 
-/// Whether process `pid` still runs (a zombie, exited but not yet reaped, does not).
-fn running(pid: u32) -> bool {
-    let Ok(pid_t) = libc::pid_t::try_from(pid) else {
-        return false;
+/// The pid of the process at the other end of a Unix socket, as this process's pid namespace
+/// numbers it (the pid a server reports of itself is wrong from inside another namespace).
+fn peer_pid(conn: &std::os::unix::net::UnixStream) -> Option<libc::pid_t> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
     };
-    // SAFETY: signal 0 only checks that the process exists and may be signalled.
-    let exists = unsafe { libc::kill(pid_t, 0) } == 0
-        || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
-    if !exists {
-        return false;
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of the sizes given.
+    let rc = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &raw mut len,
+        )
+    };
+    (rc == 0 && cred.pid > 0).then_some(cred.pid)
+}
+
+/// A descriptor that becomes readable once process `pid` has exited as a whole (every thread,
+/// so its parent can reap it); `None` if it is already gone. `/proc/PID/stat` is no substitute:
+/// it says `Z` as soon as the main thread is done, while other threads may still be tearing down.
+/// Opened before the process is told to go, so its pid cannot be reused meanwhile.
+fn watch_process(pid: libc::pid_t) -> Result<Option<std::os::fd::OwnedFd>> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ESRCH) {
+            return Ok(None);
+        }
+        bail!("cannot watch the server process {pid}: {e}");
     }
-    // /proc/PID/stat: "PID (comm) STATE ..."; comm may hold spaces and parentheses.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_none_or(|(_, rest)| !rest.trim_start().starts_with('Z')),
-        Err(_) => false,
+    let fd = i32::try_from(fd)?;
+    // SAFETY: a descriptor pidfd_open just returned, owned here alone.
+    Ok(Some(unsafe {
+        <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd)
+    }))
+}
+
+/// Waits for a [`watch_process`] descriptor to say the process has exited, for at most `max`.
+fn wait_exited(pidfd: &std::os::fd::OwnedFd, pid: libc::pid_t, max: Duration) -> Result<()> {
+    let mut pfd = libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(pidfd),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let deadline = Instant::now() + max;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: one valid pollfd.
+        match unsafe { libc::poll(&raw mut pfd, 1, ms) } {
+            n if n > 0 => return Ok(()),
+            0 => bail!("the server closed its admin socket, but its process {pid} still runs"),
+            _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
+            _ => bail!(
+                "waiting for the server process {pid}: {}",
+                std::io::Error::last_os_error()
+            ),
+        }
     }
 }
 
@@ -465,17 +513,17 @@ pub fn stop(a: &Admin, no_wait: bool) -> Result<()> {
     let pid = r["pid"].as_u64().and_then(|p| u32::try_from(p).ok());
     if !no_wait {
         // The server holds this connection until its process exits: end-of-file (or a reset)
-        // means it is gone. Then make sure of it by its pid.
+        // means it is on its way out. Then wait for the process itself, by the pid the kernel
+        // gives for the socket's peer.
+        let peer = peer_pid(conn.get_ref());
+        let pidfd = match peer {
+            Some(p) => watch_process(p)?,
+            None => None,
+        };
         let mut sink = [0u8; 256];
         while matches!(conn.read(&mut sink), Ok(n) if n > 0) {}
-        if let Some(pid) = pid {
-            let t = Instant::now();
-            while running(pid) {
-                if t.elapsed() > EXIT_AFTER_CLOSE_MAX {
-                    bail!("the server closed its admin socket, but its process {pid} still runs");
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
+        if let (Some(p), Some(fd)) = (peer, pidfd) {
+            wait_exited(&fd, p, EXIT_AFTER_CLOSE_MAX)?;
         }
     }
     r["stopped"] = json!(!no_wait);
