@@ -79,6 +79,8 @@ pub struct LatencyDevice<D: BlockDevice> {
     inner: D,
     model: Model,
     head: Mutex<Head>,
+    /// What the device reports as its ROTATIONAL flag (default: true for the HDD model).
+    rotational: bool,
 }
 
 impl<D: BlockDevice> LatencyDevice<D> {
@@ -89,6 +91,7 @@ impl<D: BlockDevice> LatencyDevice<D> {
         };
         LatencyDevice {
             inner,
+            rotational: matches!(model, Model::Hdd(_)),
             model,
             head: Mutex::new(Head {
                 position: 0,
@@ -96,6 +99,13 @@ impl<D: BlockDevice> LatencyDevice<D> {
                 busy_until: Instant::now(),
             }),
         }
+    }
+
+    /// Reports `rotational` as the device's ROTATIONAL flag whatever the model (a seek-bound
+    /// disk that does not say so: network and virtual disks, RAID controllers).
+    pub fn with_rotational(mut self, rotational: bool) -> Self {
+        self.rotational = rotational;
+        self
     }
 
     pub fn model(&self) -> &Model {
@@ -192,14 +202,23 @@ impl<D: BlockDevice> BlockDevice for LatencyDevice<D> {
         })
     }
     fn is_rotational(&self) -> bool {
-        matches!(self.model, Model::Hdd(_))
+        self.rotational
     }
     fn refresh_size(&self) -> io::Result<u64> {
         self.inner.refresh_size()
     }
     fn describe(&self) -> String {
         let m = match &self.model {
-            Model::Hdd(h) => format!("hdd model {} rpm {} MB/s", h.rpm, h.transfer_mb_per_s),
+            Model::Hdd(h) => format!(
+                "hdd model {} rpm {} MB/s{}",
+                h.rpm,
+                h.transfer_mb_per_s,
+                if self.rotational {
+                    ""
+                } else {
+                    ", not reported rotational"
+                }
+            ),
             Model::Ssd(s) => format!("ssd model {} us {} MB/s", s.latency_us, s.transfer_mb_per_s),
         };
         format!("{} ({m})", self.inner.describe())
@@ -246,5 +265,7 @@ mod tests {
         d.read_at(&mut buf, 512).unwrap();
         assert_eq!(buf, [3; 512]);
         assert!(!d.is_rotational());
+        let h = LatencyDevice::new(MemDevice::new(1 << 20), Model::Hdd(HddModel::default()));
+        assert!(!h.with_rotational(false).is_rotational());
     }
 }

@@ -77,6 +77,8 @@ pub struct HealthReport {
     /// Recent cache-device latency (µs; 0: no recent sample).
     pub read_latency_us: u64,
     pub write_latency_us: u64,
+    /// The cache device's cost model (see `cost`).
+    pub cost: Option<crate::set::DevCost>,
 }
 
 /// The set's health: degraded or not, and the lock that orders entering the state.
@@ -294,6 +296,7 @@ impl Inner {
             io_error_limit: self.config.io_error_limit,
             read_latency_us: r,
             write_latency_us: w,
+            cost: Some(self.cache.cost()),
         }
     }
 

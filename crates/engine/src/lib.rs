@@ -32,6 +32,7 @@ mod checkpoint;
 pub mod clock;
 mod codec;
 mod commit;
+pub mod cost;
 pub mod format;
 pub mod guard;
 mod health;
@@ -59,9 +60,10 @@ pub use knobs::{
     DEFAULT_WRITEBACK_PERCENT,
 };
 pub use set::{
-    format_backing, Backing, CacheSet, Config, DevKnobs, DevStatus, FormatOptions, Occupancy,
-    RecoveryReport, WritebackError, DEFAULT_CACHE_IO_TIMEOUT_MS, DEFAULT_CONGESTED_READ_US,
-    DEFAULT_CONGESTED_WRITE_US, DEFAULT_IO_ERROR_HALFLIFE, DEFAULT_IO_ERROR_LIMIT,
+    format_backing, Backing, CacheSet, Config, DevCost, DevKnobs, DevStatus, FormatOptions,
+    Occupancy, RecoveryReport, WritebackError, DEFAULT_CACHE_IO_TIMEOUT_MS,
+    DEFAULT_CONGESTED_READ_US, DEFAULT_CONGESTED_WRITE_US, DEFAULT_IO_ERROR_HALFLIFE,
+    DEFAULT_IO_ERROR_LIMIT,
 };
 pub use types::{CacheMode, DevId, Error, Result};
 

@@ -1,7 +1,7 @@
 //! The policy seam: every decision the engine makes about *what* to cache and *when* to work,
 //! as pure functions and state machines it calls (as dm-cache separates policy from target).
 //! Admission: sequential stream detection, [`admit_read`], [`route_write`]; the miss fill
-//! ([`miss_fill_window`]); replacement ([`reclaim_rank`]); the writeback rate
+//! ([`miss_fill_window`], [`span_holes`]; both read the backing device's `cost` model); replacement ([`reclaim_rank`]); the writeback rate
 //! ([`writeback_rate`]). The tests here drive each one alone.
 //!
 //! Invariants: the detector holds at most `SEQ_SLOTS` streams (bounded memory, no I/O, no
@@ -9,6 +9,7 @@
 //! A request continues a stream when it starts exactly where a stream tracked in the last
 //! `SEQ_WINDOW_NS` ended, so interleaved sequential streams are each recognised.
 
+use crate::cost::CostEstimate;
 use crate::types::CacheMode;
 
 /// Streams tracked per backing device (bcache tracks 128 recent I/Os).
@@ -114,16 +115,60 @@ pub fn route_write(
     }
 }
 
-/// Window of the miss fill on rotational backing devices: a miss costs the seek, not the
-/// bytes, so the uncached neighbours of a miss inside this aligned window come along.
-pub const MISS_FILL_BYTES: u64 = 64 << 10;
+/// The most a miss fill reads around a miss.
+pub const MISS_FILL_MAX_BYTES: u64 = 256 << 10;
+/// The fill tried while the backing device's cost per byte is still unknown (every other
+/// miss, so the model sees two lengths and can tell transfer from fixed cost).
+pub const MISS_FILL_EXPLORE_BYTES: u64 = 64 << 10;
+/// Positioning below this is not worth a fill (the filled blocks also cost cache writes), nor
+/// is positioning under a quarter of the fixed cost (noise of the fit on a flat device).
+pub const SEEK_FLOOR_NS: f64 = 50_000.0;
 
-/// The miss-fill window in blocks (1: no fill), for a backing device measured rotational or not.
-pub fn miss_fill_window(rotational: bool, block_size: u64) -> u64 {
-    if rotational {
-        (MISS_FILL_BYTES / block_size).max(1)
-    } else {
+/// Whether the model says positioning matters on a device.
+pub fn seek_bound(est: &CostEstimate) -> bool {
+    est.seek_ns >= SEEK_FLOOR_NS && est.seek_ns >= est.fixed_ns / 4.0
+}
+
+/// The miss-fill window in blocks (1: no fill), from the backing device's read cost model:
+/// a miss pays the positioning once, so the uncached neighbours come along up to where their
+/// extra transfer costs as much as the typical positioning a later miss on them would pay,
+/// rounded down to a power of two and at most `MISS_FILL_MAX_BYTES`. Nothing where transfer
+/// dominates (`seek_bound` false). `miss_no` counts misses: while the cost per byte is
+/// unknown, every other miss tries `MISS_FILL_EXPLORE_BYTES`.
+pub fn miss_fill_window(est: &CostEstimate, block_size: u64, miss_no: u64) -> u64 {
+    if !seek_bound(est) {
+        return 1;
+    }
+    let bytes = match est.per_byte_ns {
+        Some(p) if p > 0.0 => (est.seek_ns / p).min(MISS_FILL_MAX_BYTES as f64) as u64,
+        Some(_) => MISS_FILL_MAX_BYTES,
+        None if miss_no.is_multiple_of(2) => MISS_FILL_EXPLORE_BYTES,
+        None => 0,
+    };
+    let blocks =
+        (bytes.saturating_add(block_size) / block_size).min(MISS_FILL_MAX_BYTES / block_size);
+    if blocks < 2 {
         1
+    } else {
+        1 << (63 - blocks.leading_zeros())
+    }
+}
+
+/// Whether a miss with `holes` uncached runs among cached blocks is read in one backing read
+/// over all of them (re-reading `gap_bytes` of cached blocks) rather than one read per hole:
+/// when the transfer of the gaps costs less than the fixed and positioning costs of the reads
+/// saved. An unknown cost per byte decides by `seek_bound`.
+pub fn span_holes(est: &CostEstimate, holes: u64, gap_bytes: u64) -> bool {
+    if holes < 2 {
+        return false;
+    }
+    let saved = holes - 1;
+    match est.per_byte_ns {
+        Some(p) => {
+            let per_read = est.fixed_ns + est.seek_at(gap_bytes / saved);
+            p * gap_bytes as f64 <= saved as f64 * per_read
+        }
+        None => seek_bound(est),
     }
 }
 
@@ -271,11 +316,63 @@ mod tests {
         assert_eq!(wb(70), WriteRoute::Bypass);
     }
 
+    fn est(fixed_us: f64, per_byte_ns: Option<f64>, seek_us: f64) -> CostEstimate {
+        CostEstimate {
+            samples: 100,
+            learned: true,
+            fixed_ns: fixed_us * 1e3,
+            per_byte_ns,
+            seek_ns: seek_us * 1e3,
+            seek_by_bucket: [Some(seek_us * 1e3); crate::cost::BUCKETS],
+        }
+    }
+
     #[test]
-    fn miss_fill_only_on_rotational_devices() {
-        assert_eq!(miss_fill_window(true, 4096), 16);
-        assert_eq!(miss_fill_window(false, 4096), 1);
-        assert_eq!(miss_fill_window(true, 1 << 20), 1);
+    fn miss_fill_follows_the_cost_model() {
+        // A disk: 8 ms positioning against 5.5 ns/B: the whole bounded window.
+        assert_eq!(
+            miss_fill_window(&est(100.0, Some(5.5), 8000.0), 4096, 1),
+            64
+        );
+        // Positioning worth ~40 KiB of transfer: 8 blocks (rounded down to a power of two).
+        assert_eq!(miss_fill_window(&est(100.0, Some(5.0), 200.0), 4096, 1), 8);
+        // Flash: no positioning, nothing extra, whatever the cost per byte.
+        assert_eq!(miss_fill_window(&est(80.0, Some(0.67), 1.0), 4096, 1), 1);
+        assert_eq!(miss_fill_window(&est(80.0, None, 0.0), 4096, 0), 1);
+        // Positioning small against the fixed cost (fit noise on a slow flat device): none.
+        assert_eq!(miss_fill_window(&est(1000.0, Some(0.1), 200.0), 4096, 1), 1);
+        // Unknown cost per byte on a seek-bound device: every other miss explores.
+        assert_eq!(miss_fill_window(&est(100.0, None, 8000.0), 4096, 0), 16);
+        assert_eq!(miss_fill_window(&est(100.0, None, 8000.0), 4096, 1), 1);
+        // Bounded, and never below one block.
+        assert_eq!(
+            miss_fill_window(&est(100.0, Some(0.0), 8000.0), 4096, 1),
+            64
+        );
+        assert_eq!(
+            miss_fill_window(&est(100.0, Some(5.5), 8000.0), 1 << 20, 1),
+            1
+        );
+        // The seed of a rotational device fills at once.
+        assert_eq!(
+            miss_fill_window(&crate::cost::ROTATIONAL_PRIOR, 4096, 1),
+            64
+        );
+    }
+
+    #[test]
+    fn holes_are_spanned_when_the_gaps_cost_less_than_the_reads_saved() {
+        let disk = est(100.0, Some(5.5), 8000.0);
+        assert!(span_holes(&disk, 3, 128 << 10));
+        assert!(!span_holes(&disk, 2, 64 << 20));
+        assert!(!span_holes(&disk, 1, 0));
+        let flash = est(80.0, Some(0.67), 0.0);
+        assert!(
+            span_holes(&flash, 2, 8192),
+            "one request saved is worth 8 KiB"
+        );
+        assert!(!span_holes(&flash, 2, 1 << 20));
+        assert!(!span_holes(&est(80.0, None, 0.0), 3, 4096));
     }
 
     #[test]

@@ -331,6 +331,11 @@ pub struct Backing {
     /// dropped its cache), so whoever needs its writes durable checks this did not move.
     pub(crate) flush_failures: AtomicU64,
     pub(crate) writeback_error: Mutex<Option<WritebackError>>,
+    /// The device's cost model, fed by every data read and write the engine sends it
+    /// (clients' and writeback's; see `cost`). A leaf lock: nothing is locked under it.
+    pub(crate) cost: Mutex<crate::cost::CostModel>,
+    /// Read misses so far (the miss fill's exploration alternates on it).
+    pub(crate) misses: AtomicU64,
 }
 
 impl Backing {
@@ -382,6 +387,33 @@ impl Backing {
     }
 
     /// Flushes the device, counting a failure in `flush_failures`.
+    /// Runs a data read or write of `len` bytes at absolute `offset` on the device, timing
+    /// it into the cost model (failures are not samples).
+    pub(crate) fn timed<T>(
+        &self,
+        op: crate::cost::Op,
+        offset: u64,
+        len: u64,
+        io: impl FnOnce(&dyn BlockDevice) -> std::io::Result<T>,
+    ) -> std::io::Result<T> {
+        let start = std::time::Instant::now();
+        let r = io(&*self.dev);
+        if r.is_ok() {
+            let ns = start.elapsed().as_nanos() as u64;
+            self.cost.lock().observe(op, offset, len, ns);
+        }
+        r
+    }
+
+    /// The current read and write estimates of the device's cost model.
+    pub fn cost(&self) -> DevCost {
+        let m = self.cost.lock();
+        DevCost {
+            read: m.estimate(crate::cost::Op::Read),
+            write: m.estimate(crate::cost::Op::Write),
+        }
+    }
+
     pub(crate) fn flush_counted(&self) -> std::io::Result<()> {
         self.dev.flush().inspect_err(|_| {
             self.flush_failures.fetch_add(1, Ordering::SeqCst);
@@ -498,6 +530,15 @@ pub struct DevStatus {
     /// how many passes failed in a row.
     pub writeback_error: Option<WritebackError>,
     pub stats: Windows,
+    /// The backing device's cost model now (see `cost`).
+    pub cost: DevCost,
+}
+
+/// A device's cost model estimates, for status.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DevCost {
+    pub read: crate::cost::CostEstimate,
+    pub write: crate::cost::CostEstimate,
 }
 
 /// A writeback that keeps failing on one backing device (see `DevStatus::writeback_error`).
@@ -922,6 +963,7 @@ impl CacheSet {
         };
         let dirty = inner.state.lock().index.dev_dirty_blocks(id);
         let t = header.tunables;
+        let dev_rotational = dev.is_rotational();
         let backing = Arc::new(Backing {
             id,
             data_size: AtomicU64::new(header.data_size),
@@ -944,6 +986,8 @@ impl CacheSet {
             readahead: Mutex::default(),
             flush_failures: AtomicU64::new(0),
             writeback_error: Mutex::new(None),
+            cost: Mutex::new(crate::cost::CostModel::new(dev_rotational)),
+            misses: AtomicU64::new(0),
         });
         if dirty > 0 {
             backing.set_state(BackingState::Dirty)?;

@@ -413,9 +413,11 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
 }
 
 fn write_backing(b: &crate::set::Backing, at: u64, buf: &[u8]) -> Result<()> {
+    let abs = b.data_offset() + at;
     let r = b
-        .dev
-        .write_at(buf, b.data_offset() + at)
+        .timed(crate::cost::Op::Write, abs, buf.len() as u64, |d| {
+            d.write_at(buf, abs)
+        })
         .ctx(|| format!("writeback to backing device at {at}"));
     b.readahead.lock().invalidate(at, at + buf.len() as u64);
     r

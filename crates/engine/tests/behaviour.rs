@@ -491,7 +491,7 @@ fn writes_around_dirty_data_flush_the_slow_device_once_per_commit_not_per_write(
 }
 
 #[test]
-fn misses_on_a_rotational_device_fill_the_surrounding_window() {
+fn misses_on_a_device_reported_rotational_fill_the_surrounding_window_at_once() {
     let g = Geometry {
         cache_bytes: 4 << 20,
         ..Geometry::default()
@@ -499,8 +499,10 @@ fn misses_on_a_rotational_device_fill_the_surrounding_window() {
     let rig = Rig::new(12, g, CacheMode::Writethrough);
     assert!(rig.backing.is_rotational());
     let vol = rig.vol();
+    // The flag seeds the cost model: the whole bounded window from the first miss.
+    let w = engine::policy::MISS_FILL_MAX_BYTES / 4096;
     let mut buf = vec![0u8; 4096];
-    // A 4 KiB miss in the middle of a 64 KiB window promotes the whole window.
+    // A 4 KiB miss in the middle of the window promotes the whole window.
     vol.read(5 * 4096, &mut buf).unwrap();
     assert_eq!(
         vol.cached_ranges(0, 1 << 20)
@@ -508,26 +510,27 @@ fn misses_on_a_rotational_device_fill_the_surrounding_window() {
             .iter()
             .map(|r| r.1)
             .sum::<u64>(),
-        65536
+        w * 4096
     );
     let s = vol.status().stats.total;
-    assert_eq!((s.cache_misses, s.backing_read_bytes), (1, 65536));
+    assert_eq!((s.cache_misses, s.backing_read_bytes), (1, w * 4096));
     // Its neighbours now hit; a cached block stops the fill.
     vol.read(0, &mut buf).unwrap();
-    vol.read(15 * 4096, &mut buf).unwrap();
+    vol.read((w - 1) * 4096, &mut buf).unwrap();
     assert_eq!(vol.status().stats.total.cache_hits, 2);
-    vol.write(20 * 4096, &data(3, 160, 4096), false).unwrap();
-    vol.read(18 * 4096, &mut buf).unwrap();
-    let cached = vol.cached_ranges(65536, 65536).unwrap();
-    assert_eq!(cached.first().map(|r| r.0), Some(65536));
+    vol.write((w + 20) * 4096, &data(3, (w + 20) * 8, 4096), false)
+        .unwrap();
+    vol.read((w + 18) * 4096, &mut buf).unwrap();
+    let cached = vol.cached_ranges(w * 4096, w * 4096).unwrap();
+    assert_eq!(cached.first().map(|r| r.0), Some(w * 4096));
     assert_eq!(
         cached.last(),
-        Some(&(20 * 4096, 4096, false)),
+        Some(&((w + 20) * 4096, 4096, false)),
         "the written block"
     );
     assert_eq!(
         cached.iter().map(|r| r.1).sum::<u64>(),
-        5 * 4096,
+        21 * 4096,
         "fill stops at the cached block"
     );
 }
@@ -1014,4 +1017,75 @@ fn a_backing_device_that_grew_is_served_whole_live_and_after_a_restart() {
     assert_eq!(vol.size_bytes(), 4 << 20);
     vol.read(2 << 20, &mut buf).unwrap();
     assert!(buf == d, "the data written past the old end survived");
+}
+
+/// Cold 4 KiB reads at pseudo-random blocks of a `backing` device; returns the bytes the
+/// cache holds around a last miss after `warm` misses (the miss-fill window it got).
+fn fill_after_warmup(backing: Arc<dyn BlockDevice>, warm: u64) -> (u64, engine::DevStatus) {
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(32 << 20));
+    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writethrough, no_threads());
+    let blocks = vol.size_bytes() / 4096;
+    let mut buf = vec![0u8; 4096];
+    let mut s = 12345u64;
+    for _ in 0..warm {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1);
+        vol.read((s >> 33) % blocks * 4096, &mut buf).unwrap();
+    }
+    // The last miss: a block whose 256 KiB window nothing reached yet (found by asking).
+    let probe = (0..blocks / 64)
+        .map(|w| w * 64 + 17)
+        .find(|&b| {
+            vol.cached_ranges(b / 64 * 64 * 4096, 64 * 4096)
+                .unwrap()
+                .is_empty()
+        })
+        .expect("an untouched window");
+    // Twice, so whichever turn the exploration is on, one read is a decided fill.
+    vol.read(probe * 4096, &mut buf).unwrap();
+    let next = (probe / 64 + 1..blocks / 64)
+        .map(|w| w * 64 + 17)
+        .find(|&b| {
+            vol.cached_ranges(b / 64 * 64 * 4096, 64 * 4096)
+                .unwrap()
+                .is_empty()
+        })
+        .expect("another untouched window");
+    vol.read(next * 4096, &mut buf).unwrap();
+    let cached = |b: u64| -> u64 {
+        vol.cached_ranges(b / 64 * 64 * 4096, 64 * 4096)
+            .unwrap()
+            .iter()
+            .map(|r| r.1)
+            .sum()
+    };
+    (cached(probe).max(cached(next)), vol.status())
+}
+
+#[test]
+fn a_seek_bound_disk_that_is_not_reported_rotational_gets_a_miss_fill() {
+    use blockdev::latency::{HddModel, LatencyDevice, Model};
+    let hdd = LatencyDevice::new(MemDevice::new(64 << 20), Model::Hdd(HddModel::default()))
+        .with_rotational(false);
+    assert!(!hdd.is_rotational());
+    let (filled, st) = fill_after_warmup(Arc::new(hdd), 60);
+    let e = st.cost.read;
+    assert!(e.learned, "{e:?}");
+    assert!(
+        e.seek_ns > 1_000_000.0,
+        "positioning of milliseconds: {e:?}"
+    );
+    assert!(
+        filled > 4096,
+        "a fill around the miss: {filled} bytes ({e:?})"
+    );
+}
+
+#[test]
+fn a_flat_latency_device_gets_no_miss_fill() {
+    use blockdev::latency::{LatencyDevice, Model, SsdModel};
+    let ssd = LatencyDevice::new(MemDevice::new(64 << 20), Model::Ssd(SsdModel::default()));
+    let (filled, st) = fill_after_warmup(Arc::new(ssd), 60);
+    let e = st.cost.read;
+    assert!(e.learned, "{e:?}");
+    assert_eq!(filled, 4096, "only the block read ({e:?})");
 }

@@ -136,7 +136,38 @@ pub fn status_json(s: &DevStatus, name: &str) -> Value {
         "stats_five_minute": stats(&s.stats.five_minute),
         "stats_hour": stats(&s.stats.hour),
         "stats_day": stats(&s.stats.day),
+        "cost": cost_json(&s.cost),
     })
+}
+
+/// A device's cost model (see engine `cost`): per kind, whether it is learned or the seed,
+/// samples, the fixed cost (µs), the transfer cost (ns per byte; null until lengths varied),
+/// the typical positioning cost (µs) and the positioning cost per distance bucket (µs, by the
+/// bucket's largest distance in bytes; null for the last, open-ended one).
+pub fn cost_json(c: &engine::DevCost) -> Value {
+    let one = |e: &engine::cost::CostEstimate| {
+        let round = |v: f64| (v * 100.0).round() / 100.0;
+        let buckets: Vec<Value> = (0..engine::cost::BUCKETS)
+            .filter_map(|b| {
+                e.seek_by_bucket[b].map(|s| {
+                    let limit = engine::cost::bucket_limit(b);
+                    json!({
+                        "distance_max": (limit != u64::MAX).then_some(limit),
+                        "seek_us": round(s / 1e3),
+                    })
+                })
+            })
+            .collect();
+        json!({
+            "learned": e.learned,
+            "samples": e.samples,
+            "fixed_us": round(e.fixed_ns / 1e3),
+            "ns_per_byte": e.per_byte_ns.map(|p| (p * 1e4).round() / 1e4),
+            "seek_us": round(e.seek_ns / 1e3),
+            "seek_by_distance": buckets,
+        })
+    };
+    json!({"read": one(&c.read), "write": one(&c.write)})
 }
 
 /// The cache device's health: `ok` or `degraded` (why, since when), its failures (since
@@ -155,6 +186,7 @@ fn health_json(set: &CacheSet) -> Value {
         "io_error_limit": h.io_error_limit,
         "read_latency_us": h.read_latency_us,
         "write_latency_us": h.write_latency_us,
+        "cost": h.cost.as_ref().map(cost_json),
     })
 }
 

@@ -14,7 +14,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Opens (or creates with `size`) the file and wraps it in the model.
-pub fn device(file: &Path, size: Option<u64>, model: Model) -> Result<Arc<dyn BlockDevice>> {
+/// `rotational`: the ROTATIONAL flag reported (`None`: the model's own, true for hdd).
+pub fn device(
+    file: &Path,
+    size: Option<u64>,
+    model: Model,
+    rotational: Option<bool>,
+) -> Result<Arc<dyn BlockDevice>> {
     let dev = if file.exists() {
         FileDevice::open(file, FileDeviceOptions::default())
     } else {
@@ -27,7 +33,11 @@ pub fn device(file: &Path, size: Option<u64>, model: Model) -> Result<Arc<dyn Bl
         FileDevice::create(file, size)
     }
     .with_context(|| format!("opening {}", file.display()))?;
-    Ok(Arc::new(LatencyDevice::new(dev, model)))
+    let dev = LatencyDevice::new(dev, model);
+    Ok(Arc::new(match rotational {
+        Some(r) => dev.with_rotational(r),
+        None => dev,
+    }))
 }
 
 pub fn run(dev: Arc<dyn BlockDevice>, socket: &Path, name: &str) -> Result<()> {

@@ -290,6 +290,10 @@ enum Cmd {
         /// Seed of the HDD model's rotational delays.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// The ROTATIONAL flag the export reports (default: true for hdd, false for ssd);
+        /// `--rotational false` gives a seek-bound disk that does not say so.
+        #[arg(long)]
+        rotational: Option<bool>,
     },
     /// A running server's cache device, health and volumes (or, when it serves without its
     /// cache device, why, and the volumes it serves directly).
@@ -869,6 +873,7 @@ fn main() -> ExitCode {
             transfer_mb_s,
             latency_us,
             seed,
+            rotational,
         } => (|| {
             let model = match kind {
                 EmulateKind::Hdd => emulate::hdd_model(
@@ -880,7 +885,11 @@ fn main() -> ExitCode {
                 ),
                 EmulateKind::Ssd => emulate::ssd_model(latency_us, transfer_mb_s.unwrap_or(1500.0)),
             };
-            emulate::run(emulate::device(&file, size, model)?, &socket, &name)
+            emulate::run(
+                emulate::device(&file, size, model, rotational)?,
+                &socket,
+                &name,
+            )
         })()
         .map(|_| ExitCode::SUCCESS),
         Cmd::Demo {

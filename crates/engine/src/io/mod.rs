@@ -243,6 +243,7 @@ impl Volume {
             writeback,
             writeback_error: b.writeback_error.lock().clone(),
             stats: b.history.windows(now, &snap),
+            cost: b.cost(),
         }
     }
 
@@ -333,8 +334,13 @@ impl Volume {
 
     fn backing_read(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         Counters::add(&self.backing.counters.backing_read_bytes, buf.len() as u64);
-        self.on_backing(|d| d.read_at(buf, self.backing.data_offset() + offset))
-            .ctx(|| format!("reading backing device at {offset}"))
+        let at = self.backing.data_offset() + offset;
+        let len = buf.len() as u64;
+        self.on_backing(|_| {
+            self.backing
+                .timed(crate::cost::Op::Read, at, len, |d| d.read_at(buf, at))
+        })
+        .ctx(|| format!("reading backing device at {offset}"))
     }
 
     /// Runs a client I/O that changes `[offset, offset + len)` of the backing device (write,
@@ -359,8 +365,11 @@ impl Volume {
     fn backing_write(&self, data: &[u8], offset: u64) -> Result<()> {
         let len = data.len() as u64;
         Counters::add(&self.backing.counters.backing_written_bytes, len);
-        self.change_backing(offset, len, |d, at| d.write_at(data, at))
-            .ctx(|| format!("writing backing device at {offset}"))
+        self.change_backing(offset, len, |_, at| {
+            self.backing
+                .timed(crate::cost::Op::Write, at, len, |d| d.write_at(data, at))
+        })
+        .ctx(|| format!("writing backing device at {offset}"))
     }
 
     // ----- reads -----

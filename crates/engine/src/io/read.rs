@@ -238,13 +238,27 @@ impl Volume {
                     vec![(p0, d)]
                 });
             }
-            // A miss with several holes between cached blocks, on a rotational device: one
-            // backing read from the first uncached block to the last (one seek, as the bare
-            // disk would do), the cached blocks' stale copies in it ignored.
+            // A miss with several holes between cached blocks: one backing read from the
+            // first uncached block to the last when the cost model says the cached gaps'
+            // transfer costs less than the reads saved (one seek, as the bare disk would do),
+            // the cached blocks' stale copies in it ignored.
+            let hole_count = segs.iter().filter(|s| s.ext.is_none()).count() as u64;
+            let first_hole = segs.iter().position(|s| s.ext.is_none()).unwrap_or(0);
+            let last_hole = segs.iter().rposition(|s| s.ext.is_none()).unwrap_or(0);
+            let gap_bytes: u64 = segs[first_hole..=last_hole.max(first_hole)]
+                .iter()
+                .filter(|s| s.ext.is_some())
+                .map(|s| s.len * bs)
+                .sum();
             let mut hole_segs = segs.iter().filter(|s| s.ext.is_none());
             let span = match (hole_segs.next(), hole_segs.next_back()) {
                 (Some(first), Some(last))
-                    if promo.is_some() && self.backing.dev.is_rotational() =>
+                    if promo.is_some()
+                        && crate::policy::span_holes(
+                            &self.backing.cost.lock().estimate(crate::cost::Op::Read),
+                            hole_count,
+                            gap_bytes,
+                        ) =>
                 {
                     let from = if p1 > p0 { p0 } else { first.block }.offset(bs);
                     let to = if s1 > s0 { s1 } else { last.block + last.len }
@@ -367,10 +381,11 @@ impl Volume {
         None
     }
 
-    /// The miss fill: on a rotational backing device a miss costs the seek, not the bytes, so
-    /// the uncached blocks around `[b0, b1)` up to the enclosing `policy::miss_fill_window`
-    /// window are read and promoted too. Returns the extra ranges before and after the request
-    /// (empty when the device is not rotational or the neighbours are cached).
+    /// The miss fill: where the backing device's cost model says a miss costs the positioning
+    /// more than the bytes, the uncached blocks around `[b0, b1)` up to the enclosing
+    /// `policy::miss_fill_window` window are read and promoted too. Returns the extra ranges
+    /// before and after the request (empty when the window is one block or the neighbours are
+    /// cached). Takes the cost model's lock (a leaf) under the state lock.
     fn miss_fill(
         &self,
         index: &crate::index::Index,
@@ -378,7 +393,12 @@ impl Volume {
         b1: BackingBlock,
     ) -> BlockRanges {
         let bs = self.inner.block_size();
-        let window = crate::policy::miss_fill_window(self.backing.dev.is_rotational(), bs);
+        let miss_no = self
+            .backing
+            .misses
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let est = self.backing.cost.lock().estimate(crate::cost::Op::Read);
+        let window = crate::policy::miss_fill_window(&est, bs, miss_no);
         if window <= 1 {
             return ((b0, b0), (b1, b1));
         }
