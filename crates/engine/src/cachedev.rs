@@ -269,6 +269,23 @@ impl CacheDev {
         )
     }
 
+    /// What the cache device costs a miss fill, by its model (see `policy::CacheCosts`). While
+    /// its reads are not learned yet (a cold cache sees promotions long before hits), a read is
+    /// taken to cost what a write does.
+    pub fn fill_costs(&self) -> crate::policy::CacheCosts {
+        let m = self.cost.lock();
+        let write = m.estimate(crate::cost::Op::Write);
+        let read = m.estimate(crate::cost::Op::Read);
+        crate::policy::CacheCosts {
+            read: if read.learned || !write.learned {
+                read
+            } else {
+                write
+            },
+            write_per_byte_ns: write.per_byte_ns.unwrap_or(0.0),
+        }
+    }
+
     /// The cache device's cost model estimates now.
     pub fn cost(&self) -> crate::set::DevCost {
         let m = self.cost.lock();
@@ -279,9 +296,18 @@ impl CacheDev {
     }
 
     /// Whether a request of `kind` should avoid the cache device: its recent latency (or the
-    /// age of an I/O still in flight) is above `threshold_us` (0: never). One request per
-    /// `PROBE_EVERY` is let through so the estimate follows a device that recovers.
-    pub fn congested(&self, kind: Kind, threshold_us: u64, len: u64) -> bool {
+    /// age of an I/O still in flight) is above `threshold_us` (0: never) and above what the
+    /// backing device's cost model expects the request to take there (`backing_ns`, asked
+    /// only past the threshold): going around a slow cache to a slower disk gains nothing.
+    /// One request per `PROBE_EVERY` is let through so the estimate follows a device that
+    /// recovers.
+    pub fn congested(
+        &self,
+        kind: Kind,
+        threshold_us: u64,
+        len: u64,
+        backing_ns: impl FnOnce() -> u64,
+    ) -> bool {
         if threshold_us == 0 {
             return false;
         }
@@ -292,7 +318,7 @@ impl CacheDev {
         };
         let now = self.now();
         let avg = est.current(now);
-        if avg <= threshold_us * 1000 {
+        if avg <= threshold_us * 1000 || avg <= backing_ns() {
             return false;
         }
         if len > PROBE_MAX_BYTES {
@@ -446,7 +472,7 @@ mod tests {
         let d = CacheDev::new(faulty, Duration::ZERO, 0);
         let mut buf = vec![0u8; 4096];
         d.read_at(&mut buf, 0).unwrap();
-        assert!(!d.congested(Kind::Read, 2000, 4096));
+        assert!(!d.congested(Kind::Read, 2000, 4096, || 0));
         ctrl.set_latency(
             FaultOp::Read,
             Duration::from_millis(5),
@@ -457,18 +483,23 @@ mod tests {
         }
         assert!(d.latency_us().0 >= 4000, "{:?}", d.latency_us());
         // The first call after the estimate rose is a probe (let through), the next are not.
-        assert!(!d.congested(Kind::Read, 2000, 4096), "a probe");
-        assert!(d.congested(Kind::Read, 2000, 4096));
-        assert!(d.congested(Kind::Read, 2000, 4096));
-        assert!(!d.congested(Kind::Read, 0, 4096), "0 disables");
+        assert!(!d.congested(Kind::Read, 2000, 4096, || 0), "a probe");
+        assert!(d.congested(Kind::Read, 2000, 4096, || 0));
+        assert!(d.congested(Kind::Read, 2000, 4096, || 0));
+        assert!(!d.congested(Kind::Read, 0, 4096, || 0), "0 disables");
         assert!(
-            !d.congested(Kind::Read, 10_000, 4096),
+            !d.congested(Kind::Read, 10_000, 4096, || 0),
             "below the threshold"
         );
         assert!(
-            !d.congested(Kind::Write, 2000, 4096),
+            !d.congested(Kind::Write, 2000, 4096, || 0),
             "writes have their own estimate"
         );
+        assert!(
+            !d.congested(Kind::Read, 2000, 4096, || 8_000_000),
+            "the backing device would take longer (8 ms)"
+        );
+        assert!(d.congested(Kind::Read, 2000, 4096, || 1_000_000));
     }
 
     #[test]
@@ -476,18 +507,18 @@ mod tests {
         let d = CacheDev::new(Arc::new(MemDevice::new(1 << 20)), Duration::ZERO, 0);
         d.reads.sample(1_000_000_000, d.now());
         assert!(
-            d.congested(Kind::Read, 2000, 1 << 20),
+            d.congested(Kind::Read, 2000, 1 << 20, || 0),
             "large requests never probe"
         );
         assert!(
-            !d.congested(Kind::Read, 2000, 4096),
+            !d.congested(Kind::Read, 2000, 4096, || 0),
             "the first small request probes"
         );
         std::thread::sleep(PROBE_EVERY + Duration::from_millis(20));
         // The probe is expected to take a second: the next is due only after that.
-        assert!(d.congested(Kind::Read, 2000, 4096));
+        assert!(d.congested(Kind::Read, 2000, 4096, || 0));
         // Its answer: fast. The bypass ends.
         d.reads.sample(10_000, d.now());
-        assert!(!d.congested(Kind::Read, 2000, 4096));
+        assert!(!d.congested(Kind::Read, 2000, 4096, || 0));
     }
 }

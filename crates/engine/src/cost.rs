@@ -48,6 +48,7 @@ pub const ROTATIONAL_PRIOR: CostEstimate = CostEstimate {
     learned: false,
     fixed_ns: 4_200_000.0,
     per_byte_ns: Some(1e9 / 150e6),
+    per_byte_low_ns: Some(1e9 / 150e6),
     seek_ns: 8_000_000.0,
     seek_by_bucket: [Some(8_000_000.0); BUCKETS],
 };
@@ -133,6 +134,8 @@ struct Kind {
     share: [f64; BUCKETS],
     /// The last trusted cost per byte.
     per_byte: Option<f64>,
+    /// Its standard error when it was taken.
+    per_byte_se: f64,
 }
 
 /// The current estimates of one kind of request on one device.
@@ -146,6 +149,10 @@ pub struct CostEstimate {
     pub fixed_ns: f64,
     /// Transfer time per byte (ns); `None` until lengths varied enough to tell.
     pub per_byte_ns: Option<f64>,
+    /// A low bound of it: less twice its standard error, at least 0 (positioning noise on a
+    /// disk makes the slope uncertain for many samples; decisions that must not
+    /// underestimate what a miss is worth in bytes use this).
+    pub per_byte_low_ns: Option<f64>,
     /// Positioning cost of a typical request at the distances seen recently (ns).
     pub seek_ns: f64,
     /// Positioning cost per distance bucket (`None`: too few samples there).
@@ -206,13 +213,23 @@ impl CostModel {
         for (i, s) in k.share.iter_mut().enumerate() {
             *s += ALPHA * (f64::from(u8::from(i == b)) - *s);
         }
-        let (mut cov, mut var) = (0.0, 0.0);
+        let (mut cov, mut var, mut weight) = (0.0, 0.0, 0.0);
         for f in k.fits.iter().filter(|f| f.n >= 2) {
             cov += f.weight() * f.cov();
             var += f.weight() * f.var_x();
+            weight += f.weight();
         }
         if var >= MIN_XVAR {
-            k.per_byte = Some((cov / var).max(0.0));
+            let slope = cov / var;
+            // Pooled residual variance over the lengths' spread: the slope's squared error.
+            let resid: f64 = k
+                .fits
+                .iter()
+                .filter(|f| f.n >= 2)
+                .map(|f| f.weight() * f.intercept_var(slope) * f.weight())
+                .sum();
+            k.per_byte = Some(slope.max(0.0));
+            k.per_byte_se = (resid / weight / var).max(0.0).sqrt();
         }
     }
 
@@ -228,6 +245,7 @@ impl CostModel {
             Op::Write => &self.write,
         };
         let per_byte = k.per_byte;
+        let per_byte_low = per_byte.map(|p| (p - 2.0 * k.per_byte_se).max(0.0));
         let slope = per_byte.unwrap_or(0.0);
         let intercept: [Option<f64>; BUCKETS] = std::array::from_fn(|b| {
             let f = &k.fits[b];
@@ -256,6 +274,7 @@ impl CostModel {
                 learned: false,
                 fixed_ns: if fixed.is_finite() { fixed } else { 0.0 },
                 per_byte_ns: per_byte,
+                per_byte_low_ns: per_byte_low,
                 seek_ns: 0.0,
                 seek_by_bucket: [None; BUCKETS],
             };
@@ -285,6 +304,7 @@ impl CostModel {
             learned: true,
             fixed_ns: fixed,
             per_byte_ns: per_byte,
+            per_byte_low_ns: per_byte_low,
             seek_ns: if weight > 0.0 { sum / weight } else { 0.0 },
             seek_by_bucket,
         }

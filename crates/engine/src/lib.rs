@@ -33,6 +33,7 @@ pub mod clock;
 mod codec;
 mod commit;
 pub mod cost;
+mod fillhits;
 pub mod format;
 pub mod guard;
 mod health;

@@ -336,6 +336,8 @@ pub struct Backing {
     pub(crate) cost: Mutex<crate::cost::CostModel>,
     /// Read misses so far (the miss fill's exploration alternates on it).
     pub(crate) misses: AtomicU64,
+    /// How many of the blocks miss fills brought in were read later (the fill's benefit).
+    pub(crate) fill_hits: crate::fillhits::FillHits,
 }
 
 impl Backing {
@@ -988,6 +990,7 @@ impl CacheSet {
             writeback_error: Mutex::new(None),
             cost: Mutex::new(crate::cost::CostModel::new(dev_rotational)),
             misses: AtomicU64::new(0),
+            fill_hits: crate::fillhits::FillHits::default(),
         });
         if dirty > 0 {
             backing.set_state(BackingState::Dirty)?;

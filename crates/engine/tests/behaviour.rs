@@ -88,7 +88,8 @@ fn dirty_data_survives_crash_and_is_written_back() {
 
 #[test]
 fn sequential_streams_bypass_past_the_cutoff_even_interleaved() {
-    // An odd seed: the backing device is not rotational, so there is no miss fill.
+    // Whether a miss fills its neighbours is the cost model's call; the cutoff decides alone
+    // which requests bypass, and what may be cached.
     let rig = Rig::new(41, Geometry::default(), CacheMode::Writethrough);
     let vol = rig.vol();
     vol.set_sequential_cutoff(64 << 10).unwrap();
@@ -100,8 +101,8 @@ fn sequential_streams_bypass_past_the_cutoff_even_interleaved() {
         vol.read((1 << 20) + i * chunk as u64, &mut buf).unwrap();
     }
     let s = vol.status().stats.total;
-    // The first 64 KiB of each stream (4 requests) is cached, the rest bypasses.
-    assert_eq!(s.cache_misses, 8);
+    // The first 64 KiB of each stream (4 requests) goes through the cache, the rest bypasses.
+    assert_eq!(s.cache_misses + s.cache_hits, 8);
     assert_eq!(s.cache_bypass_misses, 24);
     assert_eq!(s.bypassed, 24 * chunk as u64);
     assert_eq!(
@@ -117,7 +118,9 @@ fn sequential_streams_bypass_past_the_cutoff_even_interleaved() {
     for i in 16..24u64 {
         vol.read(i * chunk as u64, &mut buf).unwrap();
     }
-    assert_eq!(vol.status().stats.total.cache_misses, 16);
+    let t = vol.status().stats.total;
+    assert_eq!(t.cache_misses + t.cache_hits, 16);
+    assert_eq!(t.cache_bypass_misses, 24);
 }
 
 /// A backing device whose reads can be held at a barrier, to put a write inside a miss.
@@ -596,7 +599,8 @@ fn writeback_keeps_to_a_trickle_while_a_client_streams_on_the_disk() {
 
 #[test]
 fn sequential_reads_past_the_cutoff_are_read_ahead() {
-    // An odd seed: no miss fill, so only readahead batches backing reads.
+    // An odd seed: a backing device that does not report itself rotational and costs nothing
+    // to position on, so the cost model keeps the miss fill small and readahead batches reads.
     let mut rig = Rig::new(45, Geometry::default(), CacheMode::Writethrough);
     let d = data(3, 0, 1 << 20);
     rig.backing.write_at(&d, 8192).unwrap();
@@ -928,29 +932,29 @@ fn concurrent_flushes_share_a_commit_and_wait_for_at_most_two() {
     let l = set.layout().clone();
     *cache.journal.lock().unwrap() = l.journal_off..l.journal_off + l.journal_len;
     let (threads, rounds) = (8u64, 10u64);
-    let most = std::thread::scope(|s| {
+    // Records counted around each flush, per flush.
+    let waits: Vec<u64> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
             .map(|t| {
                 let (vol, cache) = (vol.clone(), cache.clone());
                 s.spawn(move || {
-                    let mut most = 0;
+                    let mut waits = Vec::new();
                     for i in 0..rounds {
                         let at = (t * rounds + i) * 4096;
                         vol.write(at, &data(t * rounds + i + 1, at / 512, 4096), false)
                             .unwrap();
                         let before = cache.records.load(SeqCst);
                         vol.flush().unwrap();
-                        most = most.max(cache.records.load(SeqCst) - before);
+                        waits.push(cache.records.load(SeqCst) - before);
                     }
-                    most
+                    waits
                 })
             })
             .collect();
         workers
             .into_iter()
-            .map(|w| w.join().unwrap())
-            .max()
-            .unwrap()
+            .flat_map(|w| w.join().unwrap())
+            .collect()
     });
     let records = cache.records.load(SeqCst);
     assert!(
@@ -958,12 +962,23 @@ fn concurrent_flushes_share_a_commit_and_wait_for_at_most_two() {
         "{records} records for {} flushes: none shared",
         threads * rounds
     );
-    // The count starts before `flush` is called, so besides the record being written when the
-    // flush arrived and the one that covers it, a third one can count: one whose write was
-    // still under way when the count began (it ends before the flush arrives, and the next
-    // record was started before the flush read its target). One record per waiter (the old
-    // lock queue: 9 to 10 here) fails. A clean-clone CI run saw 3 once with a bound of 2.
-    assert!(most <= 3, "a flush waited for {most} records");
+    // The count starts before `flush` is called and ends after it returned, so besides the
+    // record being written when the flush arrived and the one that covers it, others can
+    // count: one whose write was under way when the count began, and any that a thread
+    // preempted between the count and the call (or the return and the count) lets pass, which
+    // a loaded CI machine does (a clean-clone run saw 3 once, and 4 once). So: nearly every
+    // flush counts at most 3, and none counts one per waiter (the old lock queue: 9 to 10).
+    let most = waits.iter().max().copied().unwrap_or(0);
+    let over = waits.iter().filter(|&&w| w > 3).count();
+    assert!(
+        over * 20 <= waits.len(),
+        "{over} of {} flushes counted more than 3 records: {waits:?}",
+        waits.len()
+    );
+    assert!(
+        most < threads,
+        "a flush waited for {most} records: {waits:?}"
+    );
     // Everything flushed reads back.
     let mut buf = vec![0u8; 4096];
     for n in 0..threads * rounds {
@@ -1019,10 +1034,14 @@ fn a_backing_device_that_grew_is_served_whole_live_and_after_a_restart() {
     assert!(buf == d, "the data written past the old end survived");
 }
 
-/// Cold 4 KiB reads at pseudo-random blocks of a `backing` device; returns the bytes the
-/// cache holds around a last miss after `warm` misses (the miss-fill window it got).
-fn fill_after_warmup(backing: Arc<dyn BlockDevice>, warm: u64) -> (u64, engine::DevStatus) {
-    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(32 << 20));
+/// Cold 4 KiB reads at pseudo-random blocks of a `backing` device cached on `cache`; returns
+/// the bytes the cache holds around a last miss after `warm` misses (the miss-fill window it
+/// got).
+fn fill_after_warmup(
+    cache: Arc<dyn BlockDevice>,
+    backing: Arc<dyn BlockDevice>,
+    warm: u64,
+) -> (u64, engine::DevStatus) {
     let (_set, vol) = format_and_open(cache, backing, CacheMode::Writethrough, no_threads());
     let blocks = vol.size_bytes() / 4096;
     let mut buf = vec![0u8; 4096];
@@ -1067,7 +1086,7 @@ fn a_seek_bound_disk_that_is_not_reported_rotational_gets_a_miss_fill() {
     let hdd = LatencyDevice::new(MemDevice::new(64 << 20), Model::Hdd(HddModel::default()))
         .with_rotational(false);
     assert!(!hdd.is_rotational());
-    let (filled, st) = fill_after_warmup(Arc::new(hdd), 60);
+    let (filled, st) = fill_after_warmup(Arc::new(MemDevice::new(32 << 20)), Arc::new(hdd), 60);
     let e = st.cost.read;
     assert!(e.learned, "{e:?}");
     assert!(
@@ -1081,10 +1100,11 @@ fn a_seek_bound_disk_that_is_not_reported_rotational_gets_a_miss_fill() {
 }
 
 #[test]
-fn a_flat_latency_device_gets_no_miss_fill() {
+fn a_device_no_slower_than_the_cache_gets_no_miss_fill() {
     use blockdev::latency::{LatencyDevice, Model, SsdModel};
-    let ssd = LatencyDevice::new(MemDevice::new(64 << 20), Model::Ssd(SsdModel::default()));
-    let (filled, st) = fill_after_warmup(Arc::new(ssd), 60);
+    let flash = || LatencyDevice::new(MemDevice::new(64 << 20), Model::Ssd(SsdModel::default()));
+    // A hit on a filled block would cost what the miss it saves costs.
+    let (filled, st) = fill_after_warmup(Arc::new(flash()), Arc::new(flash()), 60);
     let e = st.cost.read;
     assert!(e.learned, "{e:?}");
     assert_eq!(filled, 4096, "only the block read ({e:?})");

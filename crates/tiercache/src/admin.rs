@@ -163,6 +163,7 @@ pub fn cost_json(c: &engine::DevCost) -> Value {
             "samples": e.samples,
             "fixed_us": round(e.fixed_ns / 1e3),
             "ns_per_byte": e.per_byte_ns.map(|p| (p * 1e4).round() / 1e4),
+            "ns_per_byte_low": e.per_byte_low_ns.map(|p| (p * 1e4).round() / 1e4),
             "seek_us": round(e.seek_ns / 1e3),
             "seek_by_distance": buckets,
         })

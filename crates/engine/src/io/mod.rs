@@ -285,14 +285,22 @@ impl Volume {
     }
 
     /// Whether requests of `kind` should avoid the cache device now (it is slower than its
-    /// congestion threshold; see `cachedev`); counted when they do.
+    /// congestion threshold and than the backing device's model expects the request to take
+    /// there; see `cachedev`); counted when they do.
     fn cache_congested(&self, kind: crate::cachedev::Kind, len: u64) -> bool {
         let c = &self.inner.config;
         let threshold = match kind {
             crate::cachedev::Kind::Read => c.congested_read_threshold_us,
             _ => c.congested_write_threshold_us,
         };
-        let congested = self.inner.cache.congested(kind, threshold, len);
+        let congested = self.inner.cache.congested(kind, threshold, len, || {
+            let op = match kind {
+                crate::cachedev::Kind::Read => crate::cost::Op::Read,
+                _ => crate::cost::Op::Write,
+            };
+            let e = self.backing.cost.lock().estimate(op);
+            (e.fixed_ns + e.seek_ns + e.per_byte_ns.unwrap_or(0.0) * len as f64) as u64
+        });
         if congested {
             Counters::add(&self.backing.counters.congested, 1);
         }

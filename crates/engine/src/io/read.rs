@@ -98,12 +98,8 @@ impl Volume {
             return r;
         }
         let cache_use = self.backing.cache_use();
-        let mut bypass = cache_use.detaching()
+        let bypass = cache_use.detaching()
             || !crate::policy::admit_read(self.mode(), self.seq_bypass(stream));
-        if !bypass && self.cache_congested(Kind::Write, buf.len() as u64) {
-            // Promoting would wait on the slow cache device: the miss is served alone.
-            bypass = true;
-        }
         let len = buf.len() as u64;
         let read = if bypass && stream > len && stream >= READAHEAD_AFTER_BYTES {
             Read::Ahead
@@ -141,7 +137,7 @@ impl Volume {
     }
 
     fn read_inner(&self, offset: u64, buf: &mut [u8], read: Read) -> Result<()> {
-        let bypass = matches!(read, Read::Bypass | Read::Ahead);
+        let mut bypass = matches!(read, Read::Bypass | Read::Ahead);
         let prefetch = read == Read::Prefetch;
         let inner = &*self.inner;
         let dev = self.backing.id;
@@ -164,6 +160,15 @@ impl Volume {
             loop {
                 let mut st = inner.state.lock();
                 let segs = st.index.lookup(dev, b0, b1);
+                if !bypass
+                    && !prefetch
+                    && segs.iter().any(|s| s.ext.is_none())
+                    && self.cache_congested(Kind::Write, buf.len() as u64)
+                {
+                    // Promoting would wait on the slow cache device: the miss is served
+                    // alone (cached pieces still come from the cache).
+                    bypass = true;
+                }
                 let miss = !bypass && segs.iter().any(|s| s.ext.is_none());
                 // A miss wholly inside a promotion in flight (concurrent readers of one window,
                 // e.g. a sequential stream at queue depth > 1) waits for it, then reads the
@@ -216,6 +221,13 @@ impl Volume {
             }
         };
         let hit = segs.iter().all(|s| s.ext.is_some());
+        if !prefetch {
+            for s in segs.iter().filter(|s| s.ext.is_some()) {
+                self.backing
+                    .fill_hits
+                    .note_read(s.block.0, s.block.0 + s.len);
+            }
+        }
         // Uncached blocks next to a miss come along, in offset order; a request that is one
         // hole is read together with them in a single backing read (one seek, even when other
         // requests are queued on the disk).
@@ -330,6 +342,9 @@ impl Volume {
             }
         }
         if let Some(id) = promo {
+            let ((p0, _), (s0, s1)) = around;
+            self.backing.fill_hits.note_filled(p0.0, b0.0);
+            self.backing.fill_hits.note_filled(s0.0, s1.0);
             self.promote(id, fills);
         }
         Ok(())
@@ -398,7 +413,13 @@ impl Volume {
             .misses
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let est = self.backing.cost.lock().estimate(crate::cost::Op::Read);
-        let window = crate::policy::miss_fill_window(&est, bs, miss_no);
+        let window = crate::policy::miss_fill_window(
+            &est,
+            &self.inner.cache.fill_costs(),
+            self.backing.fill_hits.ratio(),
+            bs,
+            miss_no,
+        );
         if window <= 1 {
             return ((b0, b0), (b1, b1));
         }
