@@ -19,7 +19,7 @@
 
 use crate::guard::Throttled;
 use crate::journal::Entry;
-use crate::policy::{writeback_rate, WritebackInputs, WritebackRate};
+use crate::policy::{writeback_rate, WritebackDecision, WritebackInputs, WritebackRate};
 use crate::set::Inner;
 use crate::space::read_verified;
 use crate::stats::Counters;
@@ -113,16 +113,40 @@ pub fn writeback_batch(inner: &Inner, force: bool, only: Option<DevId>) -> Resul
     Ok(writeback_pass(inner, force, only)?.0)
 }
 
+/// The policy's inputs for one device now.
+fn inputs(inner: &Inner, st: &crate::set::State, b: &crate::set::Backing) -> WritebackInputs {
+    let now = inner.now_ns();
+    WritebackInputs {
+        running: b.writeback_running.load(Ordering::Relaxed),
+        detaching: b.detaching.load(Ordering::Relaxed),
+        dirty_blocks: st.index.dev_dirty_blocks(b.id),
+        total_blocks: u64::from(inner.layout.total_blocks()),
+        writeback_percent: b.writeback_percent.load(Ordering::Relaxed),
+        dirty_max_pct: u64::from(inner.config.dirty_max_pct),
+        dirty_age_ns: now.saturating_sub(b.dirty_since_ns.load(Ordering::Relaxed)),
+        delay_ns: b
+            .writeback_delay_secs
+            .load(Ordering::Relaxed)
+            .saturating_mul(1_000_000_000),
+        backing_quiet_ns: now.saturating_sub(b.client_backing_ns.load(Ordering::Relaxed)),
+        stream_quiet_ns: match b.client_stream_ns.load(Ordering::Relaxed) {
+            0 => u64::MAX,
+            t => now.saturating_sub(t),
+        },
+    }
+}
+
 /// The rate of every attached device (restricted to `only`) that has writeback to do.
+/// `step` advances each device's rate controller to now (the writeback pass does; status
+/// and the writeback thread's pacing only read it).
 fn device_rates(
     inner: &Inner,
     st: &crate::set::State,
     backings: &[Arc<crate::set::Backing>],
     force: bool,
+    step: bool,
     only: Option<DevId>,
 ) -> Vec<(DevId, WritebackRate)> {
-    let now = inner.now_ns();
-    let total = u64::from(inner.layout.total_blocks());
     backings
         .iter()
         .filter(|b| only.is_none_or(|d| d == b.id))
@@ -130,30 +154,29 @@ fn device_rates(
             let rate = if force {
                 WritebackRate::Full
             } else {
-                writeback_rate(&WritebackInputs {
-                    running: b.writeback_running.load(Ordering::Relaxed),
-                    detaching: b.detaching.load(Ordering::Relaxed),
-                    dirty_blocks: st.index.dev_dirty_blocks(b.id),
-                    total_blocks: total,
-                    writeback_percent: b.writeback_percent.load(Ordering::Relaxed),
-                    dirty_max_pct: u64::from(inner.config.dirty_max_pct),
-                    dirty_age_ns: now.saturating_sub(b.dirty_since_ns.load(Ordering::Relaxed)),
-                    delay_ns: b
-                        .writeback_delay_secs
-                        .load(Ordering::Relaxed)
-                        .saturating_mul(1_000_000_000),
-                    backing_quiet_ns: now
-                        .saturating_sub(b.client_backing_ns.load(Ordering::Relaxed)),
-                    stream_quiet_ns: match b.client_stream_ns.load(Ordering::Relaxed) {
-                        0 => u64::MAX,
-                        t => now.saturating_sub(t),
-                    },
-                })
+                device_decision(inner, st, b, step).rate
             };
             (b.id, rate)
         })
         .filter(|(_, r)| *r != WritebackRate::Idle)
         .collect()
+}
+
+/// The writeback decision for one device, with its controller terms; `step` advances the
+/// controller to now.
+fn device_decision(
+    inner: &Inner,
+    st: &crate::set::State,
+    b: &crate::set::Backing,
+    step: bool,
+) -> WritebackDecision {
+    let i = inputs(inner, st, b);
+    let mut pi = b.writeback_pi.lock();
+    if step {
+        pi.step(&i, inner.now_ns())
+    } else {
+        writeback_rate(&i, &pi)
+    }
 }
 
 fn strongest(rates: &[(DevId, WritebackRate)]) -> WritebackRate {
@@ -164,19 +187,18 @@ fn strongest(rates: &[(DevId, WritebackRate)]) -> WritebackRate {
         .unwrap_or(WritebackRate::Idle)
 }
 
-/// The writeback rate that applies to one device now (for its status).
-pub(crate) fn device_rate(inner: &Inner, b: &Arc<crate::set::Backing>) -> WritebackRate {
+/// The writeback decision that applies to one device now, with its controller terms (for
+/// its status; it does not step the controller).
+pub(crate) fn device_rate(inner: &Inner, b: &crate::set::Backing) -> WritebackDecision {
     let st = inner.state.lock();
-    device_rates(inner, &st, std::slice::from_ref(b), false, None)
-        .first()
-        .map_or(WritebackRate::Idle, |(_, r)| *r)
+    device_decision(inner, &st, b, false)
 }
 
 /// The strongest writeback rate that applies now, without writing anything back.
 pub(crate) fn current_rate(inner: &Inner) -> WritebackRate {
     let backings: Vec<_> = inner.backings.read().values().cloned().collect();
     let st = inner.state.lock();
-    strongest(&device_rates(inner, &st, &backings, false, None))
+    strongest(&device_rates(inner, &st, &backings, false, false, None))
 }
 
 /// Like `writeback_batch`, also returning the strongest rate that applied.
@@ -213,7 +235,7 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
     let backings: Vec<_> = inner.backings.read().values().cloned().collect();
     let (rates, entries) = {
         let mut st = inner.state.lock();
-        let rates = device_rates(inner, &st, &backings, force, only);
+        let rates = device_rates(inner, &st, &backings, force, true, only);
         let best = strongest(&rates);
         if best == WritebackRate::Idle {
             return Ok(Pass {
