@@ -338,6 +338,9 @@ pub struct Backing {
     pub(crate) misses: AtomicU64,
     /// How many of the blocks miss fills brought in were read later (the fill's benefit).
     pub(crate) fill_hits: crate::fillhits::FillHits,
+    /// The writeback rate controller (see `policy::WritebackPi`): stepped by writeback
+    /// passes, read by status. A leaf lock.
+    pub(crate) writeback_pi: Mutex<crate::policy::WritebackPi>,
 }
 
 impl Backing {
@@ -527,6 +530,10 @@ pub struct DevStatus {
     pub state: &'static str,
     /// How hard writeback works on the device right now (bcache's writeback_rate).
     pub writeback: crate::policy::WritebackRate,
+    /// The rate controller behind it: target, error, proportional and integral terms.
+    pub writeback_control: crate::policy::WritebackDecision,
+    /// The controller's target in bytes (`writeback_percent` of the cache).
+    pub writeback_target_bytes: u64,
     /// The last writeback failure on this device while it keeps failing (the dirty data
     /// stays dirty and is retried with backoff): what failed, since when (Unix seconds), and
     /// how many passes failed in a row.
@@ -991,6 +998,7 @@ impl CacheSet {
             cost: Mutex::new(crate::cost::CostModel::new(dev_rotational)),
             misses: AtomicU64::new(0),
             fill_hits: crate::fillhits::FillHits::default(),
+            writeback_pi: Mutex::new(crate::policy::WritebackPi::default()),
         });
         if dirty > 0 {
             backing.set_state(BackingState::Dirty)?;

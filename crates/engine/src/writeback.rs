@@ -13,13 +13,19 @@
 //!   pass wrote it back and released the lock but before it marked it clean (the moved copy
 //!   stays dirty): so a pass that cleans nothing has not necessarily failed, and
 //!   `drain_dirty` fails only on dirty data it could not read;
+//! - a run may bridge a gap between dirty pieces with the cache's clean copies of the gap
+//!   (`plan_runs`, when the write cost model says the transfer costs less than another
+//!   positioning): under the run's range lock a clean copy holds what the backing device
+//!   holds, so writing it changes nothing there; only dirty pieces are marked clean, and a
+//!   piece evicted or unreadable since splits the write instead;
+//! - batches are swept in backing order, on from where the previous sweep ended (C-SCAN);
 //! - a pass keeps its pins until its pieces are marked clean (see `Pins`);
 //! - a pass handles at most `WRITEBACK_BATCH_BYTES`, and a refill of the pool visits only
 //!   buckets holding dirty data, so one step takes bounded time.
 
 use crate::guard::Throttled;
 use crate::journal::Entry;
-use crate::policy::{writeback_rate, WritebackInputs, WritebackRate};
+use crate::policy::{writeback_rate, WritebackDecision, WritebackInputs, WritebackRate};
 use crate::set::Inner;
 use crate::space::read_verified;
 use crate::stats::Counters;
@@ -43,13 +49,17 @@ pub(crate) const WRITEBACK_SHARE_SLEEP_MAX: Duration = Duration::from_millis(100
 /// Dirty blocks collected for writeback, sorted by backing position: a pass takes the next
 /// ones in that order (an elevator sweep over what the pool holds), and an exhausted pool is
 /// refilled from the buckets holding dirty data, in cache order from where the last refill
-/// stopped. So a pass costs what it writes back plus, once per `WRITEBACK_POOL_BLOCKS`
-/// blocks, a refill that visits only dirty buckets: never a scan of the whole cache.
+/// stopped, and swept from where the previous sweep ended (one direction, wrapping once, as
+/// C-SCAN does), so a refill does not send the head back to the start of the disk. So a pass
+/// costs what it writes back plus, once per `WRITEBACK_POOL_BLOCKS` blocks, a refill that
+/// visits only dirty buckets: never a scan of the whole cache.
 #[derive(Default)]
 pub(crate) struct WritebackPool {
     pool: Vec<(DevId, BackingBlock, crate::index::Extent)>,
     pos: usize,
     cursor: Bucket,
+    /// Where the last block taken ended (the sweep goes on from there).
+    head: Option<(DevId, BackingBlock)>,
 }
 
 /// Most dirty blocks one refill of the writeback pool collects (bounded work under the state
@@ -80,6 +90,7 @@ impl WritebackPool {
                     continue;
                 }
                 out.push((d, s, e));
+                self.head = Some((d, s + u64::from(e.len)));
                 taken += u64::from(e.len);
             }
             if taken >= budget || refilled {
@@ -87,6 +98,10 @@ impl WritebackPool {
             }
             self.pool = index.dirty_runs(&mut self.cursor, WRITEBACK_POOL_BLOCKS, only);
             self.pool.sort_unstable_by_key(|(d, s, _)| (*d, *s));
+            if let Some(head) = self.head {
+                let ahead = self.pool.partition_point(|(d, s, _)| (*d, *s) < head);
+                self.pool.rotate_left(ahead);
+            }
             self.pos = 0;
             refilled = true;
         }
@@ -113,16 +128,40 @@ pub fn writeback_batch(inner: &Inner, force: bool, only: Option<DevId>) -> Resul
     Ok(writeback_pass(inner, force, only)?.0)
 }
 
+/// The policy's inputs for one device now.
+fn inputs(inner: &Inner, st: &crate::set::State, b: &crate::set::Backing) -> WritebackInputs {
+    let now = inner.now_ns();
+    WritebackInputs {
+        running: b.writeback_running.load(Ordering::Relaxed),
+        detaching: b.detaching.load(Ordering::Relaxed),
+        dirty_blocks: st.index.dev_dirty_blocks(b.id),
+        total_blocks: u64::from(inner.layout.total_blocks()),
+        writeback_percent: b.writeback_percent.load(Ordering::Relaxed),
+        dirty_max_pct: u64::from(inner.config.dirty_max_pct),
+        dirty_age_ns: now.saturating_sub(b.dirty_since_ns.load(Ordering::Relaxed)),
+        delay_ns: b
+            .writeback_delay_secs
+            .load(Ordering::Relaxed)
+            .saturating_mul(1_000_000_000),
+        backing_quiet_ns: now.saturating_sub(b.client_backing_ns.load(Ordering::Relaxed)),
+        stream_quiet_ns: match b.client_stream_ns.load(Ordering::Relaxed) {
+            0 => u64::MAX,
+            t => now.saturating_sub(t),
+        },
+    }
+}
+
 /// The rate of every attached device (restricted to `only`) that has writeback to do.
+/// `step` advances each device's rate controller to now (the writeback pass does; status
+/// and the writeback thread's pacing only read it).
 fn device_rates(
     inner: &Inner,
     st: &crate::set::State,
     backings: &[Arc<crate::set::Backing>],
     force: bool,
+    step: bool,
     only: Option<DevId>,
 ) -> Vec<(DevId, WritebackRate)> {
-    let now = inner.now_ns();
-    let total = u64::from(inner.layout.total_blocks());
     backings
         .iter()
         .filter(|b| only.is_none_or(|d| d == b.id))
@@ -130,30 +169,29 @@ fn device_rates(
             let rate = if force {
                 WritebackRate::Full
             } else {
-                writeback_rate(&WritebackInputs {
-                    running: b.writeback_running.load(Ordering::Relaxed),
-                    detaching: b.detaching.load(Ordering::Relaxed),
-                    dirty_blocks: st.index.dev_dirty_blocks(b.id),
-                    total_blocks: total,
-                    writeback_percent: b.writeback_percent.load(Ordering::Relaxed),
-                    dirty_max_pct: u64::from(inner.config.dirty_max_pct),
-                    dirty_age_ns: now.saturating_sub(b.dirty_since_ns.load(Ordering::Relaxed)),
-                    delay_ns: b
-                        .writeback_delay_secs
-                        .load(Ordering::Relaxed)
-                        .saturating_mul(1_000_000_000),
-                    backing_quiet_ns: now
-                        .saturating_sub(b.client_backing_ns.load(Ordering::Relaxed)),
-                    stream_quiet_ns: match b.client_stream_ns.load(Ordering::Relaxed) {
-                        0 => u64::MAX,
-                        t => now.saturating_sub(t),
-                    },
-                })
+                device_decision(inner, st, b, step).rate
             };
             (b.id, rate)
         })
         .filter(|(_, r)| *r != WritebackRate::Idle)
         .collect()
+}
+
+/// The writeback decision for one device, with its controller terms; `step` advances the
+/// controller to now.
+fn device_decision(
+    inner: &Inner,
+    st: &crate::set::State,
+    b: &crate::set::Backing,
+    step: bool,
+) -> WritebackDecision {
+    let i = inputs(inner, st, b);
+    let mut pi = b.writeback_pi.lock();
+    if step {
+        pi.step(&i, inner.now_ns())
+    } else {
+        writeback_rate(&i, &pi)
+    }
 }
 
 fn strongest(rates: &[(DevId, WritebackRate)]) -> WritebackRate {
@@ -164,19 +202,18 @@ fn strongest(rates: &[(DevId, WritebackRate)]) -> WritebackRate {
         .unwrap_or(WritebackRate::Idle)
 }
 
-/// The writeback rate that applies to one device now (for its status).
-pub(crate) fn device_rate(inner: &Inner, b: &Arc<crate::set::Backing>) -> WritebackRate {
+/// The writeback decision that applies to one device now, with its controller terms (for
+/// its status; it does not step the controller).
+pub(crate) fn device_rate(inner: &Inner, b: &crate::set::Backing) -> WritebackDecision {
     let st = inner.state.lock();
-    device_rates(inner, &st, std::slice::from_ref(b), false, None)
-        .first()
-        .map_or(WritebackRate::Idle, |(_, r)| *r)
+    device_decision(inner, &st, b, false)
 }
 
 /// The strongest writeback rate that applies now, without writing anything back.
 pub(crate) fn current_rate(inner: &Inner) -> WritebackRate {
     let backings: Vec<_> = inner.backings.read().values().cloned().collect();
     let st = inner.state.lock();
-    strongest(&device_rates(inner, &st, &backings, false, None))
+    strongest(&device_rates(inner, &st, &backings, false, false, None))
 }
 
 /// Like `writeback_batch`, also returning the strongest rate that applied.
@@ -211,9 +248,15 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
     }
     let bs = inner.block_size();
     let backings: Vec<_> = inner.backings.read().values().cloned().collect();
-    let (rates, entries) = {
+    // Each device's write cost model, for bridging gaps (taken before the state lock).
+    let write_costs: Vec<(DevId, crate::cost::CostEstimate)> = backings
+        .iter()
+        .filter(|b| only.is_none_or(|d| d == b.id))
+        .map(|b| (b.id, b.cost.lock().estimate(crate::cost::Op::Write)))
+        .collect();
+    let (rates, collected, runs) = {
         let mut st = inner.state.lock();
-        let rates = device_rates(inner, &st, &backings, force, only);
+        let rates = device_rates(inner, &st, &backings, force, true, only);
         let best = strongest(&rates);
         if best == WritebackRate::Idle {
             return Ok(Pass {
@@ -232,28 +275,21 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
         let entries = st
             .writeback
             .next_batch(&st.index, budget, only, |d| rates.iter().any(|r| r.0 == d));
-        (rates, entries)
+        let collected = entries.iter().map(|(_, _, e)| u64::from(e.len)).sum();
+        let index = &st.index;
+        let runs = plan_runs(entries, bs, |d, from, to| {
+            write_costs
+                .iter()
+                .any(|(c, est)| *c == d && crate::policy::span_holes(est, 2, (to - from) * bs))
+                && index
+                    .lookup(d, from, to)
+                    .iter()
+                    .all(|seg| seg.ext.is_some())
+        });
+        (rates, collected, runs)
     };
     let best = strongest(&rates);
-    let collected = entries.iter().map(|(_, _, e)| u64::from(e.len)).sum();
     let mut unreadable = 0;
-    // Merge backing-contiguous neighbours into runs.
-    let mut runs: Vec<Vec<(DevId, BackingBlock, crate::index::Extent)>> = Vec::new();
-    for x in entries {
-        match runs.last_mut() {
-            Some(run)
-                if {
-                    let (d, s, e) = run.last().unwrap();
-                    *d == x.0
-                        && *s + u64::from(e.len) == x.1
-                        && (x.1 + u64::from(x.2.len) - run[0].1) * bs <= WRITEBACK_RUN_BYTES
-                } =>
-            {
-                run.push(x)
-            }
-            _ => runs.push(vec![x]),
-        }
-    }
     let mut written = Vec::new();
     let mut touched = BTreeSet::new();
     let mut pins = Pins(Vec::new(), inner);
@@ -287,21 +323,19 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
             run.last().map(|(_, s, e)| *s + u64::from(e.len)).unwrap(),
         );
         let _g = inner.ranges.lock(dev, r0, r1);
-        // The current dirty copies of the run's blocks, pinned: GC may have moved a piece to
+        // The current copies of the run's blocks, pinned: GC may have moved a piece to
         // other cache blocks since it was collected (it held the range lock meanwhile), and
-        // writes may have cleaned, dropped or replaced pieces.
+        // writes may have cleaned, dropped or replaced pieces. Dirty copies are written back;
+        // clean ones (only in the gaps of a bridged run: the rest of a run was dirty) hold what
+        // the backing device holds and are written only to join their neighbours into one
+        // write; a hole (evicted since) splits the write.
         let live: Vec<_> = {
             let mut st = inner.state.lock();
-            let live: Vec<_> = run
-                .iter()
-                .flat_map(|&(d, s, e)| {
-                    st.index
-                        .lookup(d, s, s + u64::from(e.len))
-                        .into_iter()
-                        .filter_map(move |seg| {
-                            seg.ext.filter(|x| x.dirty).map(|x| (d, seg.block, x))
-                        })
-                })
+            let live: Vec<_> = st
+                .index
+                .lookup(dev, r0, r1)
+                .into_iter()
+                .filter_map(|seg| seg.ext.map(|x| (dev, seg.block, x)))
                 .collect();
             for (_, _, e) in &live {
                 let b = st.index.bucket_of(e.cache_block);
@@ -327,9 +361,14 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
                             pending = Some((s.offset(bs), data));
                         }
                     }
-                    ok_pieces.push((d, s, e));
+                    if e.dirty {
+                        ok_pieces.push((d, s, e));
+                    }
                 }
                 Ok(None) => {}
+                // A clean gap piece that cannot be read splits the write (the cache device's
+                // wrapper counted the error); it holds nothing to write back.
+                Err(_) if !e.dirty => {}
                 Err(err) => {
                     static LOG: Throttled = Throttled::new();
                     LOG.log(
@@ -412,6 +451,38 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
     })
 }
 
+/// One backing range a pass writes: the batch's dirty pieces in it, sorted.
+type Run = Vec<(DevId, BackingBlock, crate::index::Extent)>;
+
+/// Groups a batch's dirty pieces (sorted by device and block) into runs of at most
+/// `WRITEBACK_RUN_BYTES`, each locked as one range and written with as few backing writes as
+/// its cached blocks allow. A piece joins the run before it when it continues it, or when
+/// `bridge(dev, from, to)` says the gap between them is worth writing too: the cache holds
+/// all of it (clean copies are what the backing device holds) and the device's write cost
+/// model says transferring it costs less than the positioning another write would pay.
+fn plan_runs(
+    entries: Run,
+    bs: u64,
+    bridge: impl Fn(DevId, BackingBlock, BackingBlock) -> bool,
+) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    for x in entries {
+        let joins = runs.last().is_some_and(|run| {
+            let (d, s, e) = run.last().expect("runs are not empty");
+            let end = *s + u64::from(e.len);
+            *d == x.0
+                && end <= x.1
+                && (x.1 + u64::from(x.2.len) - run[0].1) * bs <= WRITEBACK_RUN_BYTES
+                && (end == x.1 || bridge(*d, end, x.1))
+        });
+        match runs.last_mut() {
+            Some(run) if joins => run.push(x),
+            _ => runs.push(vec![x]),
+        }
+    }
+    runs
+}
+
 fn write_backing(b: &crate::set::Backing, at: u64, buf: &[u8]) -> Result<()> {
     let abs = b.data_offset() + at;
     let r = b
@@ -470,4 +541,81 @@ pub fn drain_dirty(inner: &Inner, dev: DevId, progress: &mut dyn FnMut(u64, u64)
     }
     let mut c = inner.commit_lock.lock();
     inner.commit_locked(&mut c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::{Extent, Index};
+
+    #[test]
+    fn a_refilled_pool_sweeps_on_from_where_the_last_sweep_ended() {
+        // 16 buckets of 4 blocks; dirty blocks scattered over the backing device, in a cache
+        // order unlike their backing order.
+        let mut ix = Index::new(16, 4);
+        let d = DevId(0);
+        let at = [900u64, 100, 500, 300, 700, 200, 800, 400];
+        for (i, &b) in at.iter().enumerate() {
+            let ext = Extent {
+                len: 1,
+                cache_block: CacheBlock(i as u32 * 4),
+                dirty: true,
+            };
+            ix.insert(d, BackingBlock(b), ext, &[0]);
+        }
+        let mut pool = WritebackPool::default();
+        let blocks = |v: Vec<(DevId, BackingBlock, Extent)>| -> Vec<u64> {
+            v.iter().map(|x| x.1 .0).collect()
+        };
+        // The first pool sweeps up from the lowest block.
+        assert_eq!(
+            blocks(pool.next_batch(&ix, 3, None, |_| true)),
+            [100, 200, 300]
+        );
+        // The pool used up with the sweep ended at 501: the refill (the same blocks, still
+        // dirty) sweeps on from there and wraps to the start once.
+        pool.pos = pool.pool.len();
+        pool.head = Some((d, BackingBlock(501)));
+        assert_eq!(
+            blocks(pool.next_batch(&ix, 8, None, |_| true)),
+            [700, 800, 900, 100, 200, 300, 400, 500]
+        );
+    }
+
+    #[test]
+    fn runs_join_neighbours_and_bridge_only_what_the_bridge_allows_up_to_the_bound() {
+        let piece = |d: u32, b: u64| {
+            (
+                DevId(d),
+                BackingBlock(b),
+                Extent {
+                    len: 1,
+                    cache_block: CacheBlock(0),
+                    dirty: true,
+                },
+            )
+        };
+        let entries = vec![
+            piece(0, 0),
+            piece(0, 1),   // continues
+            piece(0, 4),   // a gap of 3 the bridge allows
+            piece(0, 10),  // a gap of 5 it does not
+            piece(0, 300), // past 1 MiB from the run's start at 10 (4 KiB blocks)
+            piece(0, 302), // a gap of 1 it allows
+            piece(1, 303), // another device
+        ];
+        let runs = plan_runs(entries, 4096, |d, from, to| {
+            assert_eq!(d, DevId(0));
+            to.0 - from.0 <= 3
+        });
+        let starts: Vec<Vec<u64>> = runs
+            .iter()
+            .map(|r| r.iter().map(|x| x.1 .0).collect())
+            .collect();
+        assert_eq!(starts, [vec![0, 1, 4], vec![10], vec![300, 302], vec![303]]);
+        // Without bridging only contiguous pieces join, and never past the bound.
+        let long: Vec<_> = (0..300).map(|b| piece(0, b)).collect();
+        let runs = plan_runs(long, 4096, |_, _, _| panic!("no gap to bridge"));
+        assert_eq!(runs.iter().map(Vec::len).collect::<Vec<_>>(), [256, 44]);
+    }
 }

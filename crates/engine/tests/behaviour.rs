@@ -87,6 +87,52 @@ fn dirty_data_survives_crash_and_is_written_back() {
 }
 
 #[test]
+fn writeback_bridges_cached_gaps_on_a_seek_bound_disk() {
+    // An even seed: the backing device reports itself rotational, so its write cost model
+    // starts from the disk prior (positioning dwarfs 4 KiB of transfer).
+    let rig = Rig::new(2, Geometry::default(), CacheMode::Writeback);
+    let vol = rig.vol();
+    let base = 128u64 << 10;
+    // Random writes land in a region whose other blocks the cache holds clean (written and
+    // written back), and one more far away, past a gap the cache does not hold.
+    vol.write(base, &vec![7u8; 64 << 10], false).unwrap(); // dirty, then cleaned below
+    rig.set().writeback_step(true).unwrap();
+    let mut ones = Vec::new();
+    for i in (0..16u64).step_by(2) {
+        let d = data(100 + i, (base >> 9) + i * 8, 4096);
+        vol.write(base + i * 4096, &d, false).unwrap();
+        ones.push((base + i * 4096, d));
+    }
+    let far = data(200, 1 << 11, 4096);
+    vol.write(1 << 20, &far, false).unwrap();
+    ones.push((1 << 20, far));
+    assert_eq!(vol.status().dirty_bytes, 9 * 4096);
+    let writes = |v: &engine::Volume| v.status().cost.write.samples;
+    let before = writes(vol);
+    rig.set().writeback_step(true).unwrap();
+    assert_eq!(vol.status().dirty_bytes, 0);
+    // One write for the eight blocks and the clean gaps between them, one for the far one.
+    assert_eq!(writes(vol) - before, 2);
+    for (at, d) in &ones {
+        let mut raw = vec![0u8; 4096];
+        rig.backing
+            .read_at(&mut raw, engine::format::BACKING_DATA_OFFSET + at)
+            .unwrap();
+        assert_eq!(&raw, d, "at {at}");
+    }
+    let mut raw = vec![0u8; 4096];
+    rig.backing
+        .read_at(&mut raw, engine::format::BACKING_DATA_OFFSET + base + 4096)
+        .unwrap();
+    assert_eq!(raw, vec![7u8; 4096], "a bridged clean block keeps its data");
+    assert_eq!(
+        vol.status().stats.total.writeback_bytes,
+        (16 + 9) * 4096,
+        "clean blocks written to bridge gaps do not count as written back"
+    );
+}
+
+#[test]
 fn sequential_streams_bypass_past_the_cutoff_even_interleaved() {
     // Whether a miss fills its neighbours is the cost model's call; the cutoff decides alone
     // which requests bypass, and what may be cached.

@@ -239,6 +239,97 @@ fn crash_at_every_io_then_random_points() {
     );
 }
 
+/// Random 4 KiB writes, some with FUA, over a 64 KiB region the cache holds clean, with
+/// flushes and writeback passes between them: on a seek-bound backing device the passes write
+/// the dirty blocks and the clean gaps between them as one backing write (see
+/// `writeback::plan_runs`).
+fn bridged_ops(seed: u64) -> Vec<Op> {
+    let mut r = rng(seed ^ 0xb41d);
+    let region = 256; // sector of 128 KiB
+    let mut ops = vec![
+        Op::Write {
+            sector: region,
+            n: 128,
+            fua: false,
+        },
+        Op::Flush,
+        Op::Writeback,
+    ];
+    for _ in 0..4 {
+        for _ in 0..r.gen_range(3..8) {
+            ops.push(Op::Write {
+                sector: region + r.gen_range(0..16) * 8,
+                n: 8,
+                fua: r.gen_bool(0.2),
+            });
+        }
+        if r.gen_bool(0.6) {
+            ops.push(Op::Flush);
+        }
+        ops.push(Op::Writeback);
+    }
+    ops
+}
+
+/// Runs `bridged_ops` on a writeback set over a rotational backing device, crashing at I/O
+/// `crash_at`; returns the I/Os issued and, without a crash, the backing writes and blocks
+/// written back after the region was made clean.
+fn bridged_run(seed: u64, crash_at: Option<u64>) -> Result<(u64, u64, u64), String> {
+    assert!(
+        seed.is_multiple_of(2),
+        "even seeds have a rotational backing device"
+    );
+    let mut w = World::new(Rig::new(seed, Geometry::default(), CacheMode::Writeback));
+    let base = w.rig.ctrl.io_count();
+    w.rig.ctrl.set_crash_at(crash_at.map(|n| base + n));
+    let mut start = (0, 0);
+    for (i, op) in bridged_ops(seed).iter().enumerate() {
+        let r = w.apply(op).map_err(|e| format!("op {i} {op:?}: {e}"))?;
+        if w.rig.ctrl.is_crashed() {
+            break;
+        }
+        r.map_err(|e| format!("op {i} {op:?} failed without a crash: {e}"))?;
+        if i == 2 {
+            let s = w.rig.vol().status();
+            start = (s.cost.write.samples, s.stats.total.writeback_bytes / 4096);
+        }
+    }
+    let ios = w.rig.ctrl.io_count() - base;
+    let (writes, blocks) = if w.rig.ctrl.is_crashed() {
+        (0, 0)
+    } else {
+        let s = w.rig.vol().status();
+        (
+            s.cost.write.samples - start.0,
+            s.stats.total.writeback_bytes / 4096 - start.1,
+        )
+    };
+    w.crash_and_reopen()
+        .map_err(|e| format!("after crash: {e}"))?;
+    Ok((ios, writes, blocks))
+}
+
+#[test]
+fn crash_at_every_io_of_writeback_that_bridges_clean_gaps() {
+    let first = seed_from_env("crash_at_every_io_of_writeback_that_bridges_clean_gaps") & !1;
+    let mut points = 0;
+    for seed in (first..).step_by(2).take(4) {
+        let fail = |n: u64, e: String| -> ! {
+            panic!("seed {seed} crash at I/O {n}: {e}\nreplay: TIERCACHE_SEED={first} cargo test -p engine --test crash bridges")
+        };
+        let (total, writes, blocks) = bridged_run(seed, None).unwrap_or_else(|e| fail(0, e));
+        assert!(
+            writes < blocks,
+            "seed {seed}: {writes} backing writes for {blocks} blocks written back: nothing bridged"
+        );
+        for n in 1..=total {
+            bridged_run(seed, Some(n)).unwrap_or_else(|e| fail(n, e));
+        }
+        points += total;
+    }
+    eprintln!("bridged writeback: {points} crash points from seed {first}");
+}
+
 /// What a crash leaves of the record write in flight (both copies of the record, side by side
 /// in one write, each a frame of more than one sector padded to 4 KiB).
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -125,6 +125,7 @@ pub fn status_json(s: &DevStatus, name: &str) -> Value {
         "writeback_delay": s.knobs.writeback_delay_secs,
         "writeback_running": s.knobs.writeback_running,
         "writeback_rate": s.writeback.describe(),
+        "writeback_control": writeback_control_json(s),
         "writeback_state": writeback_meter::state(s),
         "writeback_error": s.writeback_error.as_ref().map(|e| json!({
             "error": e.error,
@@ -137,6 +138,22 @@ pub fn status_json(s: &DevStatus, name: &str) -> Value {
         "stats_hour": stats(&s.stats.hour),
         "stats_day": stats(&s.stats.day),
         "cost": cost_json(&s.cost),
+    })
+}
+
+/// The writeback rate controller behind `writeback_rate` (see engine `policy::WritebackPi`):
+/// the dirty bytes it steers toward, the error (0 at the target, 1 at the dirty limit,
+/// negative below the target), its proportional and integral terms (percentage points of the
+/// busy disk's time) and whether its share is what applies now.
+fn writeback_control_json(s: &DevStatus) -> Value {
+    let c = &s.writeback_control;
+    let round = |v: f64| (v * 100.0).round() / 100.0;
+    json!({
+        "target_bytes": s.writeback_target_bytes,
+        "error": (c.error * 1e4).round() / 1e4,
+        "proportional_pct": round(c.proportional_pct),
+        "integral_pct": round(c.integral_pct),
+        "controlled": c.controlled,
     })
 }
 

@@ -252,6 +252,16 @@ fn status_shows_knobs_and_writeback_paused_delayed_idle_with_its_rate() {
     let d = status(&f)["devices"][0].clone();
     assert_eq!(d["dirty_bytes"], 1 << 20, "{d:#}");
     assert_eq!(d["writeback_state"], "paused", "{d:#}");
+    // The rate controller: the target is 10 % of the cache's data blocks (metadata takes
+    // the rest), 1 MiB is under it, so it does not push (negative error, no proportional
+    // term).
+    let c = &d["writeback_control"];
+    let target = c["target_bytes"].as_u64().unwrap();
+    assert!(target > 1 << 20 && target <= (16 << 20) / 10, "{d:#}");
+    assert_eq!(c["proportional_pct"], 0.0, "{d:#}");
+    assert_eq!(c["integral_pct"], 0.0, "{d:#}");
+    assert_eq!(c["controlled"], false, "{d:#}");
+    assert!(c["error"].as_f64().unwrap() < 0.0, "{d:#}");
     let (row, text) = status_row(&f);
     assert!(row.trim_end().ends_with("paused"), "{text}");
     assert!(

@@ -240,7 +240,9 @@ impl Volume {
             } else {
                 "clean"
             },
-            writeback,
+            writeback: writeback.rate,
+            writeback_control: writeback,
+            writeback_target_bytes: writeback.target_blocks * bs,
             writeback_error: b.writeback_error.lock().clone(),
             stats: b.history.windows(now, &snap),
             cost: b.cost(),
