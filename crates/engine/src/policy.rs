@@ -1,6 +1,7 @@
 //! The policy seam: every decision the engine makes about *what* to cache and *when* to work,
 //! as pure functions and state machines it calls (as dm-cache separates policy from target).
-//! Admission: sequential stream detection, [`admit_read`], [`route_write`]; the miss fill
+//! Admission: sequential stream detection, [`read_bypass`], [`route_write`] (each way around
+//! the cache has its [`Bypass`] reason); the miss fill
 //! ([`miss_fill_window`], [`span_holes`]; both read the backing device's `cost` model); replacement ([`reclaim_rank`]); the writeback rate
 //! ([`writeback_rate`]). The tests here drive each one alone.
 //!
@@ -69,17 +70,46 @@ pub fn is_sequential_bypass(stream_bytes: u64, cutoff_bytes: u64) -> bool {
     cutoff_bytes > 0 && stream_bytes > cutoff_bytes
 }
 
-/// Whether a read's misses are promoted into the cache (read admission): not in mode `None`,
-/// and not for a sequential stream past the cutoff (bcache's rule: the cache is for random I/O).
-pub fn admit_read(mode: CacheMode, sequential: bool) -> bool {
-    mode != CacheMode::None && !sequential
+/// Why a request, or a part of it, went around the cache. Each reason has its own counter of
+/// bytes (`stats`: `bypassed_<reason>`), and `bypassed` (bcache's name) is their sum.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Bypass {
+    /// A sequential stream past `sequential_cutoff` (bcache's rule).
+    Sequential,
+    /// The cache mode sends it around: writes in writearound and none, reads in none.
+    Mode,
+    /// Writeback with dirty data at `dirty_max_pct` of the cache.
+    DirtyLimit,
+    /// No room in the cache for it (every bucket pinned, dirty or being written).
+    Full,
+    /// The cache device is slower than its congestion threshold and than the backing device.
+    Congested,
+    /// A write of part of a block that is not cached (caching it would need a read first).
+    Partial,
+    /// The volume is being detached.
+    Detaching,
+    /// Zeroes (NBD_CMD_WRITE_ZEROES) go down as a zeroing command, never through the cache.
+    Zeroes,
+}
+
+/// Whether a read's misses are promoted into the cache (read admission), or why not: not in
+/// mode `None`, and not for a sequential stream past the cutoff (bcache's rule: the cache is
+/// for random I/O).
+pub fn read_bypass(mode: CacheMode, sequential: bool) -> Option<Bypass> {
+    if mode == CacheMode::None {
+        Some(Bypass::Mode)
+    } else if sequential {
+        Some(Bypass::Sequential)
+    } else {
+        None
+    }
 }
 
 /// Where a write goes (write admission).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum WriteRoute {
-    /// To the backing device only (what the cache held for it is dropped).
-    Bypass,
+    /// To the backing device only (what the cache held for it is dropped), and why.
+    Bypass(Bypass),
     /// To the backing device and the cache (clean).
     Through,
     /// To the cache only (dirty, written back later).
@@ -99,15 +129,15 @@ pub fn route_write(
     dirty_blocks: impl FnOnce() -> u64,
 ) -> WriteRoute {
     if detaching {
-        return WriteRoute::Bypass;
+        return WriteRoute::Bypass(Bypass::Detaching);
     }
     match mode {
-        CacheMode::Writearound | CacheMode::None => WriteRoute::Bypass,
-        _ if sequential => WriteRoute::Bypass,
+        CacheMode::Writearound | CacheMode::None => WriteRoute::Bypass(Bypass::Mode),
+        _ if sequential => WriteRoute::Bypass(Bypass::Sequential),
         CacheMode::Writethrough => WriteRoute::Through,
         CacheMode::Writeback => {
             if dirty_blocks() * 100 >= total_blocks * u64::from(dirty_max_pct) {
-                WriteRoute::Bypass
+                WriteRoute::Bypass(Bypass::DirtyLimit)
             } else {
                 WriteRoute::Back
             }
@@ -457,10 +487,14 @@ mod tests {
 
     #[test]
     fn reads_are_admitted_unless_sequential_or_mode_none() {
-        assert!(admit_read(CacheMode::Writeback, false));
-        assert!(admit_read(CacheMode::Writearound, false));
-        assert!(!admit_read(CacheMode::Writethrough, true));
-        assert!(!admit_read(CacheMode::None, false));
+        assert_eq!(read_bypass(CacheMode::Writeback, false), None);
+        assert_eq!(read_bypass(CacheMode::Writearound, false), None);
+        assert_eq!(
+            read_bypass(CacheMode::Writethrough, true),
+            Some(Bypass::Sequential)
+        );
+        assert_eq!(read_bypass(CacheMode::None, false), Some(Bypass::Mode));
+        assert_eq!(read_bypass(CacheMode::None, true), Some(Bypass::Mode));
     }
 
     #[test]
@@ -471,13 +505,23 @@ mod tests {
             r(CacheMode::Writethrough, false, false),
             WriteRoute::Through
         );
-        assert_eq!(r(CacheMode::Writearound, false, false), WriteRoute::Bypass);
-        assert_eq!(r(CacheMode::None, false, false), WriteRoute::Bypass);
-        assert_eq!(r(CacheMode::Writethrough, false, true), WriteRoute::Bypass);
-        assert_eq!(r(CacheMode::Writeback, true, false), WriteRoute::Bypass);
+        let around = WriteRoute::Bypass;
+        assert_eq!(
+            r(CacheMode::Writearound, false, false),
+            around(Bypass::Mode)
+        );
+        assert_eq!(r(CacheMode::None, false, false), around(Bypass::Mode));
+        assert_eq!(
+            r(CacheMode::Writethrough, false, true),
+            around(Bypass::Sequential)
+        );
+        assert_eq!(
+            r(CacheMode::Writeback, true, false),
+            around(Bypass::Detaching)
+        );
         let wb = |dirty| route_write(CacheMode::Writeback, false, false, 70, 100, || dirty);
         assert_eq!(wb(69), WriteRoute::Back);
-        assert_eq!(wb(70), WriteRoute::Bypass);
+        assert_eq!(wb(70), around(Bypass::DirtyLimit));
     }
 
     fn est(fixed_us: f64, per_byte_ns: Option<f64>, seek_us: f64) -> CostEstimate {

@@ -64,9 +64,37 @@ counters!(
     congested,
     // Bytes served by the backing device alone while the cache set was degraded.
     degraded_bytes,
+    // Bytes that went around the cache, by reason (`policy::Bypass`); `bypassed` is their sum.
+    bypassed_sequential,
+    bypassed_mode,
+    bypassed_dirty_limit,
+    bypassed_full,
+    bypassed_congested,
+    bypassed_partial,
+    bypassed_detaching,
+    bypassed_zeroes,
 );
 
 impl Counters {
+    /// Counts `bytes` that went around the cache for `why`, in its counter and in `bypassed`.
+    pub fn bypass(&self, why: crate::policy::Bypass, bytes: u64) {
+        use crate::policy::Bypass as B;
+        Self::add(&self.bypassed, bytes);
+        Self::add(
+            match why {
+                B::Sequential => &self.bypassed_sequential,
+                B::Mode => &self.bypassed_mode,
+                B::DirtyLimit => &self.bypassed_dirty_limit,
+                B::Full => &self.bypassed_full,
+                B::Congested => &self.bypassed_congested,
+                B::Partial => &self.bypassed_partial,
+                B::Detaching => &self.bypassed_detaching,
+                B::Zeroes => &self.bypassed_zeroes,
+            },
+            bytes,
+        );
+    }
+
     pub fn add(c: &AtomicU64, v: u64) {
         c.fetch_add(v, Relaxed);
     }

@@ -1155,3 +1155,85 @@ fn a_device_no_slower_than_the_cache_gets_no_miss_fill() {
     assert!(e.learned, "{e:?}");
     assert_eq!(filled, 4096, "only the block read ({e:?})");
 }
+
+/// Every way around the cache is counted by reason, and `bypassed` is their sum.
+#[test]
+fn every_way_around_the_cache_is_counted_by_reason() {
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
+    let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((8 << 20) + 8192));
+    let config = Config {
+        dirty_max_pct: 10,
+        ..no_threads()
+    };
+    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, config);
+    vol.set_sequential_cutoff(16 << 10).unwrap();
+    let total = || vol.status().stats.total;
+    let sum = |s: &engine::stats::Snapshot| {
+        s.bypassed_sequential
+            + s.bypassed_mode
+            + s.bypassed_dirty_limit
+            + s.bypassed_full
+            + s.bypassed_congested
+            + s.bypassed_partial
+            + s.bypassed_detaching
+            + s.bypassed_zeroes
+    };
+    // Part of an uncached block: around.
+    vol.write((1 << 20) + 512, &[7u8; 512], false).unwrap();
+    assert_eq!(total().bypassed_partial, 512);
+    // Zeroes.
+    vol.write_zeroes(2 << 20, 8192, false).unwrap();
+    assert_eq!(total().bypassed_zeroes, 8192);
+    // A sequential stream past the cutoff: 4 requests of 4 KiB in, the rest around.
+    for i in 0..8u64 {
+        vol.write((3 << 20) + i * 4096, &data(i, i * 8, 4096), false)
+            .unwrap();
+    }
+    assert_eq!(total().bypassed_sequential, 4 * 4096);
+    // The dirty limit: random dirty blocks until one goes around.
+    let mut n = 0u64;
+    while total().bypassed_dirty_limit == 0 {
+        let at = (4 << 20) + (n * 7919 % 512) * 8192;
+        vol.write(at, &data(n, at / 512, 4096), false).unwrap();
+        n += 1;
+        assert!(n < 10_000, "the dirty limit never sent a write around");
+    }
+    // The mode.
+    vol.set_mode(CacheMode::Writearound).unwrap();
+    vol.write(6 << 20, &data(1, 0, 4096), false).unwrap();
+    assert_eq!(total().bypassed_mode, 4096);
+    let s = total();
+    assert_eq!(s.bypassed, sum(&s), "{s:?}");
+    assert_eq!(
+        s.bypassed_full + s.bypassed_congested + s.bypassed_detaching,
+        0
+    );
+
+    // No room: a writeback cache all dirty (no dirty limit, no writeback).
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(2 << 20));
+    let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((8 << 20) + 8192));
+    let config = Config {
+        dirty_max_pct: 100,
+        ..no_threads()
+    };
+    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, config);
+    let total = || vol.status().stats.total;
+    let mut n = 0u64;
+    while total().bypassed_full == 0 {
+        let at = (n * 7919 % 1024) * 8192;
+        vol.write(at, &data(n, at / 512, 4096), false).unwrap();
+        n += 1;
+        assert!(n < 10_000, "the cache never ran out of room");
+    }
+    let s = total();
+    assert_eq!(s.bypassed_full, 4096);
+    assert_eq!(s.bypassed, sum(&s), "{s:?}");
+    let at = ((n - 1) * 7919 % 1024) * 8192;
+    let mut buf = vec![0u8; 4096];
+    vol.read(at, &mut buf).unwrap();
+    assert_eq!(
+        buf,
+        data(n - 1, at / 512, 4096),
+        "the write that went around"
+    );
+}

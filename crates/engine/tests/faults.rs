@@ -668,6 +668,7 @@ fn a_slow_cache_device_is_bypassed_for_clean_reads_until_it_recovers() {
     }
     let s = vol.status().stats.total;
     assert!(s.congested >= 10, "congestion bypass never engaged: {s:?}");
+    assert_eq!(s.bypassed_congested, s.congested * 16384, "{s:?}");
     // The device recovers: a probe notices, and hits come from the cache again.
     ctrl.set_latency(
         FaultOp::Read,

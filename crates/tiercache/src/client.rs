@@ -279,7 +279,7 @@ pub fn get(a: &Admin, device: &str, knob: Option<&str>) -> Result<()> {
 fn stat_text(key: &str, v: u64, bytes: bool) -> String {
     if bytes {
         v.to_string()
-    } else if key.ends_with("_bytes") || key == "bypassed" {
+    } else if key.ends_with("_bytes") || key.starts_with("bypassed") {
         human(v)
     } else if key == "cache_hit_ratio" {
         format!("{v} %")

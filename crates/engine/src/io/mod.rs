@@ -460,7 +460,9 @@ impl Volume {
             self.degraded_change(offset, len, None, false)?;
         } else {
             self.note_io(offset, len);
-            self.write_range(offset, len, None, Route::Bypass)?;
+            let why = crate::policy::Bypass::Zeroes;
+            self.backing.counters.bypass(why, len);
+            self.write_range(offset, len, None, Route::Bypass(why))?;
         }
         if fua {
             self.flush()?;

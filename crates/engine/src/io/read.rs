@@ -58,10 +58,10 @@ pub(crate) fn first_bad_block(data: &[u8], crcs: &[u32], bs: u64) -> Option<u32>
 enum Read {
     /// Hits from the cache, misses promoted.
     Cached,
-    /// Hits from the cache, misses read from the backing device exactly.
-    Bypass,
+    /// Hits from the cache, misses read from the backing device exactly (and why).
+    Bypass(crate::policy::Bypass),
     /// Like `Bypass`, with misses served through readahead windows (a sequential stream).
-    Ahead,
+    Ahead(crate::policy::Bypass),
     /// Like `Cached`, without counting in the hit statistics (NBD_CMD_CACHE).
     Prefetch,
 }
@@ -98,15 +98,16 @@ impl Volume {
             return r;
         }
         let cache_use = self.backing.cache_use();
-        let bypass = cache_use.detaching()
-            || !crate::policy::admit_read(self.mode(), self.seq_bypass(stream));
-        let len = buf.len() as u64;
-        let read = if bypass && stream > len && stream >= READAHEAD_AFTER_BYTES {
-            Read::Ahead
-        } else if bypass {
-            Read::Bypass
+        let bypass = if cache_use.detaching() {
+            Some(crate::policy::Bypass::Detaching)
         } else {
-            Read::Cached
+            crate::policy::read_bypass(self.mode(), self.seq_bypass(stream))
+        };
+        let len = buf.len() as u64;
+        let read = match bypass {
+            Some(why) if stream > len && stream >= READAHEAD_AFTER_BYTES => Read::Ahead(why),
+            Some(why) => Read::Bypass(why),
+            None => Read::Cached,
         };
         self.read_inner(offset, buf, read)
     }
@@ -137,7 +138,11 @@ impl Volume {
     }
 
     fn read_inner(&self, offset: u64, buf: &mut [u8], read: Read) -> Result<()> {
-        let mut bypass = matches!(read, Read::Bypass | Read::Ahead);
+        let mut why = match read {
+            Read::Bypass(why) | Read::Ahead(why) => Some(why),
+            Read::Cached | Read::Prefetch => None,
+        };
+        let mut bypass = why.is_some();
         let prefetch = read == Read::Prefetch;
         let inner = &*self.inner;
         let dev = self.backing.id;
@@ -168,6 +173,7 @@ impl Volume {
                     // Promoting would wait on the slow cache device: the miss is served
                     // alone (cached pieces still come from the cache).
                     bypass = true;
+                    why = Some(crate::policy::Bypass::Congested);
                 }
                 let miss = !bypass && segs.iter().any(|s| s.ext.is_none());
                 // A miss wholly inside a promotion in flight (concurrent readers of one window,
@@ -301,7 +307,7 @@ impl Volume {
                     data,
                 },
                 None if promo.is_some() => Holes::Fill,
-                None if read == Read::Ahead => Holes::Ahead,
+                None if matches!(read, Read::Ahead(_)) => Holes::Ahead,
                 None => Holes::Exact,
             };
             fills.extend(self.read_segments(&segs, &crcs, offset, buf, holes)?);
@@ -337,8 +343,8 @@ impl Volume {
                 },
                 1,
             );
-            if bypass {
-                Counters::add(&c.bypassed, buf.len() as u64);
+            if let Some(why) = why {
+                c.bypass(why, buf.len() as u64);
             }
         }
         if let Some(id) = promo {
@@ -367,6 +373,9 @@ impl Volume {
         if dirty {
             return None;
         }
+        self.backing
+            .counters
+            .bypass(crate::policy::Bypass::Congested, buf.len() as u64);
         Some(self.backing_read(buf, offset))
     }
 

@@ -11,7 +11,7 @@
 use super::Volume;
 use crate::alloc::WritePoint;
 use crate::format::BackingState;
-use crate::policy::WriteRoute as Route;
+use crate::policy::{Bypass, WriteRoute as Route};
 use crate::stats::Counters;
 use crate::types::{IoContext, Result};
 use crate::units::BackingBlock;
@@ -121,10 +121,10 @@ impl Volume {
         let mut route = self.route(self.seq_bypass(stream), cache_use.detaching());
         if route == Route::Through && self.cache_congested(crate::cachedev::Kind::Write, len) {
             // The slow cache device would hold the write up; the backing device has it.
-            route = Route::Bypass;
+            route = Route::Bypass(Bypass::Congested);
         }
-        if route == Route::Bypass {
-            Counters::add(&self.backing.counters.bypassed, len);
+        if let Route::Bypass(why) = route {
+            self.backing.counters.bypass(why, len);
         }
         self.write_range(offset, len, Some(data), route)?;
         if fua {
@@ -240,6 +240,9 @@ impl Volume {
             _ => {
                 // Not cached (or the device's partial last block): straight to the backing
                 // device; anything cached for the block is stale now.
+                if data.is_some() && !matches!(route, Route::Bypass(_)) {
+                    self.backing.counters.bypass(Bypass::Partial, to - from);
+                }
                 match data {
                     Some(d) => self.backing_write(d, from)?,
                     None => self.backing_zero(from, to - from)?,
@@ -273,7 +276,7 @@ impl Volume {
         let dev = self.backing.id;
         let (from, len) = (block.offset(bs), n * bs);
         let data = match (data, route) {
-            (None, Route::Bypass) | (None, _) => {
+            (None, _) => {
                 // Zeroes always go down as a zeroing command, never through the cache.
                 self.backing_zero(from, len)?;
                 let now = inner.now_ns();
@@ -286,7 +289,7 @@ impl Volume {
             self.backing_write(data, from)?;
         }
         let stored = match route {
-            Route::Bypass => Ok(0),
+            Route::Bypass(_) => Ok(0),
             Route::Through => self.cache_insert(block, data, false, None),
             Route::Back => {
                 if self.backing.header.lock().state != BackingState::Dirty {
@@ -310,6 +313,11 @@ impl Volume {
             // No room in the cache for the rest: write it around (writeback) and drop any
             // stale copy.
             let rest = &data[(stored * bs) as usize..];
+            if !matches!(route, Route::Bypass(_)) {
+                self.backing
+                    .counters
+                    .bypass(Bypass::Full, rest.len() as u64);
+            }
             if route == Route::Back {
                 self.backing_write(rest, from + stored * bs)?;
             }

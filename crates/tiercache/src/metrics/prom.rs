@@ -17,7 +17,7 @@ use std::fmt::Error;
 
 /// The engine's counters (`engine::stats::Snapshot` fields): metric name (without unit and
 /// `_total`), whether it counts bytes, and what it means.
-pub const ENGINE_COUNTERS: [(&str, &str, bool, &str); 16] = [
+pub const ENGINE_COUNTERS: [(&str, &str, bool, &str); 24] = [
     ("cache_hits", "cache_hits", false, "Reads served entirely from the cache (bcache's cache_hits; bypassed reads not counted)."),
     ("cache_misses", "cache_misses", false, "Reads that needed the backing device and were not bypassed (bcache's cache_misses)."),
     ("cache_bypass_hits", "cache_bypass_hits", false, "Reads that bypassed the cache (sequential past the cutoff) and were entirely cached anyway."),
@@ -34,6 +34,14 @@ pub const ENGINE_COUNTERS: [(&str, &str, bool, &str); 16] = [
     ("cache_io_errors", "cache_io_errors", false, "Cache-device failures met by requests and served from the backing device instead."),
     ("congested", "congested", false, "Requests sent to the backing device because the cache device was slow (congested)."),
     ("degraded_bytes", "degraded", true, "Bytes served by the backing device alone while the cache set was degraded."),
+    ("bypassed_sequential", "bypassed_sequential", true, "Bytes that bypassed the cache as part of a sequential stream past sequential_cutoff."),
+    ("bypassed_mode", "bypassed_mode", true, "Bytes that bypassed the cache because of the cache mode (writes in writearound and none, reads in none)."),
+    ("bypassed_dirty_limit", "bypassed_dirty_limit", true, "Bytes of writeback writes sent around the cache because dirty data filled dirty_max_pct of it."),
+    ("bypassed_full", "bypassed_full", true, "Bytes of writes sent around the cache because it had no room for them."),
+    ("bypassed_congested", "bypassed_congested", true, "Bytes sent around the cache because the cache device was slower than its congestion threshold and than the backing device."),
+    ("bypassed_partial", "bypassed_partial", true, "Bytes of writes covering part of an uncached block, sent around the cache."),
+    ("bypassed_detaching", "bypassed_detaching", true, "Bytes sent around the cache while the volume was being detached."),
+    ("bypassed_zeroes", "bypassed_zeroes", true, "Bytes of write-zeroes requests (always sent to the backing device as a zeroing command)."),
 ];
 
 /// A row of a table of metrics: name, help, and how to read the value.
