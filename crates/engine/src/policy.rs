@@ -63,7 +63,20 @@ impl SeqDetector {
         }
         len
     }
+
+    /// How many streams longer than `min_bytes` saw a request in the last `window_ns`
+    /// (the one that just did included).
+    pub fn concurrent(&self, min_bytes: u64, now_ns: u64, window_ns: u64) -> usize {
+        self.streams
+            .iter()
+            .filter(|s| s.bytes > min_bytes && now_ns.saturating_sub(s.last_ns) <= window_ns)
+            .count()
+    }
 }
+
+/// Streams past the cutoff that saw requests within this long of each other run at the same
+/// time: one actuator serves them by seeking from one to the other.
+pub const STREAM_OVERLAP_NS: u64 = 250_000_000;
 
 /// Whether a request should bypass the cache for being part of a long sequential stream.
 pub fn is_sequential_bypass(stream_bytes: u64, cutoff_bytes: u64) -> bool {
@@ -116,14 +129,34 @@ pub enum WriteRoute {
     Back,
 }
 
-/// The route of a write: around the cache while the device is being detached, in
-/// writearound/none modes and for sequential streams; in writeback mode also once dirty data
-/// fills `dirty_max_pct` % of the cache (`dirty_blocks` is asked only then, as it costs a
-/// lock).
+/// Dirty share of the cache (%) below which writeback absorbs sequential writes the disk would
+/// not serve as a stream (bcache's `cutoff_writeback_sync`, which it applies to sync writes).
+pub const ABSORB_MAX_PCT: u32 = 70;
+
+/// A write, as the route decision sees it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WriteShape {
+    /// Part of a sequential stream past the cutoff.
+    pub sequential: bool,
+    /// Other streams past the cutoff run at the same time (`SeqDetector::concurrent`): the
+    /// disk would seek between them.
+    pub interleaved: bool,
+    /// The client waits for it to be durable (FUA).
+    pub sync: bool,
+}
+
+/// The route of a write: around the cache while the device is being detached and in
+/// writearound/none modes; in writeback mode around it once dirty data fills `dirty_max_pct`
+/// % of the cache (`dirty_blocks` is asked only then, or for a sequential write, as it costs
+/// a lock). A sequential stream past the cutoff goes around the cache when the disk serves it
+/// well: in writeback mode, a sequential write of one of several streams running at once
+/// (`interleaved`: one actuator seeks between them) or one the disk would make durable at the
+/// cost of a flush each (`sync`) is absorbed by the cache while dirty data is under
+/// `ABSORB_MAX_PCT` %.
 pub fn route_write(
     mode: CacheMode,
     detaching: bool,
-    sequential: bool,
+    shape: WriteShape,
     dirty_max_pct: u32,
     total_blocks: u64,
     dirty_blocks: impl FnOnce() -> u64,
@@ -131,15 +164,25 @@ pub fn route_write(
     if detaching {
         return WriteRoute::Bypass(Bypass::Detaching);
     }
+    let under = |pct: u32, dirty: u64| dirty * 100 < total_blocks * u64::from(pct);
     match mode {
         CacheMode::Writearound | CacheMode::None => WriteRoute::Bypass(Bypass::Mode),
-        _ if sequential => WriteRoute::Bypass(Bypass::Sequential),
+        CacheMode::Writeback if shape.sequential => {
+            if (shape.sync || shape.interleaved)
+                && under(ABSORB_MAX_PCT.min(dirty_max_pct), dirty_blocks())
+            {
+                WriteRoute::Back
+            } else {
+                WriteRoute::Bypass(Bypass::Sequential)
+            }
+        }
+        _ if shape.sequential => WriteRoute::Bypass(Bypass::Sequential),
         CacheMode::Writethrough => WriteRoute::Through,
         CacheMode::Writeback => {
-            if dirty_blocks() * 100 >= total_blocks * u64::from(dirty_max_pct) {
-                WriteRoute::Bypass(Bypass::DirtyLimit)
-            } else {
+            if under(dirty_max_pct, dirty_blocks()) {
                 WriteRoute::Back
+            } else {
+                WriteRoute::Bypass(Bypass::DirtyLimit)
             }
         }
     }
@@ -500,7 +543,12 @@ mod tests {
     #[test]
     fn writes_route_by_mode_stream_detach_and_dirty_share() {
         let never = || -> u64 { panic!("dirty count asked outside writeback") };
-        let r = |m, det, seq| route_write(m, det, seq, 70, 100, never);
+        let seq = |sequential: bool| WriteShape {
+            sequential,
+            interleaved: false,
+            sync: false,
+        };
+        let r = |m, det, sequential| route_write(m, det, seq(sequential), 70, 100, never);
         assert_eq!(
             r(CacheMode::Writethrough, false, false),
             WriteRoute::Through
@@ -519,9 +567,54 @@ mod tests {
             r(CacheMode::Writeback, true, false),
             around(Bypass::Detaching)
         );
-        let wb = |dirty| route_write(CacheMode::Writeback, false, false, 70, 100, || dirty);
+        let wb = |dirty| route_write(CacheMode::Writeback, false, seq(false), 70, 100, || dirty);
         assert_eq!(wb(69), WriteRoute::Back);
         assert_eq!(wb(70), around(Bypass::DirtyLimit));
+    }
+
+    #[test]
+    fn writeback_absorbs_sequential_writes_the_disk_would_not_serve_as_a_stream() {
+        let wb = |shape, dirty_pct: u64| {
+            route_write(CacheMode::Writeback, false, shape, 90, 100, || dirty_pct)
+        };
+        let shape = |interleaved, sync| WriteShape {
+            sequential: true,
+            interleaved,
+            sync,
+        };
+        // One stream the disk follows: around the cache, as bcache does.
+        assert_eq!(
+            wb(shape(false, false), 0),
+            WriteRoute::Bypass(Bypass::Sequential)
+        );
+        // Interleaved streams (the disk seeks between them), or a flush per write: absorbed
+        // while dirty data is under 70 %.
+        assert_eq!(wb(shape(true, false), 69), WriteRoute::Back);
+        assert_eq!(wb(shape(false, true), 69), WriteRoute::Back);
+        assert_eq!(
+            wb(shape(true, false), 70),
+            WriteRoute::Bypass(Bypass::Sequential)
+        );
+        // A lower dirty limit wins.
+        let low = route_write(
+            CacheMode::Writeback,
+            false,
+            shape(true, true),
+            50,
+            100,
+            || 60,
+        );
+        assert_eq!(low, WriteRoute::Bypass(Bypass::Sequential));
+        // Other modes: a stream is a stream.
+        let wt = route_write(
+            CacheMode::Writethrough,
+            false,
+            shape(true, true),
+            90,
+            100,
+            || panic!("dirty count asked outside writeback"),
+        );
+        assert_eq!(wt, WriteRoute::Bypass(Bypass::Sequential));
     }
 
     fn est(fixed_us: f64, per_byte_ns: Option<f64>, seek_us: f64) -> CostEstimate {

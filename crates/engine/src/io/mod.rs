@@ -321,6 +321,18 @@ impl Volume {
         stream
     }
 
+    /// Whether other streams past the cutoff run at the same time as the one a request just
+    /// continued (see `policy::STREAM_OVERLAP_NS`).
+    fn streams_interleaved(&self) -> bool {
+        let cutoff = self.backing.sequential_cutoff.load(Ordering::Relaxed);
+        let now = self.inner.now_ns();
+        self.backing
+            .seq
+            .lock()
+            .concurrent(cutoff, now, crate::policy::STREAM_OVERLAP_NS)
+            > 1
+    }
+
     fn seq_bypass(&self, stream_bytes: u64) -> bool {
         is_sequential_bypass(
             stream_bytes,

@@ -118,7 +118,13 @@ impl Volume {
         }
         let stream = self.note_io(offset, len);
         let cache_use = self.backing.cache_use();
-        let mut route = self.route(self.seq_bypass(stream), cache_use.detaching());
+        let sequential = self.seq_bypass(stream);
+        let shape = crate::policy::WriteShape {
+            sequential,
+            interleaved: sequential && self.streams_interleaved(),
+            sync: fua,
+        };
+        let mut route = self.route(shape, cache_use.detaching());
         if route == Route::Through && self.cache_congested(crate::cachedev::Kind::Write, len) {
             // The slow cache device would hold the write up; the backing device has it.
             route = Route::Bypass(Bypass::Congested);
@@ -133,17 +139,17 @@ impl Volume {
         Ok(())
     }
 
-    /// Where a write goes, from the mode, the bypass decision and the dirty limit. A
-    /// sequential stream past the cutoff goes around the cache in every mode, over dirty
-    /// blocks too (as bcache does unless partial RAID stripes are expensive): the dirty copies
-    /// are dropped, their record waiting for one backing flush per commit, and the disk gets
-    /// the whole stream, without holes.
-    fn route(&self, seq_bypass: bool, detaching: bool) -> Route {
+    /// Where a write goes, from the mode, the write's shape and the dirty limit. A
+    /// sequential stream past the cutoff that goes around the cache (see
+    /// `policy::route_write`) does so over dirty blocks too (as bcache does unless partial
+    /// RAID stripes are expensive): the dirty copies are dropped, their record waiting for
+    /// one backing flush per commit, and the disk gets the whole stream, without holes.
+    fn route(&self, shape: crate::policy::WriteShape, detaching: bool) -> Route {
         let inner = &*self.inner;
         crate::policy::route_write(
             self.mode(),
             detaching,
-            seq_bypass,
+            shape,
             inner.config.dirty_max_pct,
             u64::from(inner.layout.total_blocks()),
             || inner.state.lock().index.dirty_blocks,
