@@ -1,7 +1,8 @@
 //! The harness behind `tiercache bench`: runs the field's workloads (W1–W7 of BENCHMARKS.md)
 //! against every configuration (the emulated disk alone, the fast file alone, tiercache in
-//! three modes, nbdkit's cache filter, and memory-limited variants) through fio, and reports
-//! tables, JSON and plots.
+//! three modes, nbdkit's cache filter, memory-limited variants, and variants over a disk that
+//! does not report itself rotational) through fio, and reports tables, JSON and plots. W6 runs
+//! until steady ([`steady`]).
 //!
 //! Owns: process orchestration of the benchmarks (servers, fio, cgroups, W3's filesystem) and
 //! their reports. It links none of tiercache's internals: it runs the `tiercache` binary
@@ -11,7 +12,8 @@
 //! Invariants: every (workload, configuration) pair starts from fresh devices and fresh
 //! processes, and (as root) from an empty page cache; every configuration reaches the same
 //! emulated disk over NBD with the same cache size; numbers come from fio's JSON and
-//! tiercache's own statistics; nothing here asserts a time. A pair that fails is reported as a
+//! tiercache's own statistics; nothing here asserts a time; a step that asks for a flush after
+//! every write is checked against fio's own sync count. A pair that fails is reported as a
 //! notice and the run goes on, but the command then exits with an error.
 //!
 //! `--workloads scale` runs instead the engine-at-real-size measurements of [`scale`] (make,
@@ -27,11 +29,12 @@ mod plot;
 mod procs;
 mod report;
 mod scale;
+mod steady;
 
 use anyhow::{bail, Context, Result};
 use cgroup::Limiter;
 pub use procs::Tiercache;
-use procs::{Running, Sizes, CONFIGS, MEMLIMIT, MEMLIMIT_CONFIGS};
+use procs::{Running, Sizes, CONFIGS, MEMLIMIT, MEMLIMIT_CONFIGS, NONROT, NONROT_CONFIGS};
 use report::{Row, Series};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,7 +46,7 @@ use std::time::{Duration, Instant};
 pub enum Scale {
     /// Seconds per configuration (CI smoke).
     Tiny,
-    /// Under 10 minutes on 2 cores.
+    /// Under 12 minutes on 2 cores.
     Quick,
     /// Long runs on a bigger disk.
     Full,
@@ -63,8 +66,10 @@ pub struct BenchArgs {
     workloads: Vec<String>,
     /// Configurations, comma separated, each run on every selected workload (default: hdd,
     /// ssd, tiercache-writethrough, tiercache-writeback, tiercache-writearound, nbdkit-cache,
-    /// plus tiercache-writeback+memlimit and nbdkit-cache+memlimit on W1, W5 and W6). NAME+memlimit
-    /// runs NAME with every server process in a memory cgroup.
+    /// plus tiercache-writeback+memlimit and nbdkit-cache+memlimit on W1, W5 and W6, and hdd,
+    /// tiercache-writethrough, tiercache-writeback and nbdkit-cache +nonrot on W1 and W5).
+    /// NAME+memlimit runs NAME with every server process in a memory cgroup; NAME+nonrot runs
+    /// it over the emulated disk started with --rotational false (compared with hdd+nonrot).
     #[arg(long, value_delimiter = ',')]
     configs: Vec<String>,
     /// Memory limit in MiB, page cache included, of each server process of a +memlimit
@@ -85,6 +90,9 @@ struct Params {
     cache_bytes: u64,
     /// Length of a time-based step.
     runtime_s: u64,
+    /// Length of a time-based step of a `+nonrot` configuration (shorter at quick, to keep
+    /// quick short; its ratios are over `hdd+nonrot`, which runs as long).
+    nonrot_runtime_s: u64,
     /// fio jobs of W3 and of W4's sync writes.
     jobs: u32,
     /// fio jobs of W4's 64k mostly-sequential writes.
@@ -95,6 +103,8 @@ struct Params {
     drain_bytes: u64,
     /// Memory limit of each server process of a `+memlimit` configuration (None: off).
     mem_limit_bytes: Option<u64>,
+    /// How W6 runs until steady.
+    w6: steady::Rule,
 }
 
 fn params(scale: Scale) -> Params {
@@ -103,31 +113,55 @@ fn params(scale: Scale) -> Params {
             disk_bytes: 64 << 20,
             cache_bytes: 8 << 20,
             runtime_s: 1,
+            nonrot_runtime_s: 1,
             jobs: 2,
             seek_jobs: 2,
             w4_cap_s: 2,
             drain_bytes: 1 << 20,
             mem_limit_bytes: None,
+            w6: steady::Rule {
+                interval_s: 1,
+                intervals: 2,
+                iops_tolerance: 0.5,
+                hit_tolerance_pct: 20.0,
+                cap_s: 4,
+            },
         },
         Scale::Quick => Params {
             disk_bytes: 1 << 30,
             cache_bytes: 128 << 20,
             runtime_s: 2,
+            nonrot_runtime_s: 1,
             jobs: 4,
             seek_jobs: 4,
             w4_cap_s: 10,
             drain_bytes: 8 << 20,
             mem_limit_bytes: None,
+            w6: steady::Rule {
+                interval_s: 1,
+                intervals: 4,
+                iops_tolerance: 0.20,
+                hit_tolerance_pct: 2.0,
+                cap_s: 10,
+            },
         },
         Scale::Full => Params {
             disk_bytes: 8 << 30,
             cache_bytes: 1 << 30,
             runtime_s: 60,
+            nonrot_runtime_s: 60,
             jobs: 16,
             seek_jobs: 15,
             w4_cap_s: 900,
             drain_bytes: 512 << 20,
             mem_limit_bytes: None,
+            w6: steady::Rule {
+                interval_s: 10,
+                intervals: 6,
+                iops_tolerance: 0.05,
+                hit_tolerance_pct: 1.0,
+                cap_s: 1800,
+            },
         },
     }
 }
@@ -138,7 +172,25 @@ struct Step {
     args: Vec<String>,
     /// Record the IOPS / dirty / occupancy time series of this step.
     plot: bool,
+    /// Run in intervals until steady ([`steady`]; `args` bound it to the rule's cap): a
+    /// warm-up row and a steady row instead of one.
+    until_steady: Option<steady::Rule>,
 }
+
+impl Step {
+    /// fio jobs the step runs (`--numjobs`, else 1).
+    fn jobs(&self) -> u32 {
+        self.args
+            .iter()
+            .find_map(|a| a.strip_prefix("--numjobs=")?.parse().ok())
+            .unwrap_or(1)
+    }
+}
+
+/// fio's option for a flush after every write. With the `nbd` engine it is how a step asks for
+/// O_SYNC / O_DSYNC writes: the engine ignores `--sync` (O_DSYNC is an open(2) flag; it sends
+/// no FUA) and rejects `--fdatasync`.
+const FLUSH_EVERY_WRITE: &str = "--fsync=1";
 
 pub const WORKLOADS: [(&str, &str); 7] = [
     (
@@ -155,7 +207,7 @@ pub const WORKLOADS: [(&str, &str); 7] = [
     ),
     (
         "W4",
-        "4 KiB sync random writes (a flush after each) until 70 % of the cache is written, over time; 64 KiB writes with 1 % random seeks",
+        "4 KiB sync random writes (a flush after each) until 70 % of the cache is written, over time; 64 KiB writes with 1 % random seeks, plain and O_DSYNC (a flush after each)",
     ),
     (
         "W5",
@@ -163,7 +215,7 @@ pub const WORKLOADS: [(&str, &str); 7] = [
     ),
     (
         "W6",
-        "zipf:1.2 random 70/30 read/write over the whole disk, cache at 1/8 of it: steady state",
+        "zipf:1.2 random 70/30 read/write over the whole disk, cache at 1/8 of it: warm-up, then steady state",
     ),
     (
         "W7",
@@ -173,6 +225,10 @@ pub const WORKLOADS: [(&str, &str); 7] = [
 
 /// Workloads whose reads can be served from RAM, where the `+memlimit` variants run by default.
 const MEMLIMIT_WORKLOADS: [&str; 3] = ["W1", "W5", "W6"];
+
+/// Seek-bound workloads, also run by default over the disk that does not report itself
+/// rotational (the `+nonrot` variants).
+const NONROT_WORKLOADS: [&str; 2] = ["W1", "W5"];
 
 /// The configurations W7 compares: the drain against raw random writes.
 const W7_CONFIGS: [&str; 2] = ["hdd", "tiercache-writeback"];
@@ -188,6 +244,7 @@ fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
             .map(|s| s.to_string())
             .collect(),
         plot: false,
+        until_steady: None,
     };
     let timed = |name: String, extra: &[&str]| timed_for(name, p.runtime_s, extra);
     match w {
@@ -259,7 +316,7 @@ fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
                 args: vec![
                     "--bs=4k".into(),
                     "--rw=randwrite".into(),
-                    "--fsync=1".into(),
+                    FLUSH_EVERY_WRITE.into(),
                     "--iodepth=1".into(),
                     format!("--numjobs={}", p.jobs),
                     span.clone(),
@@ -267,23 +324,33 @@ fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
                     format!("--runtime={}", p.w4_cap_s),
                 ],
                 plot: true,
+                until_steady: None,
             };
             // Each job streams through its own region (1 MiB kept clear of the export's end,
             // which is smaller than the disk by tiercache's header).
             let region = ((p.disk_bytes - (1 << 20)) / u64::from(p.seek_jobs)) & !0xffff;
-            let seeks = timed(
-                "64k write 1 % random".into(),
-                &[
-                    "--bs=64k",
-                    "--rw=randwrite",
-                    "--percentage_random=1",
-                    "--iodepth=1",
-                    &format!("--numjobs={}", p.seek_jobs),
-                    &format!("--size={region}"),
-                    &format!("--offset_increment={region}"),
-                ],
-            );
-            vec![sync, seeks]
+            let seeks = |name: &str, extra: &[&str]| {
+                let mut s = timed(
+                    name.into(),
+                    &[
+                        "--bs=64k",
+                        "--rw=randwrite",
+                        "--percentage_random=1",
+                        "--iodepth=1",
+                        &format!("--numjobs={}", p.seek_jobs),
+                        &format!("--size={region}"),
+                        &format!("--offset_increment={region}"),
+                    ],
+                );
+                s.args.extend(extra.iter().map(|a| a.to_string()));
+                s
+            };
+            // The second as the field report ran it: every write O_DSYNC.
+            vec![
+                sync,
+                seeks("64k write 1 % random", &[]),
+                seeks("64k write 1 % random O_DSYNC", &[FLUSH_EVERY_WRITE]),
+            ]
         }
         "W5" => {
             let take = if tiny { 1 } else { 4 };
@@ -299,8 +366,9 @@ fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
                 .collect()
         }
         "W6" => {
-            let mut s = timed(
+            let mut s = timed_for(
                 "zipf:1.2 randrw 70/30".into(),
+                p.w6.cap_s,
                 &[
                     "--bs=4k",
                     "--rw=randrw",
@@ -311,6 +379,7 @@ fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
                 ],
             );
             s.plot = true;
+            s.until_steady = Some(p.w6);
             vec![s]
         }
         _ => Vec::new(),
@@ -328,6 +397,9 @@ fn default_configs(w: &str, memlimit: bool) -> Vec<String> {
         if memlimit && MEMLIMIT_WORKLOADS.contains(&w) && MEMLIMIT_CONFIGS.contains(&c) {
             v.push(format!("{c}{MEMLIMIT}"));
         }
+    }
+    if NONROT_WORKLOADS.contains(&w) {
+        v.extend(NONROT_CONFIGS.map(|c| format!("{c}{NONROT}")));
     }
     v
 }
@@ -414,7 +486,7 @@ pub fn run(args: &BenchArgs, tc: &Tiercache) -> Result<()> {
         if args.configs[..i].contains(c) {
             bail!("configuration '{c}' given twice");
         }
-        if procs::parse_config(c)?.1 && p.mem_limit_bytes.is_none() {
+        if procs::parse_config(c)?.memlimit && p.mem_limit_bytes.is_none() {
             bail!("configuration '{c}' needs a memory limit, but --mem-limit 0 turns it off");
         }
     }
@@ -438,7 +510,7 @@ pub fn run(args: &BenchArgs, tc: &Tiercache) -> Result<()> {
         .collect();
 
     let mut notices = Vec::new();
-    let limited = |c: &str| procs::parse_config(c).is_ok_and(|(_, l)| l);
+    let limited = |c: &str| procs::parse_config(c).is_ok_and(|c| c.memlimit);
     let limiter = match p.mem_limit_bytes {
         Some(bytes) if plan.iter().any(|(_, c)| limited(c)) => match Limiter::probe(bytes) {
             Ok(l) => Some(l),
@@ -459,6 +531,11 @@ pub fn run(args: &BenchArgs, tc: &Tiercache) -> Result<()> {
     }
     if !is_root() {
         notices.push("the page cache is not dropped before cold runs: not running as root".into());
+    }
+    if plan.iter().any(|(w, _)| w == "W4") {
+        notices.push(format!(
+            "W4's O_DSYNC step runs {FLUSH_EVERY_WRITE} (an NBD flush after every write): fio's nbd engine ignores --sync=dsync and rejects --fdatasync"
+        ));
     }
     let have_nbdkit = procs::on_path("nbdkit");
 
@@ -542,7 +619,7 @@ struct PairOut {
 
 /// One (workload, configuration) pair from fresh devices.
 fn run_pair(ctx: &Ctx, w: &str, c: &str, progress: &Progress) -> Result<PairOut> {
-    let (base, limited) = procs::parse_config(c)?;
+    let cfg = procs::parse_config(c)?;
     let stale = fs::mounts_under(&ctx.scratch);
     if !stale.is_empty() {
         bail!(
@@ -551,12 +628,16 @@ fn run_pair(ctx: &Ctx, w: &str, c: &str, progress: &Progress) -> Result<PairOut>
             stale.join(", ")
         );
     }
-    let limit = if limited { ctx.limiter.as_ref() } else { None };
+    let limit = if cfg.memlimit {
+        ctx.limiter.as_ref()
+    } else {
+        None
+    };
     let sizes = Sizes {
         disk_bytes: ctx.p.disk_bytes,
         cache_bytes: ctx.p.cache_bytes,
     };
-    let mut running = procs::start(&ctx.tc, base, &ctx.scratch, sizes, limit)?;
+    let mut running = procs::start(&ctx.tc, &cfg, &ctx.scratch, sizes, limit)?;
     if w == "W5" || w == "W6" || w == "W7" {
         running.set("sequential_cutoff", "0")?;
     }
@@ -571,7 +652,10 @@ fn run_pair(ctx: &Ctx, w: &str, c: &str, progress: &Progress) -> Result<PairOut>
     let mut out = PairOut::default();
     if w == "W7" {
         progress.step("fill, then drain");
-        out.rows.push(w7(&running, c, &ctx.p)?);
+        out.rows.push(Row {
+            disk: cfg.disk(),
+            ..w7(&running, c, &ctx.p)?
+        });
         running.discard();
         return Ok(out);
     }
@@ -585,12 +669,28 @@ fn run_pair(ctx: &Ctx, w: &str, c: &str, progress: &Progress) -> Result<PairOut>
         Some(fs) => fio::Target::Files(fs.dir().to_path_buf()),
         None => fio::Target::Nbd(running.uri.clone()),
     };
-    for s in steps(w, &ctx.p, ctx.scale) {
+    let p = Params {
+        runtime_s: if cfg.nonrot {
+            ctx.p.nonrot_runtime_s
+        } else {
+            ctx.p.runtime_s
+        },
+        ..ctx.p
+    };
+    for s in steps(w, &p, ctx.scale) {
         progress.step(&s.name);
-        match run_step(&running, &target, w, c, &s, &ctx.scratch) {
-            Ok((row, ser)) => {
-                out.rows.push(row);
-                out.series.extend(ser);
+        let done = match &s.until_steady {
+            Some(rule) => steady::run(&running, &target, w, c, &s, rule),
+            None => run_step(&running, &target, w, c, &s, &ctx.scratch),
+        };
+        match done {
+            Ok(done) => {
+                out.rows.extend(done.rows.into_iter().map(|r| Row {
+                    disk: cfg.disk(),
+                    ..r
+                }));
+                out.series.extend(done.series);
+                out.notices.extend(done.notices);
             }
             Err(e) => {
                 let exited = running.exited();
@@ -615,8 +715,31 @@ fn stat(v: &Option<serde_json::Value>, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// The hit % and the MiB written to the cache device between two of tiercache's `stats`
+/// (None for the peers, which have none; no hit % without reads that could hit).
+fn cache_columns(
+    before: &Option<serde_json::Value>,
+    after: &Option<serde_json::Value>,
+) -> (Option<f64>, Option<f64>) {
+    let delta = |key| stat(after, key) - stat(before, key);
+    let tc = after.is_some();
+    let (hits, misses) = (delta("cache_hits"), delta("cache_misses"));
+    (
+        (tc && hits + misses > 0).then(|| hits as f64 * 100.0 / (hits + misses) as f64),
+        tc.then(|| delta("cache_written_bytes") as f64 / (1 << 20) as f64),
+    )
+}
+
+/// Dirty MiB and cache occupancy % of one of tiercache's `stats`.
+fn occupancy(v: &serde_json::Value) -> (f64, f64) {
+    (
+        v["cache"]["dirty_bytes"].as_f64().unwrap_or(0.0) / (1 << 20) as f64,
+        v["cache"]["in_use"].as_f64().unwrap_or(0.0),
+    )
+}
+
 /// One fio run, with tiercache's stats before and after, and the time series if the step
-/// asks for it.
+/// asks for it; a notice if a step meant to flush after every write did not.
 fn run_step(
     running: &Running,
     target: &fio::Target,
@@ -624,7 +747,7 @@ fn run_step(
     c: &str,
     s: &Step,
     scratch: &Path,
-) -> Result<(Row, Option<Series>)> {
+) -> Result<PairOut> {
     let before = running.stats();
     let samples = Arc::new(Mutex::new(Vec::new()));
     let stop = Arc::new(AtomicBool::new(false));
@@ -635,9 +758,7 @@ fn run_step(
             let t0 = Instant::now();
             while !stop.load(Ordering::SeqCst) {
                 if let Ok(v) = tc.stats(&admin) {
-                    let dirty =
-                        v["cache"]["dirty_bytes"].as_f64().unwrap_or(0.0) / (1 << 20) as f64;
-                    let in_use = v["cache"]["in_use"].as_f64().unwrap_or(0.0);
+                    let (dirty, in_use) = occupancy(&v);
                     samples.lock().expect("sampler lock").push((
                         t0.elapsed().as_secs_f64(),
                         dirty,
@@ -656,40 +777,42 @@ fn run_step(
     }
     let m = m?;
     let after = running.stats();
-    let (hits, misses) = (
-        stat(&after, "cache_hits") - stat(&before, "cache_hits"),
-        stat(&after, "cache_misses") - stat(&before, "cache_misses"),
-    );
-    let tc = running.admin.is_some();
-    let row = Row {
+    let (hit_ratio_pct, cache_written_mib) = cache_columns(&before, &after);
+    let flushes_every_write = s.args.iter().any(|a| a == FLUSH_EVERY_WRITE);
+    let mut out = PairOut::default();
+    let flushes_per_write = flushes_every_write.then(|| m.syncs as f64 / m.writes.max(1) as f64);
+    // fio's last write of a job may end the run before its flush.
+    if flushes_every_write && m.syncs + u64::from(s.jobs()) < m.writes {
+        out.notices.push(format!(
+            "{w} on {c}, {}: fio issued {} flushes for {} writes (asked for one per write)",
+            s.name, m.syncs, m.writes
+        ));
+    }
+    out.rows.push(Row {
         workload: w.to_string(),
         step: s.name.clone(),
         config: c.to_string(),
         iops: m.iops,
         bw_mib_s: m.bw_mib_s,
         mean_lat_us: m.mean_lat_us,
-        p99_lat_us: m.p99_lat_us,
-        hit_ratio_pct: (tc && hits + misses > 0)
-            .then(|| hits as f64 * 100.0 / (hits + misses) as f64),
-        cache_written_mib: tc.then(|| {
-            (stat(&after, "cache_written_bytes") - stat(&before, "cache_written_bytes")) as f64
-                / (1 << 20) as f64
-        }),
+        p99_lat_us: Some(m.p99_lat_us),
+        hit_ratio_pct,
+        cache_written_mib,
         seconds: m.runtime_s,
-        ratio_hdd: None,
-        ratio_ssd: None,
-    };
+        flushes_per_write,
+        ..Row::default()
+    });
     // One lock for both columns: two `lock()` temporaries in one expression would deadlock.
     let samples = std::mem::take(&mut *samples.lock().expect("sampler lock"));
-    let series = s.plot.then(|| Series {
+    out.series.extend(s.plot.then(|| Series {
         workload: w.to_string(),
         step: s.name.clone(),
         config: c.to_string(),
         iops: fio::iops_series(&log_prefix),
         dirty_mib: samples.iter().map(|s| (s.0, s.1)).collect(),
         in_use_pct: samples.iter().map(|s| (s.0, s.2)).collect(),
-    });
-    Ok((row, series))
+    }));
+    Ok(out)
 }
 
 /// W7: fill the cache with random dirty writes (writeback paused), then time the drain; on
@@ -757,15 +880,77 @@ mod tests {
         let w1 = default_configs("W1", true);
         assert!(w1.contains(&"tiercache-writeback+memlimit".to_string()));
         assert!(w1.contains(&"nbdkit-cache+memlimit".to_string()));
-        assert_eq!(w1.len(), CONFIGS.len() + 2);
-        assert_eq!(default_configs("W1", false).len(), CONFIGS.len());
+        assert_eq!(w1.len(), CONFIGS.len() + 2 + NONROT_CONFIGS.len());
+        assert_eq!(
+            default_configs("W1", false).len(),
+            CONFIGS.len() + NONROT_CONFIGS.len()
+        );
         assert_eq!(default_configs("W2", true).len(), CONFIGS.len());
         assert_eq!(default_configs("W7", true), W7_CONFIGS.map(String::from));
         for c in default_configs("W6", true) {
             procs::parse_config(&c).expect("default configurations parse");
         }
-        assert!(procs::parse_config("ssd+memlimit").expect("any base").1);
+        assert!(
+            procs::parse_config("ssd+memlimit")
+                .expect("any base")
+                .memlimit
+        );
         assert!(procs::parse_config("zfs").is_err());
+    }
+
+    #[test]
+    fn nonrot_variants_on_the_seek_bound_workloads_with_their_own_hdd() {
+        for w in ["W1", "W5"] {
+            let v = default_configs(w, true);
+            let flat: Vec<&str> = v.iter().filter_map(|c| c.strip_suffix(NONROT)).collect();
+            assert_eq!(flat, NONROT_CONFIGS, "{w}");
+            // The reference of their ratios runs wherever they do.
+            assert!(v.contains(&"hdd+nonrot".to_string()));
+            for c in &v {
+                let cfg = procs::parse_config(c).expect("default configurations parse");
+                assert_eq!(cfg.nonrot, c.ends_with(NONROT));
+                let disk = cfg.disk();
+                assert!(v.contains(&disk.hdd_reference()), "{c}: no reference");
+            }
+        }
+        for w in ["W2", "W3", "W4", "W6", "W7"] {
+            assert!(!default_configs(w, true).iter().any(|c| c.contains(NONROT)));
+        }
+    }
+
+    #[test]
+    fn w4_has_an_o_dsync_twin_of_its_64k_step_and_w6_runs_until_steady() {
+        for scale in [Scale::Tiny, Scale::Quick, Scale::Full] {
+            let p = params(scale);
+            let w4 = steps("W4", &p, scale);
+            let names: Vec<&str> = w4.iter().map(|s| s.name.as_str()).collect();
+            assert_eq!(
+                names,
+                [
+                    "sync randwrite 4k to 70 % of cache",
+                    "64k write 1 % random",
+                    "64k write 1 % random O_DSYNC"
+                ]
+            );
+            let (plain, dsync) = (&w4[1], &w4[2]);
+            assert!(!plain.args.iter().any(|a| a == FLUSH_EVERY_WRITE));
+            assert_eq!(dsync.args[..plain.args.len()], plain.args[..]);
+            assert_eq!(dsync.args[plain.args.len()..], [FLUSH_EVERY_WRITE]);
+            assert_eq!(dsync.jobs(), p.seek_jobs);
+            assert!(w4[0].args.iter().any(|a| a == FLUSH_EVERY_WRITE));
+
+            let w6 = steps("W6", &p, scale);
+            assert_eq!(w6.len(), 1);
+            let rule = w6[0].until_steady.expect("W6 runs until steady");
+            assert_eq!(rule, p.w6);
+            let cap = format!("{}", rule.cap_s);
+            assert_eq!(arg(&w6[0], "--runtime="), Some(cap.as_str()));
+            // Room for the first (warm-up) interval and one steady window.
+            assert!(rule.cap_s >= (rule.intervals as u64 + 1) * rule.interval_s);
+            for w in ["W1", "W2", "W3", "W4", "W5"] {
+                assert!(steps(w, &p, scale).iter().all(|s| s.until_steady.is_none()));
+            }
+        }
     }
 
     #[test]
@@ -780,6 +965,7 @@ mod tests {
             assert!(total <= p.cache_bytes * 7 / 10 && total + 4096 * 16 > p.cache_bytes * 7 / 10);
             let seeks = &w4[1];
             assert_eq!(arg(seeks, "--percentage_random="), Some("1"));
+            assert_eq!(arg(sync, "--fsync="), Some("1"));
             let region: u64 = arg(seeks, "--size=").unwrap().parse().unwrap();
             assert!(region * u64::from(p.seek_jobs) < p.disk_bytes && region.is_multiple_of(65536));
             let w2: Vec<String> = steps("W2", &p, scale).into_iter().map(|s| s.name).collect();

@@ -1,12 +1,14 @@
 //! The configurations under test, as running processes: the emulated disk, tiercache on top
 //! of it, nbdkit's cache filter on top of it, or the fast file alone; each optionally with
-//! every server process in a memory cgroup (the `+memlimit` variants).
+//! every server process in a memory cgroup (the `+memlimit` variants) and/or over an emulated
+//! disk that does not report itself rotational (the `+nonrot` variants).
 //!
 //! Invariants: every process started here is owned by a [`Proc`] that sends SIGTERM and waits
 //! when dropped (or is SIGKILLed and reaped by [`Running::discard`] once a pair's devices are
 //! thrown away), so no run leaves a server behind, even on error, and only then removes the
-//! process's memory cgroup; every configuration reaches the same emulated disk model over NBD,
-//! and every cache gets the same size.
+//! process's memory cgroup; every configuration reaches the same emulated disk model over NBD
+//! (a `+nonrot` one the same model with only its ROTATIONAL flag cleared), and every cache gets
+//! the same size.
 
 use super::cgroup::{Limiter, MemCgroup};
 use anyhow::{bail, Context, Result};
@@ -261,23 +263,110 @@ pub const CONFIGS: [&str; 6] = [
 /// memory cgroup.
 pub const MEMLIMIT: &str = "+memlimit";
 
+/// Appended to a configuration's name: the same configuration over the same emulated disk
+/// started with `--rotational false`, so that the disk does not report itself rotational.
+pub const NONROT: &str = "+nonrot";
+
 /// The `+memlimit` variants run by default (where reads can be served from RAM).
 pub const MEMLIMIT_CONFIGS: [&str; 2] = ["tiercache-writeback", "nbdkit-cache"];
 
-/// Splits `name` into its base configuration and whether it is a `+memlimit` variant; an
-/// unknown base is an error listing the known names.
-pub fn parse_config(name: &str) -> Result<(&str, bool)> {
-    let (base, limited) = match name.strip_suffix(MEMLIMIT) {
-        Some(b) => (b, true),
-        None => (name, false),
+/// The `+nonrot` variants run by default (on the seek-bound workloads): the disk alone, as the
+/// reference of their ratios, and the caches.
+pub const NONROT_CONFIGS: [&str; 4] = [
+    "hdd",
+    "tiercache-writethrough",
+    "tiercache-writeback",
+    "nbdkit-cache",
+];
+
+/// The slow disk a configuration runs on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Disk {
+    /// The emulated HDD, reporting ROTATIONAL.
+    #[default]
+    Rotational,
+    /// The same emulated HDD with `--rotational false`.
+    NonRotational,
+    /// No slow disk: the `ssd` configuration, the fast file alone.
+    None,
+}
+
+impl Disk {
+    /// For reports.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Disk::Rotational => "rotational",
+            Disk::NonRotational => "non-rotational",
+            Disk::None => "none (fast file)",
+        }
+    }
+
+    /// The configuration whose rows are the `×hdd` reference of rows on this disk: the disk
+    /// alone, of the same kind (the `ssd` rows compare with the rotational one).
+    pub fn hdd_reference(self) -> String {
+        match self {
+            Disk::NonRotational => format!("hdd{NONROT}"),
+            Disk::Rotational | Disk::None => "hdd".into(),
+        }
+    }
+}
+
+/// A configuration name parsed: a base from [`CONFIGS`] and its modifiers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config<'a> {
+    pub base: &'a str,
+    /// `+memlimit`: every server process in a memory cgroup.
+    pub memlimit: bool,
+    /// `+nonrot`: the emulated disk does not report itself rotational.
+    pub nonrot: bool,
+}
+
+impl Config<'_> {
+    pub fn disk(&self) -> Disk {
+        match (self.base, self.nonrot) {
+            ("ssd", _) => Disk::None,
+            (_, true) => Disk::NonRotational,
+            (_, false) => Disk::Rotational,
+        }
+    }
+}
+
+/// Parses `name`: a base from [`CONFIGS`] followed by modifiers ([`MEMLIMIT`], [`NONROT`]) in
+/// any order, each at most once. An unknown base or modifier is an error listing the known
+/// names; so is `+nonrot` on `ssd`, which has no emulated disk.
+pub fn parse_config(name: &str) -> Result<Config<'_>> {
+    let mut parts = name.split('+');
+    let base = parts.next().unwrap_or_default();
+    let known = || {
+        format!(
+            "known: {}, each optionally with {MEMLIMIT} and/or {NONROT}",
+            CONFIGS.join(", ")
+        )
     };
     if !CONFIGS.contains(&base) {
-        bail!(
-            "unknown configuration '{name}' (known: {}, each optionally with {MEMLIMIT})",
-            CONFIGS.join(", ")
-        );
+        bail!("unknown configuration '{name}' ({})", known());
     }
-    Ok((base, limited))
+    let mut c = Config {
+        base,
+        memlimit: false,
+        nonrot: false,
+    };
+    for m in parts {
+        let flag = match format!("+{m}").as_str() {
+            MEMLIMIT => &mut c.memlimit,
+            NONROT => &mut c.nonrot,
+            _ => bail!("unknown configuration '{name}' ({})", known()),
+        };
+        if *flag {
+            bail!("configuration '{name}' repeats +{m}");
+        }
+        *flag = true;
+    }
+    if c.nonrot && base == "ssd" {
+        bail!("configuration '{name}': ssd has no emulated disk, so {NONROT} means nothing");
+    }
+    Ok(c)
 }
 
 /// Sizes shared by every configuration of a run.
@@ -295,11 +384,12 @@ pub struct Running {
     procs: Vec<Proc>,
 }
 
-/// Starts `config` (a base name from [`CONFIGS`]) with fresh devices in `dir`; with `limit`,
-/// every server process runs in its own memory cgroup.
+/// Starts `config` with fresh devices in `dir`; with `limit` (given for `+memlimit`), every
+/// server process runs in its own memory cgroup; with `+nonrot`, the emulated disk is started
+/// with `--rotational false`.
 pub fn start(
     tc: &Tiercache,
-    config: &str,
+    config: &Config,
     dir: &Path,
     sizes: Sizes,
     limit: Option<&Limiter>,
@@ -326,12 +416,17 @@ pub fn start(
         wait_for(sock, "the emulated disk")?;
         Ok(p)
     };
-    match config {
+    let hdd_flags: &[&str] = if config.nonrot {
+        &["--rotational", "false"]
+    } else {
+        &[]
+    };
+    match config.base {
         "hdd" => Ok(Running {
             uri: hdd_uri,
             admin: None,
             tc: tc.clone(),
-            procs: vec![emulate("hdd", &disk, &hdd_sock, &[])?],
+            procs: vec![emulate("hdd", &disk, &hdd_sock, hdd_flags)?],
         }),
         "ssd" => {
             // The fast file alone, O_DIRECT, with no added latency. Written in full first: a
@@ -354,7 +449,7 @@ pub fn start(
             })
         }
         "nbdkit-cache" => {
-            let hdd = emulate("hdd", &disk, &hdd_sock, &[])?;
+            let hdd = emulate("hdd", &disk, &hdd_sock, hdd_flags)?;
             let sock = dir.join("kit.sock");
             let mut c = Command::new("nbdkit");
             c.arg("--foreground")
@@ -378,7 +473,7 @@ pub fn start(
         }
         mode if mode.starts_with("tiercache-") => {
             let mode = mode.trim_start_matches("tiercache-");
-            let hdd = emulate("hdd", &disk, &hdd_sock, &[])?;
+            let hdd = emulate("hdd", &disk, &hdd_sock, hdd_flags)?;
             // Written in full, like the `ssd` row's file: the cache stands for an SSD, where a
             // first write to a block costs what any write does. In a sparse file it also
             // allocates the block, and the next flush commits that allocation (measured: twice

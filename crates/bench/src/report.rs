@@ -4,10 +4,13 @@
 //! with every configuration overlaid. Each chart is embedded under its workload's table.
 //!
 //! Invariant: every number written comes from a `Row` or `Series` measured in this run; a
-//! ratio is present only when the reference row of the same workload step exists; one
-//! configuration has one colour in every chart.
+//! ratio is present only when the reference row of the same workload step exists, and the
+//! `×hdd` reference is the disk alone of the same kind ([`Disk::hdd_reference`]: `hdd+nonrot`
+//! for rows on the non-rotational disk); W6's warm-up rows get no ratio (ratios compare its
+//! steady rows); one configuration has one colour in every chart.
 
 use super::plot::{self, BarSeries, Key, Line, Panel, Rgb};
+use super::procs::{self, Disk};
 use super::{Params, Scale, WORKLOADS};
 use anyhow::Result;
 use std::fmt::Write as _;
@@ -21,12 +24,33 @@ pub struct Row {
     pub iops: f64,
     pub bw_mib_s: f64,
     pub mean_lat_us: f64,
-    pub p99_lat_us: f64,
+    /// None where fio gives no percentile for the rows' span (W6's phases, which are
+    /// differences of fio's cumulative reports).
+    pub p99_lat_us: Option<f64>,
     pub hit_ratio_pct: Option<f64>,
     pub cache_written_mib: Option<f64>,
     pub seconds: f64,
     pub ratio_hdd: Option<f64>,
     pub ratio_ssd: Option<f64>,
+    /// The slow disk the row ran on.
+    pub disk: Disk,
+    /// W6: which part of the run-until-steady the row covers.
+    pub phase: Option<Phase>,
+    /// Steps that ask for a flush after every write (`--fsync=1`): fio's syncs over its
+    /// writes, i.e. NBD flushes per write (1.0 means one each).
+    pub flushes_per_write: Option<f64>,
+}
+
+/// The parts of W6's run until steady.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    /// From the start to the first steady interval (the seconds column is the time to steady).
+    WarmUp,
+    /// The consecutive intervals that met the steadiness rule.
+    Steady,
+    /// The run reached its time cap without meeting the rule: its last intervals.
+    NotSteady,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -40,31 +64,32 @@ pub struct Series {
     pub in_use_pct: Vec<(f64, f64)>,
 }
 
-/// Fills the ratio columns: a row's throughput over the `hdd` (`ssd`) row of the same step.
-/// For W7, where less time is better, the ratio is the reference time over this time.
+/// Fills the ratio columns: a row's throughput over that of the reference row of the same step:
+/// the disk alone of the same kind for `×hdd`, `ssd` for `×ssd`. For W7, where less time is
+/// better, the ratio is the reference time over this time. W6's warm-up rows get none.
 pub fn ratios(rows: &mut [Row]) {
-    let find = |rows: &[Row], r: &Row, cfg: &str| {
-        rows.iter()
+    let value = |r: &Row| {
+        if r.workload == "W7" {
+            r.seconds
+        } else {
+            r.iops
+        }
+    };
+    let copy = rows.to_vec();
+    let find = |r: &Row, cfg: &str| {
+        copy.iter()
             .find(|x| {
                 x.config == cfg
                     && x.workload == r.workload
                     && (x.step == r.step || r.workload == "W7")
             })
-            .map(|x| {
-                if r.workload == "W7" {
-                    x.seconds
-                } else {
-                    x.iops
-                }
-            })
+            .map(value)
     };
-    let copy = rows.to_vec();
     for r in rows.iter_mut() {
-        let mine = if r.workload == "W7" {
-            r.seconds
-        } else {
-            r.iops
-        };
+        if r.phase == Some(Phase::WarmUp) {
+            continue;
+        }
+        let mine = value(r);
         let ratio = |reference: Option<f64>| {
             reference.filter(|v| *v > 0.0 && mine > 0.0).map(|v| {
                 if r.workload == "W7" {
@@ -74,8 +99,8 @@ pub fn ratios(rows: &mut [Row]) {
                 }
             })
         };
-        r.ratio_hdd = ratio(find(&copy, r, "hdd"));
-        r.ratio_ssd = ratio(find(&copy, r, "ssd"));
+        r.ratio_hdd = ratio(find(r, &r.disk.hdd_reference()));
+        r.ratio_ssd = ratio(find(r, "ssd"));
     }
 }
 
@@ -113,6 +138,16 @@ pub fn write(
             None => "No `+memlimit` configurations (--mem-limit 0).".into(),
         }
     )?;
+    writeln!(
+        md,
+        "`+nonrot`: the same emulated HDD started with `--rotational false`, so it does not report itself rotational (column \"disk\"); {} s per timed step. ×hdd: over the disk alone of the same kind, same step (`hdd+nonrot` for `+nonrot` rows); ×ssd: over `ssd`. W6 runs in {} s intervals until {} consecutive ones (not the first) differ by at most {:.0} % in IOPS and {} points in hit % (tiercache), at most {} s: a warm-up row (s: time to steady) and a steady row per configuration; ratios compare steady rows. p99 is n/a there (fio reports it for the whole run only).\n",
+        p.nonrot_runtime_s,
+        p.w6.interval_s,
+        p.w6.intervals,
+        p.w6.iops_tolerance * 100.0,
+        p.w6.hit_tolerance_pct,
+        p.w6.cap_s
+    )?;
     for n in notices {
         writeln!(md, "> {n}\n")?;
     }
@@ -143,26 +178,7 @@ pub fn write(
                 )?;
             }
         } else {
-            writeln!(
-                md,
-                "| step | config | IOPS | MiB/s | mean µs | p99 µs | hit % | cache MiB written | ×hdd | ×ssd |\n|---|---|---|---|---|---|---|---|---|---|"
-            )?;
-            for r in wr {
-                writeln!(
-                    md,
-                    "| {} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {} | {} | {} | {} |",
-                    r.step,
-                    r.config,
-                    r.iops,
-                    r.bw_mib_s,
-                    r.mean_lat_us,
-                    r.p99_lat_us,
-                    opt(r.hit_ratio_pct, 0),
-                    opt(r.cache_written_mib, 1),
-                    opt(r.ratio_hdd, 2),
-                    opt(r.ratio_ssd, 2)
-                )?;
-            }
+            table(&mut md, &wr)?;
         }
         writeln!(md)?;
         for (_, name, _) in charts.iter().filter(|c| c.0 == w) {
@@ -185,6 +201,55 @@ pub fn write(
         dir.join("results.json"),
         serde_json::to_string_pretty(&json)?,
     )?;
+    Ok(())
+}
+
+/// One workload's table. The disk column appears when a row ran on the non-rotational disk, the
+/// seconds column when a row is a W6 phase.
+fn table(md: &mut String, rows: &[&Row]) -> Result<()> {
+    let disk = rows.iter().any(|r| r.disk == Disk::NonRotational);
+    let secs = rows.iter().any(|r| r.phase.is_some());
+    let mut head = vec!["step", "config"];
+    head.extend(disk.then_some("disk"));
+    head.extend(secs.then_some("s"));
+    head.extend([
+        "IOPS",
+        "MiB/s",
+        "mean µs",
+        "p99 µs",
+        "hit %",
+        "cache MiB written",
+        "×hdd",
+        "×ssd",
+    ]);
+    writeln!(
+        md,
+        "| {} |\n|{}",
+        head.join(" | "),
+        "---|".repeat(head.len())
+    )?;
+    for r in rows {
+        let step = match r.phase {
+            Some(Phase::NotSteady) => {
+                format!("{}, NOT reached: the last {:.0} s", r.step, r.seconds)
+            }
+            _ => r.step.clone(),
+        };
+        let mut cells = vec![step, r.config.clone()];
+        cells.extend(disk.then(|| r.disk.describe().to_string()));
+        cells.extend(secs.then(|| format!("{:.1}", r.seconds)));
+        cells.extend([
+            format!("{:.0}", r.iops),
+            format!("{:.1}", r.bw_mib_s),
+            format!("{:.0}", r.mean_lat_us),
+            opt(r.p99_lat_us, 0),
+            opt(r.hit_ratio_pct, 0),
+            opt(r.cache_written_mib, 1),
+            opt(r.ratio_hdd, 2),
+            opt(r.ratio_ssd, 2),
+        ]);
+        writeln!(md, "| {} |", cells.join(" | "))?;
+    }
     Ok(())
 }
 
@@ -223,8 +288,17 @@ pub fn machine() -> String {
     format!("{cores} cores ({cpu}), {mem_gib} GiB")
 }
 
-/// One colour per configuration (matplotlib's "tab10"), the same in every chart.
+/// One colour per configuration (matplotlib's "tab10"), the same in every chart; a `+nonrot`
+/// configuration gets its rotational twin's colour, lightened.
 fn color(config: &str) -> Rgb {
+    if let Some(twin) = config
+        .contains(procs::NONROT)
+        .then(|| config.replacen(procs::NONROT, "", 1))
+    {
+        let (r, g, b) = color(&twin);
+        let light = |c: u8| c + (255 - c) / 2;
+        return (light(r), light(g), light(b));
+    }
     match config {
         "hdd" => (127, 127, 127),
         "ssd" => (23, 190, 207),
@@ -234,7 +308,7 @@ fn color(config: &str) -> Rgb {
         "nbdkit-cache" => (214, 39, 40),
         "tiercache-writeback+memlimit" => (140, 86, 75),
         "nbdkit-cache+memlimit" => (227, 119, 194),
-        c if c.ends_with(super::MEMLIMIT) => (188, 189, 34),
+        c if c.ends_with(procs::MEMLIMIT) => (188, 189, 34),
         _ => (148, 103, 189),
     }
 }
@@ -360,6 +434,67 @@ mod tests {
         assert_eq!(rows[2].ratio_hdd, Some(50.0));
         assert_eq!(rows[2].ratio_ssd, Some(0.5));
         assert_eq!(rows[0].ratio_hdd, Some(1.0));
+    }
+
+    #[test]
+    fn ratios_use_the_disk_alone_of_the_same_kind_and_skip_warm_up() {
+        let row = |cfg: &str, disk: Disk, phase: Option<Phase>, iops: f64| Row {
+            workload: "W6".into(),
+            step: if phase == Some(Phase::WarmUp) {
+                "zipf (warm-up)"
+            } else {
+                "zipf (steady)"
+            }
+            .into(),
+            config: cfg.into(),
+            iops,
+            disk,
+            phase,
+            ..Row::default()
+        };
+        let (rot, flat) = (Disk::Rotational, Disk::NonRotational);
+        let mut rows = vec![
+            row("hdd", rot, Some(Phase::WarmUp), 100.0),
+            row("hdd", rot, Some(Phase::Steady), 200.0),
+            row("hdd+nonrot", flat, Some(Phase::Steady), 400.0),
+            row("tiercache-writeback", rot, Some(Phase::WarmUp), 1000.0),
+            row("tiercache-writeback", rot, Some(Phase::NotSteady), 2000.0),
+            row(
+                "tiercache-writeback+nonrot",
+                flat,
+                Some(Phase::Steady),
+                2000.0,
+            ),
+            row("ssd", Disk::None, Some(Phase::Steady), 4000.0),
+        ];
+        ratios(&mut rows);
+        let hdd: Vec<Option<f64>> = rows.iter().map(|r| r.ratio_hdd).collect();
+        assert_eq!(
+            hdd,
+            [
+                None,
+                Some(1.0),
+                Some(1.0),
+                None,
+                Some(10.0),
+                Some(5.0),
+                Some(20.0)
+            ]
+        );
+        assert_eq!(rows[5].ratio_ssd, Some(0.5));
+        assert_eq!(rows[3].ratio_ssd, None);
+        let mut md = String::new();
+        table(&mut md, &rows.iter().collect::<Vec<_>>()).unwrap();
+        assert!(
+            md.starts_with("| step | config | disk | s | IOPS |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| tiercache-writeback+nonrot | non-rotational |"),
+            "{md}"
+        );
+        assert!(md.contains("(steady), NOT reached: the last 0 s"), "{md}");
+        assert_ne!(color("hdd"), color("hdd+nonrot"));
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! Smoke test of `tiercache bench --scale tiny`: the harness runs end to end and its outputs
 //! are well formed (results.json parses and has a row for every configuration × workload that
-//! ran, including W2's sequential steps, W3 on ext4 when root, both W4 jobs and the
-//! `+memlimit` variants when root; results.md has the tables; the charts `w1.svg` (bars) and
-//! `w4.svg` (time series) exist, are SVG with a legend entry per configuration, and are
-//! embedded in results.md; no mount or loop device is left behind), that `--workloads hits` fills its two tables from a
-//! fully cached region, and that bad options fail with a clear message. It asserts no timing.
+//! ran, including W2's sequential steps, W3 on ext4 when root, the three W4 steps (the O_DSYNC
+//! one with a flush per write), W6's warm-up and steady rows, the `+nonrot` variants with
+//! ratios against `hdd+nonrot`, and the `+memlimit` variants when root; results.md has the
+//! tables; the charts `w1.svg` (bars), `w4.svg` and `w6.svg` (time series) exist, are SVG with a
+//! legend entry per configuration, and are embedded in results.md; no mount or loop device is
+//! left behind), that `--workloads hits` fills its two tables from a fully cached region, and
+//! that bad options fail with a clear message. It asserts no timing.
 //!
 //! Needs fio; W3 needs root, nbdfuse, losetup, mkfs.ext4, mount and fusermount3; the
 //! `+memlimit` run uses nbdkit. Under `CI=true` (which runs as root) anything missing fails the
@@ -79,6 +81,7 @@ fn bench_rejects_bad_options() {
             "unknown configuration",
         ),
         (&["--workloads", "W9"][..], "unknown workload"),
+        (&["--configs", "ssd+nonrot"][..], "no emulated disk"),
         (&["--workloads", "hits,W1"][..], "runs alone"),
         (&["--mem-limit", "8"][..], "--mem-limit 8"),
         (
@@ -122,12 +125,12 @@ fn bench_tiny_writes_well_formed_results() {
     let out = tempfile::tempdir().expect("tempdir");
 
     // The workloads with their own code paths on the disk alone and one tiercache mode (W1 for
-    // its bar chart); W5 and W6 share W1's and W4's paths and stay out to keep this short.
+    // its bar chart); W5 shares W1's path and stays out to keep this short.
     let (json, md) = bench(
         out.path(),
         &[
             "--workloads",
-            "W1,W2,W3,W4,W7",
+            "W1,W2,W3,W4,W6,W7",
             "--configs",
             "hdd,tiercache-writeback",
         ],
@@ -137,10 +140,45 @@ fn bench_tiny_writes_well_formed_results() {
         for step in ["write 8k", "read 8k", "randread 8k", "randwrite 8k"] {
             assert!(has_row(&json, "W2", c, Some(step)), "no W2 {step} on {c}");
         }
-        for step in ["sync randwrite 4k to 70 % of cache", "64k write 1 % random"] {
-            assert!(has_row(&json, "W4", c, Some(step)), "no W4 {step} on {c}");
+        for step in [
+            "sync randwrite 4k to 70 % of cache",
+            "64k write 1 % random",
+            "64k write 1 % random O_DSYNC",
+            "zipf:1.2 randrw 70/30 (warm-up)",
+            "zipf:1.2 randrw 70/30 (steady)",
+        ] {
+            let w = if step.starts_with("zipf") { "W6" } else { "W4" };
+            assert!(has_row(&json, w, c, Some(step)), "no {w} {step} on {c}");
             assert!(md.contains(step), "results.md lacks {step}");
         }
+        let row = |w: &str, step: &str| {
+            json["rows"]
+                .as_array()
+                .expect("rows")
+                .iter()
+                .find(|r| r["workload"] == w && r["config"] == c && r["step"] == step)
+                .cloned()
+                .expect("row")
+        };
+        // One flush per write (fio's syncs; a job's last write may end before its flush).
+        let dsync = row("W4", "64k write 1 % random O_DSYNC");
+        assert!(
+            dsync["flushes_per_write"]
+                .as_f64()
+                .is_some_and(|f| f > 0.5 && f <= 1.0),
+            "{dsync}"
+        );
+        assert!(row("W4", "64k write 1 % random")["flushes_per_write"].is_null());
+        let warm = row("W6", "zipf:1.2 randrw 70/30 (warm-up)");
+        let steady = row("W6", "zipf:1.2 randrw 70/30 (steady)");
+        assert_eq!(warm["phase"], "warm-up");
+        assert!(warm["seconds"].as_f64().is_some_and(|s| s > 0.0), "{warm}");
+        assert!(
+            warm["ratio_hdd"].is_null(),
+            "warm-up rows get no ratio: {warm}"
+        );
+        assert!(["steady", "not-steady"].contains(&steady["phase"].as_str().unwrap_or("")));
+        assert!(steady["ratio_hdd"].is_number(), "{steady}");
         assert!(has_row(&json, "W7", c, None), "no W7 row for {c}");
         if w3_runs {
             assert!(
@@ -160,7 +198,7 @@ fn bench_tiny_writes_well_formed_results() {
             assert!(r["cache_written_mib"].is_number(), "no cache column: {r}");
         }
     }
-    for heading in ["## W2", "## W4", "## W7", "|---|"] {
+    for heading in ["## W2", "## W4", "## W6", "## W7", "|---|"] {
         assert!(md.contains(heading), "results.md lacks {heading}");
     }
     let plots: Vec<&str> = json["plots"]
@@ -171,7 +209,7 @@ fn bench_tiny_writes_well_formed_results() {
         .collect();
     assert_eq!(
         plots,
-        ["w1.svg", "w4.svg"],
+        ["w1.svg", "w4.svg", "w6.svg"],
         "one chart per plotted workload"
     );
     for p in plots {
@@ -192,15 +230,35 @@ fn bench_tiny_writes_well_formed_results() {
         );
     }
 
-    // The memory-limited variants (one short step each).
+    // The non-rotational disk and the memory-limited variants (one short step each).
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut configs = vec!["hdd+nonrot", "tiercache-writeback+nonrot"];
+    let memlimit = ["tiercache-writeback+memlimit", "nbdkit-cache+memlimit"];
     if have("nbdkit") {
-        let out = tempfile::tempdir().expect("tempdir");
-        let configs = ["tiercache-writeback+memlimit", "nbdkit-cache+memlimit"];
-        let (json, md) = bench(
-            out.path(),
-            &["--workloads", "W5", "--configs", &configs.join(",")],
-        );
-        for c in configs {
+        configs.extend(memlimit);
+    }
+    let (json, md) = bench(
+        out.path(),
+        &["--workloads", "W5", "--configs", &configs.join(",")],
+    );
+    for r in json["rows"].as_array().expect("rows") {
+        if r["config"] == "tiercache-writeback+nonrot" {
+            assert_eq!(r["disk"], "non-rotational", "{r}");
+            assert!(
+                r["ratio_hdd"].is_number(),
+                "no ratio against hdd+nonrot: {r}"
+            );
+        }
+    }
+    assert!(
+        md.contains("| disk |") && md.contains("non-rotational"),
+        "{md}"
+    );
+    for c in &configs[..2] {
+        assert!(has_row(&json, "W5", c, None), "no W5 row for {c}");
+    }
+    if have("nbdkit") {
+        for c in memlimit {
             if root {
                 assert!(has_row(&json, "W5", c, None), "no W5 row for {c}");
             }
