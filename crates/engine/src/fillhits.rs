@@ -3,19 +3,21 @@
 //! (`policy::miss_fill_window`) weighs it against what a fill costs.
 //!
 //! Sampled and bounded: one block in `SAMPLE` (by a hash of its number) is tracked, in a table
-//! of `SLOTS` atomics per backing device. A tracked block's outcome is known when a read finds
-//! it (read) or when a newer filled block takes its slot (unread: about `SLOTS` × `SAMPLE`
-//! filled blocks later, the horizon within which a filled block must be read to count). Until
-//! `MIN_RESOLVED` outcomes are known there is no ratio: blocks filled a moment ago are not yet
-//! taken for useless.
+//! of `SLOTS` atomics per backing device, each holding the block's number and the epoch (a
+//! count of tracked fills, in units of `EPOCH_FILLS`) of its fill. A tracked block's outcome
+//! is known when a read finds it (read) or when a newer filled block takes its slot after
+//! `HORIZON_EPOCHS` epochs (unread: it had about `HORIZON_EPOCHS` × `EPOCH_FILLS` × `SAMPLE`
+//! filled blocks' time, 128 MiB of 4 KiB blocks, to be read). A slot taken sooner (two blocks
+//! hashing alike) drops the older block without an outcome: a fill a moment ago is not yet
+//! taken for useless. Until `MIN_RESOLVED` outcomes are known there is no ratio.
 //!
 //! Invariants:
 //! - memory is `SLOTS` words per backing device, whatever the cache or device size;
 //! - `note_read` costs one hash per block read and, for one block in `SAMPLE`, one atomic load
 //!   (a compare-and-swap when it is a tracked filled block); no lock;
-//! - each tracked block has one outcome; both counts decay together (halved once they reach
-//!   `DECAY_AT`), so the ratio follows the current workload; races between the halving and
-//!   concurrent increments only blur it.
+//! - each tracked block has at most one outcome; both counts decay together (halved once they
+//!   reach `DECAY_AT`), so the ratio follows the current workload; races between the halving
+//!   and concurrent increments only blur it.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -23,14 +25,23 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 pub const SAMPLE: u64 = 8;
 /// Tracked filled blocks remembered per backing device (a power of two).
 pub const SLOTS: usize = 4096;
+/// Tracked fills per epoch.
+pub const EPOCH_FILLS: u64 = 256;
+/// Epochs a tracked block has to be read in before losing its slot counts as unread.
+pub const HORIZON_EPOCHS: u64 = 16;
 /// Outcomes known before the ratio is reported.
-pub const MIN_RESOLVED: u64 = 64;
+pub const MIN_RESOLVED: u64 = 16;
 /// Outcomes at which both counts are halved.
 pub const DECAY_AT: u64 = 4096;
+/// Bits of a slot holding the epoch (the block number above them).
+const EPOCH_BITS: u32 = 16;
+const EPOCH_MASK: u64 = (1 << EPOCH_BITS) - 1;
 
 pub struct FillHits {
-    /// A tracked filled block's number + 1, or 0.
+    /// A tracked filled block: `(number + 1) << EPOCH_BITS | epoch`, or 0.
     slots: Box<[AtomicU64]>,
+    /// Tracked fills so far.
+    fills: AtomicU64,
     read: AtomicU64,
     unread: AtomicU64,
 }
@@ -39,6 +50,7 @@ impl Default for FillHits {
     fn default() -> Self {
         FillHits {
             slots: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            fills: AtomicU64::new(0),
             read: AtomicU64::new(0),
             unread: AtomicU64::new(0),
         }
@@ -52,13 +64,20 @@ fn slot(block: u64) -> Option<usize> {
     (h & (SAMPLE - 1) == 0).then_some(((h >> 3) as usize) & (SLOTS - 1))
 }
 
+/// The block part of a slot's value for `block`.
+fn tag(block: u64) -> u64 {
+    (block + 1) << EPOCH_BITS
+}
+
 impl FillHits {
     /// Blocks `[b0, b1)` were brought in by a fill (beyond the request).
     pub fn note_filled(&self, b0: u64, b1: u64) {
         for b in b0..b1 {
             if let Some(s) = slot(b) {
-                let old = self.slots[s].swap(b + 1, Relaxed);
-                if old != 0 && old != b + 1 {
+                let epoch = (self.fills.fetch_add(1, Relaxed) / EPOCH_FILLS) & EPOCH_MASK;
+                let old = self.slots[s].swap(tag(b) | epoch, Relaxed);
+                let age = epoch.wrapping_sub(old & EPOCH_MASK) & EPOCH_MASK;
+                if old != 0 && old & !EPOCH_MASK != tag(b) && age >= HORIZON_EPOCHS {
                     self.outcome(&self.unread);
                 }
             }
@@ -70,8 +89,9 @@ impl FillHits {
         for b in b0..b1 {
             if let Some(s) = slot(b) {
                 let slot = &self.slots[s];
-                if slot.load(Relaxed) == b + 1
-                    && slot.compare_exchange(b + 1, 0, Relaxed, Relaxed).is_ok()
+                let cur = slot.load(Relaxed);
+                if cur & !EPOCH_MASK == tag(b)
+                    && slot.compare_exchange(cur, 0, Relaxed, Relaxed).is_ok()
                 {
                     self.outcome(&self.read);
                 }
@@ -99,8 +119,8 @@ impl FillHits {
 mod tests {
     use super::*;
 
-    /// Blocks filled after `[b0, b1)` until every slot holds a newer one.
-    const HORIZON: u64 = SLOTS as u64 * SAMPLE * 4;
+    /// Blocks filled after `[b0, b1)` until every slot holds a newer one past the horizon.
+    const HORIZON: u64 = (HORIZON_EPOCHS * EPOCH_FILLS + SLOTS as u64 * 4) * SAMPLE;
 
     #[test]
     fn the_ratio_counts_filled_blocks_read_before_the_horizon_once_each() {
@@ -113,9 +133,8 @@ mod tests {
         h.note_read(0, 1024);
         h.note_read(1 << 40, (1 << 40) + 10_000);
         let r = h.ratio().expect("about 128 reads resolved");
-        // Resolved so far: those reads, and the few tracked blocks of the same fill that
-        // took one another's slot.
-        assert!(r > 0.6, "{r}");
+        // Tracked blocks of the same fill that took one another's slot have no outcome.
+        assert_eq!(r, 1.0, "only reads are resolved so far");
         // Far more fills push the rest out unread: a quarter of the first fill was read.
         h.note_filled(1 << 30, (1 << 30) + HORIZON);
         let r = h.ratio().unwrap();
@@ -130,10 +149,18 @@ mod tests {
             h.note_filled(i * 1024, (i + 1) * 1024);
             h.note_read(i * 1024, (i + 1) * 1024);
         }
-        assert!(h.ratio().unwrap() > 0.9, "{:?}", h.ratio());
+        assert_eq!(h.ratio(), Some(1.0));
         // ...then one where none is: the ratio falls well below.
         h.note_filled(1 << 30, (1 << 30) + 4 * HORIZON);
         assert!(h.ratio().unwrap() < 0.2, "{:?}", h.ratio());
+    }
+
+    #[test]
+    fn blocks_filled_a_moment_ago_are_not_taken_for_unread() {
+        let h = FillHits::default();
+        // Far more tracked blocks than slots, but all within the horizon: collisions only.
+        h.note_filled(0, HORIZON_EPOCHS * EPOCH_FILLS * SAMPLE / 2);
+        assert_eq!(h.ratio(), None);
     }
 
     #[test]

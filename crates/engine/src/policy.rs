@@ -202,7 +202,8 @@ pub fn seek_bound(est: &CostEstimate) -> bool {
 
 /// The share of filled blocks assumed read later before `MIN_RESOLVED` outcomes are known
 /// (see `fillhits`): enough for a full window where a miss costs far more than a hit (a disk),
-/// a quarter window where it costs a little more (flash behind a faster cache).
+/// a quarter window where it costs a little more (flash behind a faster cache); either at
+/// most `MISS_FILL_EXPLORE_BYTES` until measured.
 pub const FILL_HITS_PRIOR: f64 = 0.1;
 
 /// What the cache device costs a miss fill: a read of a block from it (what a hit on a filled
@@ -239,7 +240,8 @@ pub fn fill_breakeven(backing: &CostEstimate, cache: &CacheCosts, block_size: u6
 /// The fixed cost counts, not only the positioning the model could tell apart: a disk seen
 /// only at random offsets has its seeks in its fixed cost. The cost per byte used is the
 /// model's low bound, so an uncertain slope (positioning noise) does not shrink the window.
-/// By benefit: the whole window while `fill_hits` (or `FILL_HITS_PRIOR`) is at least 4×
+/// By benefit: the whole window while `fill_hits` (or `FILL_HITS_PRIOR`, then at most
+/// `MISS_FILL_EXPLORE_BYTES`: a wrong guess costs little) is at least 4×
 /// `fill_breakeven`, a quarter of it between 1× and 4×, and below that nothing but one
 /// `MISS_FILL_EXPLORE_BYTES` fill every `MISS_FILL_EXPLORE_EVERY` misses (while a hit saves
 /// anything at all).
@@ -271,11 +273,15 @@ pub fn miss_fill_window(
             } else {
                 MISS_FILL_MAX_BYTES
             };
-            match fill_hits.unwrap_or(FILL_HITS_PRIOR) {
+            let by_benefit = match fill_hits.unwrap_or(FILL_HITS_PRIOR) {
                 h if h >= 4.0 * breakeven => cap,
                 h if h >= breakeven => cap / 4,
                 _ if miss_no.is_multiple_of(MISS_FILL_EXPLORE_EVERY) => cap.min(explore()),
                 _ => 0,
+            };
+            match fill_hits {
+                Some(_) => by_benefit,
+                None => by_benefit.min(explore()),
             }
         }
     };
@@ -691,7 +697,11 @@ mod tests {
         let disk = est(8100.0, Some(5.5), 0.0);
         assert!(fill_breakeven(&disk, &CACHE, 4096) < 0.005);
         assert_eq!(miss_fill_window(&disk, &CACHE, Some(0.02), 4096, 1), 64);
-        assert_eq!(miss_fill_window(&disk, &CACHE, None, 4096, 1), 64);
+        assert_eq!(
+            miss_fill_window(&disk, &CACHE, None, 4096, 1),
+            16,
+            "64 KiB until measured"
+        );
     }
 
     #[test]
