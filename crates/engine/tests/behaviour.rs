@@ -548,8 +548,9 @@ fn misses_on_a_device_reported_rotational_fill_the_surrounding_window_at_once() 
     let rig = Rig::new(12, g, CacheMode::Writethrough);
     assert!(rig.backing.is_rotational());
     let vol = rig.vol();
-    // The flag seeds the cost model: the whole bounded window from the first miss.
-    let w = engine::policy::MISS_FILL_MAX_BYTES / 4096;
+    // The flag seeds the cost model: a fill from the first miss, of the window allowed
+    // until the benefit of fills is measured.
+    let w = engine::policy::MISS_FILL_EXPLORE_BYTES / 4096;
     let mut buf = vec![0u8; 4096];
     // A 4 KiB miss in the middle of the window promotes the whole window.
     vol.read(5 * 4096, &mut buf).unwrap();
@@ -567,19 +568,20 @@ fn misses_on_a_device_reported_rotational_fill_the_surrounding_window_at_once() 
     vol.read(0, &mut buf).unwrap();
     vol.read((w - 1) * 4096, &mut buf).unwrap();
     assert_eq!(vol.status().stats.total.cache_hits, 2);
-    vol.write((w + 20) * 4096, &data(3, (w + 20) * 8, 4096), false)
+    let k = w - 4;
+    vol.write((w + k) * 4096, &data(3, (w + k) * 8, 4096), false)
         .unwrap();
-    vol.read((w + 18) * 4096, &mut buf).unwrap();
+    vol.read((w + k - 2) * 4096, &mut buf).unwrap();
     let cached = vol.cached_ranges(w * 4096, w * 4096).unwrap();
     assert_eq!(cached.first().map(|r| r.0), Some(w * 4096));
     assert_eq!(
         cached.last(),
-        Some(&((w + 20) * 4096, 4096, false)),
+        Some(&((w + k) * 4096, 4096, false)),
         "the written block"
     );
     assert_eq!(
         cached.iter().map(|r| r.1).sum::<u64>(),
-        21 * 4096,
+        (k + 1) * 4096,
         "fill stops at the cached block"
     );
 }
