@@ -70,6 +70,6 @@ mod unix_socket;
 pub use export::{Detached, Export, ExportRegistry};
 pub use nbd_proto::ValidRequest;
 pub use nbd_tls::ServerTls;
-pub use net::{tcp_exposure_warning, BindAddr, LocalAddr};
+pub use net::{peer_cred, tcp_exposure_warning, BindAddr, LocalAddr};
 pub use server::{start, ServerConfig, ServerHandle, ServerStats, StatsView, TlsConfig};
 pub use unix_socket::{bind_unix, UnixSocketFile, UnixSocketPerms, SOCKET_MODE_DEFAULT};

@@ -165,6 +165,12 @@ impl Listener {
 }
 
 fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
+    peer_cred(stream).map(|c| c.uid)
+}
+
+/// The credentials of the process at the other end of a unix socket (`SO_PEERCRED`): its pid
+/// as this process's pid namespace numbers it, its uid and gid.
+pub fn peer_cred(stream: &UnixStream) -> io::Result<libc::ucred> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -183,7 +189,7 @@ fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
         )
     };
     if rc == 0 {
-        Ok(cred.uid)
+        Ok(cred)
     } else {
         Err(io::Error::last_os_error())
     }

@@ -440,29 +440,6 @@ pub fn degrade(a: &Admin, reason: &str) -> Result<()> {
 /// How long a server that has closed its admin connection may take to disappear as a process.
 const EXIT_AFTER_CLOSE_MAX: Duration = Duration::from_secs(10);
 
-/// The pid of the process at the other end of a Unix socket, as this process's pid namespace
-/// numbers it (the pid a server reports of itself is wrong from inside another namespace).
-fn peer_pid(conn: &std::os::unix::net::UnixStream) -> Option<libc::pid_t> {
-    use std::os::fd::AsRawFd;
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are valid for writes of the sizes given.
-    let rc = unsafe {
-        libc::getsockopt(
-            conn.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&raw mut cred).cast(),
-            &raw mut len,
-        )
-    };
-    (rc == 0 && cred.pid > 0).then_some(cred.pid)
-}
-
 /// A descriptor that becomes readable once process `pid` has exited as a whole (every thread,
 /// so its parent can reap it); `None` if it is already gone. `/proc/PID/stat` is no substitute:
 /// it says `Z` as soon as the main thread is done, while other threads may still be tearing down.
@@ -515,7 +492,12 @@ pub fn stop(a: &Admin, no_wait: bool) -> Result<()> {
         // The server holds this connection until its process exits: end-of-file (or a reset)
         // means it is on its way out. Then wait for the process itself, by the pid the kernel
         // gives for the socket's peer.
-        let peer = peer_pid(conn.get_ref());
+        // The pid as this process's pid namespace numbers it (the pid a server reports of
+        // itself is wrong from inside another namespace).
+        let peer = server::peer_cred(conn.get_ref())
+            .ok()
+            .map(|c| c.pid)
+            .filter(|&p| p > 0);
         let pidfd = match peer {
             Some(p) => watch_process(p)?,
             None => None,
