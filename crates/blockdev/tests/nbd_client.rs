@@ -6,7 +6,9 @@
 //! A missing nbdkit fails the tests under CI=true and is a printed skip otherwise. Randomized
 //! tests print their seed; `TIERCACHE_SEED=N` replays one.
 
+mod common;
 use blockdev::{BlockDevice, NbdDevice, NbdOptions};
+use common::have_nbdkit;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
@@ -19,22 +21,6 @@ use std::time::{Duration, Instant};
 
 /// Hang guard: anything a test waits for must come well within this.
 const HANG_GUARD: Duration = Duration::from_secs(30);
-
-fn have_nbdkit() -> bool {
-    let found = Command::new("sh")
-        .args(["-c", "command -v nbdkit"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !found {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "nbdkit is required in CI but is not installed"
-        );
-        eprintln!("SKIP: nbdkit is not installed");
-    }
-    found
-}
 
 fn seed() -> u64 {
     let seed = std::env::var("TIERCACHE_SEED")

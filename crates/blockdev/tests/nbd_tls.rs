@@ -5,7 +5,9 @@
 //!
 //! A missing nbdkit fails the tests under CI=true and is a printed skip otherwise.
 
+mod common;
 use blockdev::{BlockDevice, NbdDevice, NbdOptions};
+use common::have_nbdkit;
 use nbd_tls::testcerts::Pki;
 use std::io;
 use std::net::TcpListener;
@@ -13,22 +15,6 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-fn have_nbdkit() -> bool {
-    let found = Command::new("sh")
-        .args(["-c", "command -v nbdkit"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !found {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "nbdkit is required in CI but is not installed"
-        );
-        eprintln!("SKIP: nbdkit is not installed");
-    }
-    found
-}
 
 /// nbdkit's memory plugin on a TCP port of 127.0.0.1, with `tls_args`.
 struct Nbdkit {
