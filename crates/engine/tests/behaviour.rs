@@ -746,15 +746,21 @@ fn a_sequential_write_past_the_cutoff_goes_around_the_cache_over_dirty_blocks_to
     }
 }
 
-#[test]
-fn a_stream_over_dirty_data_at_the_dirty_limit_stays_on_the_disk() {
-    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
+/// A writeback volume of 8 MiB on in-memory devices, with a `cache_bytes` cache whose dirty
+/// data may fill `dirty_max_pct` % of it (no background threads).
+fn writeback_with_dirty_limit(cache_bytes: u64, dirty_max_pct: u32) -> (CacheSet, engine::Volume) {
+    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(cache_bytes));
     let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((8 << 20) + 8192));
     let config = Config {
-        dirty_max_pct: 10,
+        dirty_max_pct,
         ..no_threads()
     };
-    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, config);
+    format_and_open(cache, backing, CacheMode::Writeback, config)
+}
+
+#[test]
+fn a_stream_over_dirty_data_at_the_dirty_limit_stays_on_the_disk() {
+    let (_set, vol) = writeback_with_dirty_limit(4 << 20, 10);
     vol.set_sequential_cutoff(16 << 10).unwrap();
     // Every other block dirty until the dirty limit sends a write around the cache.
     let mut n = 0u64;
@@ -1161,13 +1167,7 @@ fn a_device_no_slower_than_the_cache_gets_no_miss_fill() {
 /// Every way around the cache is counted by reason, and `bypassed` is their sum.
 #[test]
 fn every_way_around_the_cache_is_counted_by_reason() {
-    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
-    let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((8 << 20) + 8192));
-    let config = Config {
-        dirty_max_pct: 10,
-        ..no_threads()
-    };
-    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, config);
+    let (_set, vol) = writeback_with_dirty_limit(4 << 20, 10);
     vol.set_sequential_cutoff(16 << 10).unwrap();
     let total = || vol.status().stats.total;
     let sum = |s: &engine::stats::Snapshot| {
@@ -1212,13 +1212,7 @@ fn every_way_around_the_cache_is_counted_by_reason() {
     );
 
     // No room: a writeback cache all dirty (no dirty limit, no writeback).
-    let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(2 << 20));
-    let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((8 << 20) + 8192));
-    let config = Config {
-        dirty_max_pct: 100,
-        ..no_threads()
-    };
-    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, config);
+    let (_set, vol) = writeback_with_dirty_limit(2 << 20, 100);
     let total = || vol.status().stats.total;
     let mut n = 0u64;
     while total().bypassed_full == 0 {
