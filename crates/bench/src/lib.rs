@@ -72,10 +72,19 @@ pub struct BenchArgs {
     /// it over the emulated disk started with --rotational false (compared with hdd+nonrot).
     #[arg(long, value_delimiter = ',')]
     configs: Vec<String>,
+    /// An extra argument for every `tiercache serve` of the tiercache-* configurations, to
+    /// compare settings (repeat it: --serve-arg=--replacement=fifo
+    /// --serve-arg=--admission=all).
+    #[arg(long = "serve-arg", value_name = "ARG", allow_hyphen_values = true)]
+    serve_args: Vec<String>,
     /// Memory limit in MiB, page cache included, of each server process of a +memlimit
     /// configuration (default: half the cache size, at least 64 MiB; 0 leaves them out).
     #[arg(long = "mem-limit", value_name = "MiB")]
     mem_limit: Option<u64>,
+    /// Longest W6 runs waiting for a steady state, in seconds (default: the scale's; 40 s at
+    /// quick, where the 128 MiB caches fill in about 25 s).
+    #[arg(long = "w6-cap", value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(4..=3600))]
+    w6_cap: Option<u64>,
     /// Directory for results.md, results.json, plots and scratch devices.
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
@@ -124,6 +133,8 @@ fn params(scale: Scale) -> Params {
                 intervals: 2,
                 iops_tolerance: 0.5,
                 hit_tolerance_pct: 20.0,
+                in_use_tolerance_pct: 20.0,
+                warm_min_s: 0,
                 cap_s: 4,
             },
         },
@@ -142,7 +153,9 @@ fn params(scale: Scale) -> Params {
                 intervals: 4,
                 iops_tolerance: 0.20,
                 hit_tolerance_pct: 2.0,
-                cap_s: 10,
+                in_use_tolerance_pct: 2.0,
+                warm_min_s: 25,
+                cap_s: 40,
             },
         },
         Scale::Full => Params {
@@ -160,6 +173,8 @@ fn params(scale: Scale) -> Params {
                 intervals: 6,
                 iops_tolerance: 0.05,
                 hit_tolerance_pct: 1.0,
+                in_use_tolerance_pct: 2.0,
+                warm_min_s: 240,
                 cap_s: 1800,
             },
         },
@@ -232,6 +247,11 @@ const NONROT_WORKLOADS: [&str; 2] = ["W1", "W5"];
 
 /// The configurations W7 compares: the drain against raw random writes.
 const W7_CONFIGS: [&str; 2] = ["hdd", "tiercache-writeback"];
+
+/// The configurations W6 compares: the disks, and the two write-back caches (nbdkit's filter
+/// runs `cache=writeback`; writethrough and writearound rows would compare unlike things, and
+/// each cached configuration runs until its cache is full, which costs time at every scale).
+const W6_CONFIGS: [&str; 4] = ["hdd", "ssd", "tiercache-writeback", "nbdkit-cache"];
 
 fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
     let tiny = scale == Scale::Tiny;
@@ -390,7 +410,7 @@ fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
 fn default_configs(w: &str, memlimit: bool) -> Vec<String> {
     let mut v = Vec::new();
     for c in CONFIGS {
-        if w == "W7" && !W7_CONFIGS.contains(&c) {
+        if (w == "W7" && !W7_CONFIGS.contains(&c)) || (w == "W6" && !W6_CONFIGS.contains(&c)) {
             continue;
         }
         v.push(c.to_string());
@@ -454,6 +474,10 @@ struct Ctx {
 /// Runs the selected workloads on the selected configurations, starting `tc`'s binary for the
 /// emulated disks and the tiercache configurations.
 pub fn run(args: &BenchArgs, tc: &Tiercache) -> Result<()> {
+    let tc = &Tiercache {
+        serve_args: args.serve_args.clone(),
+        ..tc.clone()
+    };
     // Workloads that run alone (their own measurements, no configurations).
     for alone in ["scale", "hits"] {
         if !args.workloads.iter().any(|w| w.eq_ignore_ascii_case(alone)) {
@@ -469,6 +493,9 @@ pub fn run(args: &BenchArgs, tc: &Tiercache) -> Result<()> {
     }
     let mut p = params(args.scale);
     p.mem_limit_bytes = cgroup::limit_bytes(args.mem_limit, p.cache_bytes)?;
+    if let Some(cap) = args.w6_cap {
+        p.w6.cap_s = cap;
+    }
     let workloads: Vec<String> = if args.workloads.is_empty() {
         WORKLOADS.iter().map(|w| w.0.to_string()).collect()
     } else {
@@ -887,6 +914,17 @@ mod tests {
         );
         assert_eq!(default_configs("W2", true).len(), CONFIGS.len());
         assert_eq!(default_configs("W7", true), W7_CONFIGS.map(String::from));
+        assert_eq!(
+            default_configs("W6", true),
+            [
+                "hdd",
+                "ssd",
+                "tiercache-writeback",
+                "tiercache-writeback+memlimit",
+                "nbdkit-cache",
+                "nbdkit-cache+memlimit"
+            ]
+        );
         for c in default_configs("W6", true) {
             procs::parse_config(&c).expect("default configurations parse");
         }

@@ -192,6 +192,8 @@ pub struct Tiercache {
     /// The client side of the admin protocol: one request to the admin socket at the path,
     /// and the server's reply (an error when it answers `{"ok": false, ...}`).
     pub admin_request: fn(&Path, &serde_json::Value) -> Result<serde_json::Value>,
+    /// Extra arguments for the tiercache-* configurations' `serve` (`--serve-arg`).
+    pub serve_args: Vec<String>,
 }
 
 impl Tiercache {
@@ -503,7 +505,8 @@ pub fn start(
                 .args(["--backing", &hdd_uri, "--socket"])
                 .arg(&sock)
                 .arg("--admin")
-                .arg(&admin);
+                .arg(&admin)
+                .args(&tc.serve_args);
             let server = Proc::spawn(&mut c, "tiercache serve", limit)?;
             wait_for(&admin, "tiercache serve")?;
             let running = Running {

@@ -140,12 +140,13 @@ pub fn write(
     )?;
     writeln!(
         md,
-        "`+nonrot`: the same emulated HDD started with `--rotational false`, so it does not report itself rotational (column \"disk\"); {} s per timed step. ×hdd: over the disk alone of the same kind, same step (`hdd+nonrot` for `+nonrot` rows); ×ssd: over `ssd`. W6 runs in {} s intervals until {} consecutive ones (not the first) differ by at most {:.0} % in IOPS and {} points in hit % (tiercache), at most {} s: a warm-up row (s: time to steady) and a steady row per configuration; ratios compare steady rows. p99 is n/a there (fio reports it for the whole run only).\n",
+        "`+nonrot`: the same emulated HDD started with `--rotational false`, so it does not report itself rotational (column \"disk\"); {} s per timed step. ×hdd: over the disk alone of the same kind, same step (`hdd+nonrot` for `+nonrot` rows); ×ssd: over `ssd`. W6 runs in {} s intervals until {} consecutive ones (not the first) differ by at most {:.0} % in IOPS, and by {} points in hit % and {} in `in_use` % (tiercache: a cache still filling is warming up), at most {} s: a warm-up row (s: time to steady) and a steady row per configuration; ratios compare steady rows. p99 is n/a there (fio reports it for the whole run only).\n",
         p.nonrot_runtime_s,
         p.w6.interval_s,
         p.w6.intervals,
         p.w6.iops_tolerance * 100.0,
         p.w6.hit_tolerance_pct,
+        p.w6.in_use_tolerance_pct,
         p.w6.cap_s
     )?;
     for n in notices {

@@ -19,14 +19,21 @@ use super::{cache_columns, occupancy, PairOut, Step};
 use anyhow::{bail, Result};
 
 /// When W6 is steady: `intervals` consecutive intervals of `interval_s` whose IOPS differ by at
-/// most `iops_tolerance` of their mean (max − min) and whose hit ratios differ by at most
-/// `hit_tolerance_pct` points; the run stops at `cap_s` regardless.
+/// most `iops_tolerance` of their mean (max − min), whose hit ratios differ by at most
+/// `hit_tolerance_pct` points, and whose cache occupancy (`in_use`) differs by at most
+/// `in_use_tolerance_pct` points (a cache still filling is warming up, however flat its rate:
+/// nothing has been evicted yet, so replacement and admission are not measured); no window of
+/// a configuration with a cache starts before `warm_min_s` (about the time the scale's cache
+/// takes to fill under W6: nbdkit's cache reports no occupancy, and its rate can hold flat
+/// while it still fills); the run stops at `cap_s` regardless.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct Rule {
     pub interval_s: u64,
     pub intervals: usize,
     pub iops_tolerance: f64,
     pub hit_tolerance_pct: f64,
+    pub in_use_tolerance_pct: f64,
+    pub warm_min_s: u64,
     pub cap_s: u64,
 }
 
@@ -36,13 +43,17 @@ pub struct Sample {
     pub iops: f64,
     /// None where the configuration has no hit counters (the peers).
     pub hit_pct: Option<f64>,
+    /// The cache's `in_use` % at the interval's end; None for the peers.
+    pub in_use_pct: Option<f64>,
 }
 
 /// The first interval of the earliest window of `rule.intervals` consecutive intervals, not
-/// counting the first interval, that the rule calls steady; None while there is none.
-pub fn steady_start(samples: &[Sample], rule: &Rule) -> Option<usize> {
+/// counting the first interval nor any before `first` (see `warm_min_s`), that the rule calls
+/// steady; None while there is none.
+pub fn steady_start(samples: &[Sample], rule: &Rule, first: usize) -> Option<usize> {
     let n = rule.intervals.max(1);
-    (1..(samples.len() + 1).saturating_sub(n)).find(|&s| steady(&samples[s..s + n], rule))
+    (first.max(1)..(samples.len() + 1).saturating_sub(n))
+        .find(|&s| steady(&samples[s..s + n], rule))
 }
 
 fn steady(window: &[Sample], rule: &Rule) -> bool {
@@ -55,14 +66,21 @@ fn steady(window: &[Sample], rule: &Rule) -> bool {
     };
     let (iops_spread, mean) = spread(&mut window.iter().map(|s| s.iops));
     let iops_ok = mean > 0.0 && iops_spread <= rule.iops_tolerance * mean;
-    let hits: Vec<f64> = window.iter().filter_map(|s| s.hit_pct).collect();
-    let hits_ok = match hits.len() {
+    let settled = |v: Vec<f64>, tolerance: f64| match v.len() {
         0 => true,
-        n if n == window.len() => spread(&mut hits.into_iter()).0 <= rule.hit_tolerance_pct,
-        // Some intervals without reads: not comparable, so not steady.
+        n if n == window.len() => spread(&mut v.into_iter()).0 <= tolerance,
+        // Some intervals without the figure (no reads): not comparable, so not steady.
         _ => false,
     };
-    iops_ok && hits_ok
+    let hits_ok = settled(
+        window.iter().filter_map(|s| s.hit_pct).collect(),
+        rule.hit_tolerance_pct,
+    );
+    let in_use_ok = settled(
+        window.iter().filter_map(|s| s.in_use_pct).collect(),
+        rule.in_use_tolerance_pct,
+    );
+    iops_ok && hits_ok && in_use_ok
 }
 
 /// The end of an interval: fio's cumulative counts and tiercache's stats then.
@@ -86,6 +104,12 @@ pub fn run(
     }];
     let mut samples = Vec::new();
     let mut start = None;
+    let cached = c.starts_with("tiercache-") || c.starts_with("nbdkit-cache");
+    let first = if cached {
+        (rule.warm_min_s / rule.interval_s.max(1)) as usize
+    } else {
+        0
+    };
     fio::run_watched(target, &s.args, rule.interval_s, |t| {
         let prev = bounds.last().expect("the start is a boundary");
         let dt = t.runtime_s - prev.totals.runtime_s;
@@ -97,9 +121,10 @@ pub fn run(
         samples.push(Sample {
             iops: (t.ios - prev.totals.ios) as f64 / dt,
             hit_pct: cache_columns(&prev.stats, &stats).0,
+            in_use_pct: stats.as_ref().map(|v| occupancy(v).1),
         });
         bounds.push(Boundary { totals: *t, stats });
-        start = steady_start(&samples, rule);
+        start = steady_start(&samples, rule, first);
         Ok(start.is_none())
     })?;
     if samples.len() < 2 {
@@ -118,11 +143,12 @@ pub fn run(
     let mut out = PairOut::default();
     if phase == Phase::NotSteady {
         out.notices.push(format!(
-            "{w} on {c}: not steady within {} s ({n} consecutive {} s intervals within {:.0} % IOPS, {} hit % points); its steady row is its last {} interval(s)",
+            "{w} on {c}: not steady within {} s ({n} consecutive {} s intervals within {:.0} % IOPS, {} hit % points, {} in_use points); its steady row is its last {} interval(s)",
             rule.cap_s,
             rule.interval_s,
             rule.iops_tolerance * 100.0,
             rule.hit_tolerance_pct,
+            rule.in_use_tolerance_pct,
             last - from
         ));
     }
@@ -178,6 +204,8 @@ mod tests {
         intervals: 3,
         iops_tolerance: 0.10,
         hit_tolerance_pct: 2.0,
+        in_use_tolerance_pct: 2.0,
+        warm_min_s: 0,
         cap_s: 60,
     };
 
@@ -186,6 +214,7 @@ mod tests {
             .map(|&iops| Sample {
                 iops,
                 hit_pct: None,
+                in_use_pct: None,
             })
             .collect()
     }
@@ -193,25 +222,25 @@ mod tests {
     #[test]
     fn steady_once_n_intervals_agree_never_counting_the_first() {
         // Flat from the start: the first interval is still warm-up.
-        assert_eq!(steady_start(&iops(&[100.0; 4]), &RULE), Some(1));
-        assert_eq!(steady_start(&iops(&[100.0; 3]), &RULE), None);
+        assert_eq!(steady_start(&iops(&[100.0; 4]), &RULE, 0), Some(1));
+        assert_eq!(steady_start(&iops(&[100.0; 3]), &RULE, 0), None);
         // Rising, then flat within 10 % of the mean.
         let rising = iops(&[100.0, 300.0, 600.0, 900.0, 1000.0, 950.0, 1040.0, 990.0]);
-        assert_eq!(steady_start(&rising, &RULE), Some(4));
+        assert_eq!(steady_start(&rising, &RULE, 0), Some(4));
         // One outlier in every window of three.
         let noisy = iops(&[500.0, 500.0, 500.0, 700.0, 500.0, 500.0, 700.0, 500.0]);
-        assert_eq!(steady_start(&noisy, &RULE), None);
+        assert_eq!(steady_start(&noisy, &RULE, 0), None);
         assert_eq!(
-            steady_start(&iops(&[0.0; 6]), &RULE),
+            steady_start(&iops(&[0.0; 6]), &RULE, 0),
             None,
             "no I/O is not steady"
         );
-        assert_eq!(steady_start(&[], &RULE), None);
+        assert_eq!(steady_start(&[], &RULE, 0), None);
         let one = Rule {
             intervals: 1,
             ..RULE
         };
-        assert_eq!(steady_start(&iops(&[1.0, 5.0]), &one), Some(1));
+        assert_eq!(steady_start(&iops(&[1.0, 5.0]), &one, 0), Some(1));
     }
 
     #[test]
@@ -219,6 +248,7 @@ mod tests {
         let s = |iops, hit| Sample {
             iops,
             hit_pct: Some(hit),
+            in_use_pct: Some(97.0),
         };
         let warming = [
             s(1000.0, 10.0),
@@ -229,12 +259,35 @@ mod tests {
             s(1000.0, 72.5),
             s(1000.0, 72.0),
         ];
-        assert_eq!(steady_start(&warming, &RULE), Some(4));
+        assert_eq!(steady_start(&warming, &RULE, 0), Some(4));
         // An interval without reads has no hit ratio: its windows are not steady.
         let mut gap = warming.to_vec();
         gap[4].hit_pct = None;
-        assert_eq!(steady_start(&gap, &RULE), None);
+        assert_eq!(steady_start(&gap, &RULE, 0), None);
         gap.push(s(1000.0, 72.0));
-        assert_eq!(steady_start(&gap, &RULE), Some(5));
+        assert_eq!(steady_start(&gap, &RULE, 0), Some(5));
+    }
+
+    #[test]
+    fn a_cache_still_filling_is_not_steady_however_flat_its_rate() {
+        let s = |in_use| Sample {
+            iops: 1000.0,
+            hit_pct: Some(80.0),
+            in_use_pct: Some(in_use),
+        };
+        let filling: Vec<Sample> = [10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0]
+            .map(s)
+            .to_vec();
+        assert_eq!(steady_start(&filling, &RULE, 0), None);
+        let mut full = filling.clone();
+        full.extend([96.0, 97.0, 97.0, 96.5].map(s));
+        assert_eq!(steady_start(&full, &RULE, 0), Some(9));
+        assert_eq!(
+            steady_start(&full, &RULE, 11),
+            None,
+            "not before warm_min_s"
+        );
+        full.push(s(96.0));
+        assert_eq!(steady_start(&full, &RULE, 11), Some(11));
     }
 }

@@ -11,7 +11,10 @@
 //!   allocation is abandoned), so a bucket closed while writes into it are still in flight
 //!   cannot be emptied under them;
 //! - one open bucket per write point, so clean promotions and dirty writes live in different
-//!   buckets (clean buckets can be reclaimed whole, dirty ones wait for writeback);
+//!   buckets (clean buckets can be reclaimed whole, dirty ones wait for writeback), and the
+//!   blocks a miss fill brought in beside the ones asked for live apart from both (if nobody
+//!   reads them their buckets are never used again, so LRU gives them up first instead of the
+//!   buckets of blocks clients asked for);
 //! - the policy (which bucket to reclaim) is a pure function of the counters here;
 //! - nothing here scans every bucket on a frequent path: free and pending buckets are kept in
 //!   queues with a count, and reclaim and GC victims are served from candidate lists that one
@@ -94,11 +97,13 @@ pub enum BucketState {
     PendingFree,
 }
 
-/// Where a write's data goes: clean data (promotions, writethrough) or dirty data.
+/// Where a write's data goes: clean data (blocks read or written by clients), dirty data, or
+/// the blocks a miss fill read beside the ones asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WritePoint {
     Clean = 0,
     Dirty = 1,
+    Fill = 2,
 }
 
 /// The pin-count bit of a `Pins` slot that says the bucket is `PendingFree`.
@@ -168,11 +173,13 @@ pub struct Buckets {
     gc: Candidates,
     /// The open bucket of each write point and how many of its blocks are handed out (a
     /// closed bucket is full, a free one empty: only open buckets need a fill pointer).
-    open: [Option<(Bucket, u32)>; 2],
+    open: [Option<(Bucket, u32)>; 3],
     bpb: u32,
     touches: Touches,
     /// The latest tick seen (allocations and locked touches): the stamp of applied `touches`.
     tick: u64,
+    /// Which clean bucket reclaim gives up (see `policy::reclaim_rank`).
+    replacement: crate::policy::Replacement,
 }
 
 /// Most candidates one scan keeps: a scan costs O(buckets), so victims cost O(64) each.
@@ -276,11 +283,18 @@ impl Buckets {
             pending_count: 0,
             lru: Candidates::default(),
             gc: Candidates::default(),
-            open: [None, None],
+            open: [None; 3],
             bpb,
             touches: Touches::new(),
             tick: 0,
+            replacement: Default::default(),
         }
+    }
+
+    /// Sets the replacement policy (stamps already taken keep their meaning until the buckets
+    /// are used or opened again).
+    pub fn set_replacement(&mut self, r: crate::policy::Replacement) {
+        self.replacement = r;
     }
 
     /// Bytes of heap the bucket table holds (for the memory budget).
@@ -358,7 +372,9 @@ impl Buckets {
         let first = CacheBlock::first_of(*b, self.bpb) + *fill;
         *fill += n;
         let b = *b;
-        self.last_use[b.idx()] = tick;
+        if *fill == n || self.replacement.tracks_use() {
+            self.last_use[b.idx()] = tick;
+        }
         self.tick = self.tick.max(tick);
         self.pin(b);
         Some((first, n))
@@ -410,8 +426,11 @@ impl Buckets {
     /// recently used (as of the last scan; see the module invariants). `epoch` is the journal's
     /// appended epoch, which paces scans that find nothing.
     pub fn reclaim_candidate(&mut self, live: &[u32], dirty: &[u32], epoch: u64) -> Option<Bucket> {
-        self.apply_touches();
+        if self.replacement.tracks_use() {
+            self.apply_touches();
+        }
         let mut lru = std::mem::take(&mut self.lru);
+        let salt = lru.scans;
         let victim = lru.next(
             self,
             epoch,
@@ -419,8 +438,10 @@ impl Buckets {
             |bk, b, used| bk.reclaimable(b, dirty) && bk.last_use[b.idx()] == used,
             |bk, b| {
                 let used = bk.last_use[b.idx()];
-                bk.reclaimable(b, dirty)
-                    .then_some((crate::policy::reclaim_rank(live[b.idx()], used), used))
+                bk.reclaimable(b, dirty).then_some((
+                    crate::policy::reclaim_rank(bk.replacement, b.0, live[b.idx()], used, salt),
+                    used,
+                ))
             },
         );
         self.lru = lru;
@@ -531,7 +552,7 @@ impl Buckets {
     /// Records a use of the bucket (reads and writes keep it warm for LRU reclaim).
     pub fn touch(&mut self, b: Bucket, tick: u64) {
         self.tick = self.tick.max(tick);
-        if self.state[b.idx()] != BucketState::PendingFree {
+        if self.replacement.tracks_use() && self.state[b.idx()] != BucketState::PendingFree {
             self.last_use[b.idx()] = tick;
         }
     }
@@ -594,6 +615,46 @@ mod tests {
         bk.touch(next_expected, 20_000);
         let b = bk.reclaim_candidate(&live, &dirty, 0).unwrap();
         assert_ne!(b, next_expected);
+    }
+
+    #[test]
+    fn fifo_and_random_ignore_reads_lru_keeps_read_buckets() {
+        let n = 256;
+        let victims = |r: crate::policy::Replacement| {
+            let (mut bk, live, dirty) = closed(n, 3);
+            bk.set_replacement(r);
+            bk.touch(Bucket(0), 10_000);
+            bk.touches().note(Bucket(1));
+            (0..8)
+                .map(|_| {
+                    let b = bk.reclaim_candidate(&live, &dirty, 0).unwrap();
+                    bk.retire(b, 1);
+                    b.0
+                })
+                .collect::<Vec<_>>()
+        };
+        use crate::policy::Replacement as R;
+        assert_eq!(
+            victims(R::Lru),
+            [2, 3, 4, 5, 6, 7, 8, 9],
+            "read buckets kept"
+        );
+        assert_eq!(victims(R::Fifo), [0, 1, 2, 3, 4, 5, 6, 7], "oldest first");
+        let random = victims(R::Random);
+        assert_ne!(random, [0, 1, 2, 3, 4, 5, 6, 7]);
+        assert!(random.iter().all(|&b| (b as usize) < n));
+    }
+
+    #[test]
+    fn fifo_stamps_a_bucket_when_it_is_opened_not_per_allocation() {
+        let mut bk = Buckets::new(vec![Gen(0); 3], &[0, 0, 0], 4);
+        bk.set_replacement(crate::policy::Replacement::Fifo);
+        bk.alloc(WritePoint::Clean, 1, 5);
+        bk.alloc(WritePoint::Clean, 1, 9);
+        assert_eq!(bk.last_use[0], 5);
+        bk.set_replacement(crate::policy::Replacement::Lru);
+        bk.alloc(WritePoint::Clean, 1, 12);
+        assert_eq!(bk.last_use[0], 12);
     }
 
     #[test]

@@ -21,6 +21,7 @@
 //! it survives a crash of either device's volatile cache; a FUA write is durable when it
 //! returns; a read never returns data that was not written.
 
+mod admit;
 mod alloc;
 mod background;
 mod bitset;

@@ -2,7 +2,7 @@
 //! as pure functions and state machines it calls (as dm-cache separates policy from target).
 //! Admission: sequential stream detection, [`read_bypass`], [`route_write`] (each way around
 //! the cache has its [`Bypass`] reason); the miss fill
-//! ([`miss_fill_window`], [`span_holes`]; both read the backing device's `cost` model); replacement ([`reclaim_rank`]); the writeback rate
+//! ([`miss_fill_window`], [`span_holes`]; both read the backing device's `cost` model); admission of misses into a full cache ([`admit_miss`]); replacement ([`reclaim_rank`]); the writeback rate
 //! ([`writeback_rate`]). The tests here drive each one alone.
 //!
 //! Invariants: the detector holds at most `SEQ_SLOTS` streams (bounded memory, no I/O, no
@@ -103,6 +103,8 @@ pub enum Bypass {
     Detaching,
     /// Zeroes (NBD_CMD_WRITE_ZEROES) go down as a zeroing command, never through the cache.
     Zeroes,
+    /// A read miss the admission filter kept out of a full cache ([`admit_miss`]).
+    Admission,
 }
 
 /// Whether a read's misses are promoted into the cache (read admission), or why not: not in
@@ -311,10 +313,96 @@ pub fn span_holes(est: &CostEstimate, holes: u64, gap_bytes: u64) -> bool {
     }
 }
 
+/// Which read misses a full cache admits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Admission {
+    /// A miss enters a full cache only if its block missed before within the ghost history
+    /// (`admit::Ghost`, about one cache's worth of misses): one-hit wonders and one-pass scans
+    /// stay out and evict nothing (2Q's ghost queue, kept as TinyLFU's sketch).
+    #[default]
+    Ghost,
+    /// Every miss enters (bcache's rule).
+    All,
+}
+
+impl Admission {
+    pub const ALL: [Admission; 2] = [Admission::Ghost, Admission::All];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Admission::Ghost => "ghost",
+            Admission::All => "all",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Admission> {
+        Self::ALL.into_iter().find(|a| a.name() == s)
+    }
+}
+
+/// Whether a read miss is promoted (`earlier`: the ghost history's count of the block's
+/// earlier misses). While the cache has room nothing is refused: a promotion then evicts
+/// nothing, and refusing would only slow the warm-up.
+pub fn admit_miss(policy: Admission, cache_full: bool, earlier: u8) -> bool {
+    match policy {
+        Admission::All => true,
+        Admission::Ghost => !cache_full || earlier > 0,
+    }
+}
+
+/// Which clean bucket a full cache gives up (bcache's `cache_replacement_policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Replacement {
+    /// Least recently used: the bucket whose last read or write is oldest.
+    #[default]
+    Lru,
+    /// First in, first out: the bucket opened longest ago, whatever was read since.
+    Fifo,
+    /// A bucket at random.
+    Random,
+}
+
+impl Replacement {
+    pub const ALL: [Replacement; 3] = [Replacement::Lru, Replacement::Fifo, Replacement::Random];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Replacement::Lru => "lru",
+            Replacement::Fifo => "fifo",
+            Replacement::Random => "random",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Replacement> {
+        Self::ALL.into_iter().find(|r| r.name() == s)
+    }
+
+    /// Whether reads keep a bucket (its stamp moves on a use); under fifo and random the
+    /// stamp is the tick the bucket was opened.
+    pub fn tracks_use(self) -> bool {
+        self == Replacement::Lru
+    }
+}
+
 /// The replacement order of clean buckets: smallest reclaimed first. Empty buckets first,
-/// then least recently used (`last_use`: the tick of the last read or write).
-pub fn reclaim_rank(live_blocks: u32, last_use: u64) -> (bool, u64) {
-    (live_blocks > 0, last_use)
+/// then by `policy`: `stamp` is the tick of the last use (lru) or of the bucket's opening
+/// (fifo); random orders by a hash of the bucket and `salt` (a new order per scan).
+pub fn reclaim_rank(
+    policy: Replacement,
+    bucket: u32,
+    live_blocks: u32,
+    stamp: u64,
+    salt: u64,
+) -> (bool, u64) {
+    let key = match policy {
+        Replacement::Lru | Replacement::Fifo => stamp,
+        Replacement::Random => {
+            let mut z = (u64::from(bucket) << 32 ^ salt).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            z ^= z >> 29;
+            z.wrapping_mul(0xbf58_476d_1ce4_e5b9) >> 1
+        }
+    };
+    (live_blocks > 0, key)
 }
 
 /// How hard writeback should work on one device.
@@ -720,10 +808,37 @@ mod tests {
     }
 
     #[test]
-    fn empty_buckets_go_first_then_least_recently_used() {
-        let mut b = [(3, 10), (0, 50), (1, 5), (0, 7)];
-        b.sort_by_key(|&(live, used)| reclaim_rank(live, used));
-        assert_eq!(b, [(0, 7), (0, 50), (1, 5), (3, 10)]);
+    fn empty_buckets_go_first_then_by_stamp_or_at_random() {
+        for policy in [Replacement::Lru, Replacement::Fifo] {
+            let mut b = [(3, 10), (0, 50), (1, 5), (0, 7)];
+            b.sort_by_key(|&(live, used)| reclaim_rank(policy, 0, live, used, 0));
+            assert_eq!(b, [(0, 7), (0, 50), (1, 5), (3, 10)]);
+        }
+        // Random: empty ones still first; the rest in an order that changes with the salt
+        // and ignores the stamps.
+        let order = |salt: u64| {
+            let mut b: Vec<u32> = (0..64).collect();
+            b.sort_by_key(|&i| reclaim_rank(Replacement::Random, i, u32::from(i != 9), 7, salt));
+            b
+        };
+        let (a, b) = (order(1), order(2));
+        assert_eq!((a[0], b[0]), (9, 9));
+        assert_ne!(a, b);
+        for r in Replacement::ALL {
+            assert_eq!(Replacement::parse(r.name()), Some(r));
+        }
+        assert_eq!(Replacement::parse("arc"), None);
+    }
+
+    #[test]
+    fn a_full_cache_admits_a_miss_only_when_it_missed_before() {
+        assert!(admit_miss(Admission::Ghost, false, 0), "room: no eviction");
+        assert!(!admit_miss(Admission::Ghost, true, 0), "a one-hit wonder");
+        assert!(admit_miss(Admission::Ghost, true, 1));
+        assert!(admit_miss(Admission::All, true, 0));
+        for a in Admission::ALL {
+            assert_eq!(Admission::parse(a.name()), Some(a));
+        }
     }
 
     #[test]

@@ -109,6 +109,10 @@ pub struct Config {
     /// Writes that need not go to the cache device (all but writeback) avoid it while its
     /// writes take longer than this (bcache's `congested_write_threshold_us`; 0: never).
     pub congested_write_threshold_us: u64,
+    /// Which read misses a full cache admits (`policy::Admission`).
+    pub admission: crate::policy::Admission,
+    /// Which clean bucket a full cache gives up (`policy::Replacement`).
+    pub replacement: crate::policy::Replacement,
 }
 
 impl Default for Config {
@@ -125,6 +129,8 @@ impl Default for Config {
             cache_io_timeout_ms: DEFAULT_CACHE_IO_TIMEOUT_MS,
             congested_read_threshold_us: DEFAULT_CONGESTED_READ_US,
             congested_write_threshold_us: DEFAULT_CONGESTED_WRITE_US,
+            admission: Default::default(),
+            replacement: Default::default(),
         }
     }
 }
@@ -187,6 +193,8 @@ pub(crate) struct State {
     pub writeback: crate::writeback::WritebackPool,
     /// While degraded: what entries that may not be durable touched (see `health`).
     pub uncertain: Option<crate::health::Uncertain>,
+    /// Recent read misses, for the admission filter.
+    pub ghost: crate::admit::Ghost,
 }
 
 impl State {
@@ -541,6 +549,9 @@ pub struct DevStatus {
     pub stats: Windows,
     /// The backing device's cost model now (see `cost`).
     pub cost: DevCost,
+    /// The share of blocks brought in by miss fills that were read later (see `fillhits`);
+    /// None until enough fills are resolved.
+    pub fill_read_share: Option<f64>,
 }
 
 /// A device's cost model estimates, for status.
@@ -746,7 +757,8 @@ impl CacheSet {
             cache.flush().ctx(|| "flushing cache device".into())?;
         }
         let layout = sb.layout.clone();
-        let buckets = Buckets::new(gens, &index.bucket_live, layout.blocks_per_bucket());
+        let mut buckets = Buckets::new(gens, &index.bucket_live, layout.blocks_per_bucket());
+        buckets.set_replacement(config.replacement);
         let report = RecoveryReport {
             notes,
             records_replayed,
@@ -776,6 +788,9 @@ impl CacheSet {
             next_promotion: 0,
             writeback: Default::default(),
             uncertain: None,
+            ghost: crate::admit::Ghost::new(
+                u64::from(layout.nbuckets) * u64::from(layout.blocks_per_bucket()),
+            ),
         };
         let pins = state.buckets.pins();
         let index_reader = state.index.reader();
@@ -1118,6 +1133,11 @@ impl CacheSet {
         }
     }
 
+    /// Which read misses a full cache admits, and which clean buckets it gives up.
+    pub fn policies(&self) -> (crate::policy::Admission, crate::policy::Replacement) {
+        (self.inner.config.admission, self.inner.config.replacement)
+    }
+
     /// Counters summed over every attached device.
     pub fn totals(&self) -> Snapshot {
         self.volumes().iter().fold(Snapshot::default(), |acc, v| {
@@ -1130,7 +1150,7 @@ impl CacheSet {
         let st = self.inner.state.lock();
         (
             st.index.entry_count(),
-            st.index.heap_bytes() + st.buckets.heap_bytes(),
+            st.index.heap_bytes() + st.buckets.heap_bytes() + st.ghost.heap_bytes(),
         )
     }
 

@@ -73,6 +73,7 @@ counters!(
     bypassed_partial,
     bypassed_detaching,
     bypassed_zeroes,
+    bypassed_admission,
 );
 
 impl Counters {
@@ -90,6 +91,7 @@ impl Counters {
                 B::Partial => &self.bypassed_partial,
                 B::Detaching => &self.bypassed_detaching,
                 B::Zeroes => &self.bypassed_zeroes,
+                B::Admission => &self.bypassed_admission,
             },
             bytes,
         );

@@ -138,6 +138,7 @@ pub fn status_json(s: &DevStatus, name: &str) -> Value {
         "stats_hour": stats(&s.stats.hour),
         "stats_day": stats(&s.stats.day),
         "cost": cost_json(&s.cost),
+        "fill_read_share": s.fill_read_share.map(|r| (r * 1e4).round() / 1e4),
     })
 }
 
@@ -213,7 +214,10 @@ const DEGRADE_REASON_MAX_BYTES: usize = 512;
 
 fn cache_json(set: &CacheSet) -> Value {
     let o = set.occupancy();
+    let (admission, replacement) = set.policies();
     json!({
+        "admission": admission.name(),
+        "replacement": replacement.name(),
         "set_uuid": set.set_uuid().to_string(),
         "total_bytes": o.total_bytes,
         "unused_bytes": o.unused_bytes,

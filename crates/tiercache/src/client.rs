@@ -133,6 +133,11 @@ fn print_occupancy(c: &Value) {
          partly\n  filled or holding stale data, whose free and stale space counts as unused)",
         num(c, "in_use")
     );
+    println!(
+        "  admission {}, replacement {}",
+        text(c, "admission"),
+        text(c, "replacement")
+    );
 }
 
 pub fn status(a: &Admin) -> Result<()> {

@@ -118,6 +118,15 @@ struct ServeHealth {
     /// still go to the cache). 0: never; at most 10000000.
     #[arg(long, default_value_t = engine::DEFAULT_CONGESTED_WRITE_US)]
     congested_write_threshold_us: u64,
+    /// Which read misses a full cache admits: ghost (only blocks that also missed recently,
+    /// so one-time reads and scans do not evict what is used again) or all (every miss,
+    /// bcache's rule). While the cache has room every miss is admitted.
+    #[arg(long, default_value = "ghost", value_parser = ["ghost", "all"])]
+    admission: String,
+    /// Which clean data a full cache gives up, by bucket: lru (least recently read or
+    /// written), fifo (written longest ago) or random (bcache's cache_replacement_policy).
+    #[arg(long, default_value = "lru", value_parser = ["lru", "fifo", "random"])]
+    replacement: String,
 }
 
 /// TLS for TCP clients (NBD's STARTTLS). The unix socket always serves in clear.
@@ -226,7 +235,8 @@ enum Cmd {
         without_cache_discard_dirty: bool,
         /// Read settings from a TOML file: the keys are the long options above with '_' for
         /// '-' (cache, backing, socket, tcp, admin, socket_mode, ..., request_memory,
-        /// io_error_limit, ..., congested_write_threshold_us, tls = "require", tls_cert,
+        /// io_error_limit, ..., congested_write_threshold_us, admission = "ghost",
+        /// replacement = "lru", tls = "require", tls_cert,
         /// tls_key, tls_verify_peer = true, tls_ca, without_cache_if_missing = true,
         /// without_cache_discard_dirty = true), plus per-volume knobs in [volumes.NAME] tables
         /// (see README).
@@ -235,7 +245,8 @@ enum Cmd {
             "socket_group", "idle_timeout", "idle_close_after", "max_connections",
             "max_connections_per_client", "request_memory", "io_error_limit",
             "io_error_halflife", "cache_io_timeout_ms", "congested_read_threshold_us",
-            "congested_write_threshold_us", "without_cache_if_missing",
+            "congested_write_threshold_us", "admission", "replacement",
+            "without_cache_if_missing",
             "without_cache_discard_dirty", "tls", "tls_cert", "tls_key", "tls_verify_peer",
             "tls_ca", "metrics",
         ])]
@@ -846,6 +857,8 @@ fn main() -> ExitCode {
                     cache_io_timeout_ms: Some(health.cache_io_timeout_ms),
                     congested_read_threshold_us: Some(health.congested_read_threshold_us),
                     congested_write_threshold_us: Some(health.congested_write_threshold_us),
+                    admission: Some(health.admission),
+                    replacement: Some(health.replacement),
                     volumes: Default::default(),
                     without_cache_if_missing,
                     without_cache_discard_dirty,

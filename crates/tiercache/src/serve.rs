@@ -107,6 +107,11 @@ pub struct ServeConfig {
     /// device alone while the cache device's writes take longer than this on average (µs;
     /// default 20000; 0: never; at most 10000000).
     pub congested_write_threshold_us: Option<u64>,
+    /// Which read misses a full cache admits: "ghost" (blocks that missed recently too;
+    /// default) or "all" (bcache's rule).
+    pub admission: Option<String>,
+    /// Which clean data a full cache gives up, by bucket: "lru" (default), "fifo" or "random".
+    pub replacement: Option<String>,
     /// TLS for TCP clients (NBD_OPT_STARTTLS): "off", "on" (clients choose) or "require"
     /// (clients that do not start TLS are refused). Default: "require" with `tls_cert`, else
     /// "off".
@@ -245,6 +250,16 @@ impl ServeConfig {
                 us,
                 CONGESTED_THRESHOLD_MAX_US,
             )?;
+        }
+        if let Some(a) = &self.admission {
+            c.admission = engine::policy::Admission::parse(a).ok_or_else(|| {
+                anyhow::anyhow!("admission {a:?} is not one of \"ghost\", \"all\"")
+            })?;
+        }
+        if let Some(r) = &self.replacement {
+            c.replacement = engine::policy::Replacement::parse(r).ok_or_else(|| {
+                anyhow::anyhow!("replacement {r:?} is not one of \"lru\", \"fifo\", \"random\"")
+            })?;
         }
         if let Some(us) = self.congested_write_threshold_us {
             c.congested_write_threshold_us = at_most(

@@ -29,7 +29,7 @@
 mod common;
 
 use common::*;
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -820,10 +820,18 @@ fn the_failure_limits_are_options_and_config_keys() {
         !o.status.success() && err.contains("congested_write_threshold_us"),
         "{err}"
     );
+    let o =
+        output_within(&mut config("replacement = \"arc\"\n"), COMMAND_LIMIT).expect("serve hung");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("replacement \"arc\" is not one of"),
+        "{err}"
+    );
     f.server = Some(
         config(
             "io_error_limit = 3\nio_error_halflife = 0\ncache_io_timeout_ms = 0\n\
-             congested_read_threshold_us = 0\ncongested_write_threshold_us = 500\n",
+             congested_read_threshold_us = 0\ncongested_write_threshold_us = 500\n\
+             admission = \"all\"\nreplacement = \"fifo\"\n",
         )
         .spawn()
         .unwrap(),
@@ -836,9 +844,16 @@ fn the_failure_limits_are_options_and_config_keys() {
     let j: Value = serde_json::from_slice(&f.tc_admin(&["status", "--json"]).stdout).unwrap();
     assert_eq!(j["health"]["io_error_limit"], 3, "{j}");
     assert_eq!(j["health"]["state"], "ok", "{j}");
+    assert_eq!(
+        (&j["cache"]["admission"], &j["cache"]["replacement"]),
+        (&json!("all"), &json!("fifo")),
+        "{j}"
+    );
     let text = stdout(&f.tc_admin(&["status"]));
     assert!(
-        text.contains("health: ok") && text.contains("limit 3"),
+        text.contains("health: ok")
+            && text.contains("limit 3")
+            && text.contains("admission all, replacement fifo"),
         "{text}"
     );
 

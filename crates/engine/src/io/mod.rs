@@ -246,6 +246,7 @@ impl Volume {
             writeback_error: b.writeback_error.lock().clone(),
             stats: b.history.windows(now, &snap),
             cost: b.cost(),
+            fill_read_share: b.fill_hits.ratio(),
         }
     }
 

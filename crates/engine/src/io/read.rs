@@ -20,6 +20,7 @@
 //!   blocks the index shows uncached.
 
 use super::Volume;
+use crate::alloc::WritePoint;
 use crate::cachedev::Kind;
 use crate::index::{Seg, Segs};
 use crate::readahead;
@@ -32,6 +33,24 @@ use blockdev::BlockDevice;
 /// A bypassing stream of more than one request and at least this long is read ahead
 /// (`readahead::WINDOW_BYTES` at a time).
 const READAHEAD_AFTER_BYTES: u64 = 64 << 10;
+
+/// The write points of the blocks `[run.0, run.1)` a miss read: the ones in `asked` (the
+/// request's) with clean data, the miss fill's around them apart (see `alloc`). Non-empty
+/// pieces, in block order.
+fn fill_pieces(
+    run: (BackingBlock, BackingBlock),
+    asked: (BackingBlock, BackingBlock),
+) -> impl Iterator<Item = (BackingBlock, BackingBlock, WritePoint)> {
+    let cut = |b: BackingBlock| b.max(run.0).min(run.1);
+    let (a0, a1) = (cut(asked.0), cut(asked.1));
+    [
+        (run.0, a0, WritePoint::Fill),
+        (a0, a1, WritePoint::Clean),
+        (a1, run.1, WritePoint::Fill),
+    ]
+    .into_iter()
+    .filter(|(from, to, _)| to > from)
+}
 
 /// Longest a miss waits for a promotion in flight over its blocks before reading them itself.
 const PROMOTION_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(1);
@@ -143,6 +162,8 @@ impl Volume {
             Read::Cached | Read::Prefetch => None,
         };
         let mut bypass = why.is_some();
+        // A miss the admission filter kept out: served around the cache, counted as a miss.
+        let mut refused = false;
         let prefetch = read == Read::Prefetch;
         let inner = &*self.inner;
         let dev = self.backing.id;
@@ -175,7 +196,7 @@ impl Volume {
                     bypass = true;
                     why = Some(crate::policy::Bypass::Congested);
                 }
-                let miss = !bypass && segs.iter().any(|s| s.ext.is_none());
+                let mut miss = !bypass && segs.iter().any(|s| s.ext.is_none());
                 // A miss wholly inside a promotion in flight (concurrent readers of one window,
                 // e.g. a sequential stream at queue depth > 1) waits for it, then reads the
                 // cache, instead of reading the backing device again. Once only: a promotion that
@@ -194,6 +215,16 @@ impl Volume {
                             PROMOTION_WAIT_MAX,
                         );
                         continue;
+                    }
+                }
+                if miss && !prefetch {
+                    let st = &mut *st;
+                    let earlier = st.ghost.record(crate::admit::Ghost::key(dev.0, b0.0));
+                    let full = st.buckets.free_count() + st.buckets.pending_count()
+                        < 2 * inner.reserve_buckets;
+                    if !crate::policy::admit_miss(inner.config.admission, full, earlier) {
+                        (miss, bypass, refused) = (false, true, true);
+                        why = Some(crate::policy::Bypass::Admission);
                     }
                 }
                 let around = if miss {
@@ -335,7 +366,7 @@ impl Volume {
         if !prefetch {
             let c = &self.backing.counters;
             Counters::add(
-                match (bypass, hit) {
+                match (bypass && !refused, hit) {
                     (false, true) => &c.cache_hits,
                     (false, false) => &c.cache_misses,
                     (true, true) => &c.cache_bypass_hits,
@@ -351,7 +382,7 @@ impl Volume {
             let ((p0, _), (s0, s1)) = around;
             self.backing.fill_hits.note_filled(p0.0, b0.0);
             self.backing.fill_hits.note_filled(s0.0, s1.0);
-            self.promote(id, fills);
+            self.promote(id, fills, (b0, b1));
         }
         Ok(())
     }
@@ -641,10 +672,25 @@ impl Volume {
         }
     }
 
-    /// Inserts read-miss data into the cache unless a write overlapped it meanwhile.
-    fn promote(&self, id: u64, fills: Vec<(BackingBlock, Vec<u8>)>) {
+    /// Inserts read-miss data into the cache unless a write overlapped it meanwhile: the
+    /// blocks of `asked` (the request's) with the clean data, the rest (the miss fill's) at
+    /// their own write point.
+    fn promote(
+        &self,
+        id: u64,
+        fills: Vec<(BackingBlock, Vec<u8>)>,
+        asked: (BackingBlock, BackingBlock),
+    ) {
         let inner = &*self.inner;
-        for (block, data) in fills {
+        let bs = inner.block_size();
+        let pieces = fills.iter().flat_map(|(block, data)| {
+            let end = *block + data.len() as u64 / bs;
+            fill_pieces((*block, end), asked).map(move |(from, to, point)| {
+                let range = ((from - *block) * bs) as usize..((to - *block) * bs) as usize;
+                (from, &data[range], point)
+            })
+        });
+        for (block, data, point) in pieces {
             if inner
                 .state
                 .lock()
@@ -654,7 +700,7 @@ impl Volume {
             {
                 break;
             }
-            if let Err(e) = self.cache_insert(block, &data, false, Some(id)) {
+            if let Err(e) = self.cache_insert(block, data, point, Some(id)) {
                 self.cache_failed(&e);
                 break;
             }
@@ -664,5 +710,30 @@ impl Volume {
         if p.is_some_and(|p| p.collided) {
             Counters::add(&self.backing.counters.cache_miss_collisions, 1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fill_keeps_the_blocks_asked_for_apart_from_their_neighbours() {
+        let b = BackingBlock;
+        let pieces = |run: (u64, u64), asked: (u64, u64)| {
+            fill_pieces((b(run.0), b(run.1)), (b(asked.0), b(asked.1)))
+                .map(|(f, t, p)| (f.0, t.0, p))
+                .collect::<Vec<_>>()
+        };
+        use WritePoint::{Clean, Fill};
+        assert_eq!(
+            pieces((0, 16), (5, 7)),
+            [(0, 5, Fill), (5, 7, Clean), (7, 16, Fill)]
+        );
+        assert_eq!(pieces((0, 16), (0, 16)), [(0, 16, Clean)]);
+        // Pieces of a fill wholly before or after the request.
+        assert_eq!(pieces((0, 4), (8, 9)), [(0, 4, Fill)]);
+        assert_eq!(pieces((9, 16), (8, 9)), [(9, 16, Fill)]);
+        assert_eq!(pieces((3, 10), (0, 5)), [(3, 5, Clean), (5, 10, Fill)]);
     }
 }

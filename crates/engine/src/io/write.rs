@@ -19,24 +19,21 @@ use blockdev::BlockDevice;
 use std::sync::atomic::Ordering;
 
 impl Volume {
-    /// Writes whole blocks to the cache and inserts them (dirty or clean). With `promotion`,
-    /// the insert is skipped if that promotion collided. Returns the number of leading blocks
-    /// stored (fewer than given when the cache has no room).
+    /// Writes whole blocks to the cache at write point `point` and inserts them (dirty at
+    /// `WritePoint::Dirty`, else clean). With `promotion`, the insert is skipped if that
+    /// promotion collided. Returns the number of leading blocks stored (fewer than given when
+    /// the cache has no room).
     pub(super) fn cache_insert(
         &self,
         block: BackingBlock,
         data: &[u8],
-        dirty: bool,
+        point: WritePoint,
         promotion: Option<u64>,
     ) -> Result<u64> {
         let inner = &*self.inner;
         let bs = inner.block_size();
         let nblocks = data.len() as u64 / bs;
-        let point = if dirty {
-            WritePoint::Dirty
-        } else {
-            WritePoint::Clean
-        };
+        let dirty = point == WritePoint::Dirty;
         let mut done = 0u64;
         while done < nblocks && !inner.is_degraded() {
             let want = (nblocks - done).min(u64::from(u32::MAX)) as u32;
@@ -296,7 +293,7 @@ impl Volume {
         }
         let stored = match route {
             Route::Bypass(_) => Ok(0),
-            Route::Through => self.cache_insert(block, data, false, None),
+            Route::Through => self.cache_insert(block, data, WritePoint::Clean, None),
             Route::Back => {
                 if self.backing.header.lock().state != BackingState::Dirty {
                     self.backing.set_state(BackingState::Dirty)?;
@@ -306,7 +303,7 @@ impl Volume {
                         .dirty_since_ns
                         .store(inner.now_ns(), Ordering::Relaxed);
                 }
-                self.cache_insert(block, data, true, None)
+                self.cache_insert(block, data, WritePoint::Dirty, None)
             }
         };
         // The cache device failed: the write goes on without it, as when it has no room (a
