@@ -340,13 +340,28 @@ impl Admission {
     }
 }
 
+/// A measured share of miss-filled blocks read later (`fillhits`) at or above which every
+/// miss of the device is admitted: its misses are local (a stream, or reads that move through
+/// a region), so what one brings in is read soon, in the same pass.
+pub const ADMIT_FILL_SHARE: f64 = 0.5;
+
 /// Whether a read miss is promoted (`earlier`: the ghost history's count of the block's
-/// earlier misses). While the cache has room nothing is refused: a promotion then evicts
-/// nothing, and refusing would only slow the warm-up.
-pub fn admit_miss(policy: Admission, cache_full: bool, earlier: u8) -> bool {
+/// earlier misses; `fill_share`: the device's measured share of miss-filled blocks read
+/// later, None until measured). While the cache has room nothing is refused: a promotion then
+/// evicts nothing, and refusing would only slow the warm-up. Nor where misses are measured to
+/// be local (`ADMIT_FILL_SHARE`): the filter is for one-time reads scattered over the disk,
+/// and refusing a stream's misses would refuse their fills, which the stream reads next.
+pub fn admit_miss(
+    policy: Admission,
+    cache_full: bool,
+    earlier: u8,
+    fill_share: Option<f64>,
+) -> bool {
     match policy {
         Admission::All => true,
-        Admission::Ghost => !cache_full || earlier > 0,
+        Admission::Ghost => {
+            !cache_full || earlier > 0 || fill_share.is_some_and(|s| s >= ADMIT_FILL_SHARE)
+        }
     }
 }
 
@@ -832,10 +847,24 @@ mod tests {
 
     #[test]
     fn a_full_cache_admits_a_miss_only_when_it_missed_before() {
-        assert!(admit_miss(Admission::Ghost, false, 0), "room: no eviction");
-        assert!(!admit_miss(Admission::Ghost, true, 0), "a one-hit wonder");
-        assert!(admit_miss(Admission::Ghost, true, 1));
-        assert!(admit_miss(Admission::All, true, 0));
+        assert!(
+            admit_miss(Admission::Ghost, false, 0, None),
+            "room: no eviction"
+        );
+        assert!(
+            !admit_miss(Admission::Ghost, true, 0, None),
+            "a one-hit wonder"
+        );
+        assert!(
+            !admit_miss(Admission::Ghost, true, 0, Some(0.1)),
+            "scattered misses"
+        );
+        assert!(
+            admit_miss(Admission::Ghost, true, 0, Some(0.9)),
+            "local misses"
+        );
+        assert!(admit_miss(Admission::Ghost, true, 1, None));
+        assert!(admit_miss(Admission::All, true, 0, None));
         for a in Admission::ALL {
             assert_eq!(Admission::parse(a.name()), Some(a));
         }

@@ -342,6 +342,10 @@ pub struct Backing {
     /// The device's cost model, fed by every data read and write the engine sends it
     /// (clients' and writeback's; see `cost`). A leaf lock: nothing is locked under it.
     pub(crate) cost: Mutex<crate::cost::CostModel>,
+    /// The clock of the device's completions (`timed`), and the latest completion on it in
+    /// ns of that clock: what `cost::service_ns` needs to leave queueing out of the samples.
+    io_epoch: std::time::Instant,
+    last_done_ns: AtomicU64,
     /// Read misses so far (the miss fill's exploration alternates on it).
     pub(crate) misses: AtomicU64,
     /// How many of the blocks miss fills brought in were read later (the fill's benefit).
@@ -401,7 +405,7 @@ impl Backing {
 
     /// Flushes the device, counting a failure in `flush_failures`.
     /// Runs a data read or write of `len` bytes at absolute `offset` on the device, timing
-    /// it into the cost model (failures are not samples).
+    /// its service time (`cost::service_ns`) into the cost model (failures are not samples).
     pub(crate) fn timed<T>(
         &self,
         op: crate::cost::Op,
@@ -409,10 +413,13 @@ impl Backing {
         len: u64,
         io: impl FnOnce(&dyn BlockDevice) -> std::io::Result<T>,
     ) -> std::io::Result<T> {
-        let start = std::time::Instant::now();
+        let at = || self.io_epoch.elapsed().as_nanos() as u64;
+        let issued = at();
         let r = io(&*self.dev);
+        let done = at();
+        let prev = self.last_done_ns.fetch_max(done, Ordering::Relaxed);
         if r.is_ok() {
-            let ns = start.elapsed().as_nanos() as u64;
+            let ns = crate::cost::service_ns(issued, done, prev);
             self.cost.lock().observe(op, offset, len, ns);
         }
         r
@@ -1011,6 +1018,8 @@ impl CacheSet {
             flush_failures: AtomicU64::new(0),
             writeback_error: Mutex::new(None),
             cost: Mutex::new(crate::cost::CostModel::new(dev_rotational)),
+            io_epoch: std::time::Instant::now(),
+            last_done_ns: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             fill_hits: crate::fillhits::FillHits::default(),
             writeback_pi: Mutex::new(crate::policy::WritebackPi::default()),

@@ -75,8 +75,10 @@ pub(crate) fn first_bad_block(data: &[u8], crcs: &[u32], bs: u64) -> Option<u32>
 /// How a read treats the cache.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Read {
-    /// Hits from the cache, misses promoted.
-    Cached,
+    /// Hits from the cache, misses promoted (unless the admission filter refuses them; never
+    /// in a sequential stream, whose next requests read what its miss fills bring in: streams
+    /// are `sequential_cutoff`'s to keep out).
+    Cached { stream: bool },
     /// Hits from the cache, misses read from the backing device exactly (and why).
     Bypass(crate::policy::Bypass),
     /// Like `Bypass`, with misses served through readahead windows (a sequential stream).
@@ -123,10 +125,11 @@ impl Volume {
             crate::policy::read_bypass(self.mode(), self.seq_bypass(stream))
         };
         let len = buf.len() as u64;
+        let streaming = stream > len && stream >= READAHEAD_AFTER_BYTES;
         let read = match bypass {
-            Some(why) if stream > len && stream >= READAHEAD_AFTER_BYTES => Read::Ahead(why),
+            Some(why) if streaming => Read::Ahead(why),
             Some(why) => Read::Bypass(why),
-            None => Read::Cached,
+            None => Read::Cached { stream: streaming },
         };
         self.read_inner(offset, buf, read)
     }
@@ -159,7 +162,7 @@ impl Volume {
     fn read_inner(&self, offset: u64, buf: &mut [u8], read: Read) -> Result<()> {
         let mut why = match read {
             Read::Bypass(why) | Read::Ahead(why) => Some(why),
-            Read::Cached | Read::Prefetch => None,
+            Read::Cached { .. } | Read::Prefetch => None,
         };
         let mut bypass = why.is_some();
         // A miss the admission filter kept out: served around the cache, counted as a miss.
@@ -217,12 +220,14 @@ impl Volume {
                         continue;
                     }
                 }
-                if miss && !prefetch {
+                if miss && read == (Read::Cached { stream: false }) {
                     let st = &mut *st;
                     let earlier = st.ghost.record(crate::admit::Ghost::key(dev.0, b0.0));
                     let full = st.buckets.free_count() + st.buckets.pending_count()
                         < 2 * inner.reserve_buckets;
-                    if !crate::policy::admit_miss(inner.config.admission, full, earlier) {
+                    let fill_share = self.backing.fill_hits.ratio();
+                    if !crate::policy::admit_miss(inner.config.admission, full, earlier, fill_share)
+                    {
                         (miss, bypass, refused) = (false, true, true);
                         why = Some(crate::policy::Bypass::Admission);
                     }
