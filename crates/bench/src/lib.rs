@@ -77,6 +77,10 @@ pub struct BenchArgs {
     /// --serve-arg=--admission=all).
     #[arg(long = "serve-arg", value_name = "ARG", allow_hyphen_values = true)]
     serve_args: Vec<String>,
+    /// An extra argument for every `tiercache make` of the tiercache-* configurations (repeat
+    /// it: --make-arg=--bucket-size=64K).
+    #[arg(long = "make-arg", value_name = "ARG", allow_hyphen_values = true)]
+    make_args: Vec<String>,
     /// Memory limit in MiB, page cache included, of each server process of a +memlimit
     /// configuration (default: half the cache size, at least 64 MiB; 0 leaves them out).
     #[arg(long = "mem-limit", value_name = "MiB")]
@@ -85,6 +89,14 @@ pub struct BenchArgs {
     /// quick, where the 128 MiB caches fill in about 25 s).
     #[arg(long = "w6-cap", value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(4..=3600))]
     w6_cap: Option<u64>,
+    /// W6's steady window, in intervals (default: the scale's; 4 at quick). A longer window
+    /// with --w6-warm-min measures a later, steadier state than quick's.
+    #[arg(long = "w6-intervals", value_name = "N", value_parser = clap::value_parser!(u64).range(1..=600))]
+    w6_intervals: Option<u64>,
+    /// Seconds before which no W6 window of a configuration with a cache starts (default: the
+    /// scale's; 25 s at quick).
+    #[arg(long = "w6-warm-min", value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(0..=3600))]
+    w6_warm_min: Option<u64>,
     /// Directory for results.md, results.json, plots and scratch devices.
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
@@ -476,6 +488,7 @@ struct Ctx {
 pub fn run(args: &BenchArgs, tc: &Tiercache) -> Result<()> {
     let tc = &Tiercache {
         serve_args: args.serve_args.clone(),
+        make_args: args.make_args.clone(),
         ..tc.clone()
     };
     // Workloads that run alone (their own measurements, no configurations).
@@ -495,6 +508,21 @@ pub fn run(args: &BenchArgs, tc: &Tiercache) -> Result<()> {
     p.mem_limit_bytes = cgroup::limit_bytes(args.mem_limit, p.cache_bytes)?;
     if let Some(cap) = args.w6_cap {
         p.w6.cap_s = cap;
+    }
+    if let Some(n) = args.w6_intervals {
+        p.w6.intervals = n as usize;
+    }
+    if let Some(s) = args.w6_warm_min {
+        p.w6.warm_min_s = s;
+    }
+    if p.w6.warm_min_s + p.w6.intervals as u64 * p.w6.interval_s > p.w6.cap_s {
+        bail!(
+            "W6 cannot be steady within its cap: {} s before the first window plus {} intervals of {} s exceed {} s (--w6-cap)",
+            p.w6.warm_min_s,
+            p.w6.intervals,
+            p.w6.interval_s,
+            p.w6.cap_s
+        );
     }
     let workloads: Vec<String> = if args.workloads.is_empty() {
         WORKLOADS.iter().map(|w| w.0.to_string()).collect()

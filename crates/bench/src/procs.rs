@@ -194,6 +194,8 @@ pub struct Tiercache {
     pub admin_request: fn(&Path, &serde_json::Value) -> Result<serde_json::Value>,
     /// Extra arguments for the tiercache-* configurations' `serve` (`--serve-arg`).
     pub serve_args: Vec<String>,
+    /// Extra arguments for the tiercache-* configurations' `make` (`--make-arg`).
+    pub make_args: Vec<String>,
 }
 
 impl Tiercache {
@@ -493,7 +495,8 @@ pub fn start(
                         &hdd_uri,
                         "--cache",
                     ])
-                    .arg(&cache),
+                    .arg(&cache)
+                    .args(&tc.make_args),
                 "tiercache make",
             )?;
             let sock = dir.join("tc.sock");

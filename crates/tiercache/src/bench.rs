@@ -12,6 +12,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         exe: std::env::current_exe().context("finding the tiercache binary")?,
         admin_request: |admin, req| crate::admin::request(admin, req, &mut |_| {}),
         serve_args: Vec::new(),
+        make_args: Vec::new(),
     };
     tiercache_bench::run(args, &tc)
 }
