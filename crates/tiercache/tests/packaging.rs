@@ -168,6 +168,17 @@ fn the_example_config_parses_and_puts_the_sockets_under_run_tiercache() {
     );
 }
 
+/// One datagram, retried when a signal interrupts the wait (EINTR: a CI run failed on it
+/// while the other tests of this binary were starting and stopping servers).
+fn recv_datagram(sock: &UnixDatagram, buf: &mut [u8]) -> std::io::Result<usize> {
+    loop {
+        match sock.recv(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
 #[test]
 fn serve_tells_systemd_when_it_is_ready_and_when_it_stops() {
     let mut f = Fixture::new(16, 16, false);
@@ -180,14 +191,14 @@ fn serve_tells_systemd_when_it_is_ready_and_when_it_stops() {
     cmd.env("NOTIFY_SOCKET", &notify_path);
     f.server = Some(cmd.spawn().unwrap());
     let mut buf = [0u8; 512];
-    let n = notify.recv(&mut buf).expect("no READY=1 within 30 s");
+    let n = recv_datagram(&notify, &mut buf).expect("no READY=1 within 30 s");
     let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
     assert!(msg.lines().any(|l| l == "READY=1"), "{msg:?}");
     // Ready means every socket listens: clients may connect at once.
     assert!(f.socket().exists() && Path::new(&f.admin()).exists());
     f.tc_admin(&["status"]);
     f.stop();
-    let n = notify.recv(&mut buf).expect("no STOPPING=1");
+    let n = recv_datagram(&notify, &mut buf).expect("no STOPPING=1");
     let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
     assert!(msg.lines().any(|l| l == "STOPPING=1"), "{msg:?}");
 }
