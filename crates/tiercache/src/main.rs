@@ -120,7 +120,8 @@ struct ServeHealth {
     congested_write_threshold_us: u64,
     /// Which read misses a full cache admits: ghost (only blocks that also missed recently,
     /// so one-time reads and scans do not evict what is used again) or all (every miss,
-    /// bcache's rule). While the cache has room every miss is admitted.
+    /// bcache's rule). While the cache has room every miss is admitted, and so are misses of
+    /// sequential streams and of devices whose miss fills are measured to be read soon.
     #[arg(long, default_value = "ghost", value_parser = ["ghost", "all"])]
     admission: String,
     /// Which clean data a full cache gives up, by bucket: lru (least recently read or
