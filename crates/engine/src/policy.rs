@@ -7,8 +7,15 @@
 //!
 //! Invariants: the detector holds at most `SEQ_SLOTS` streams (bounded memory, no I/O, no
 //! clock of its own: time is passed in), and the same inputs give the same decisions.
-//! A request continues a stream when it starts exactly where a stream tracked in the last
-//! `SEQ_WINDOW_NS` ended, so interleaved sequential streams are each recognised.
+//! A request continues a stream tracked in the last `SEQ_WINDOW_NS` when it starts where the
+//! stream's contiguous run ended, or a little past that end (`SEQ_REORDER_REQUESTS` of its own
+//! length, as many requests at most: requests sent in order at a queue depth, or over several
+//! connections, are executed out of order); those join the run when the requests between
+//! arrive (a request that reaches the detector before the stream's first one starts a stream
+//! of its own, so a stream can lose its first few requests). Only the run grows by
+//! contiguity, so neither rewriting one block nor skipping every other block makes a stream;
+//! interleaved sequential streams are each recognised. Memory: `SEQ_SLOTS` streams of at most
+//! `SEQ_REORDER_REQUESTS` requests ahead each.
 
 use crate::cost::CostEstimate;
 use crate::types::CacheMode;
@@ -18,50 +25,129 @@ pub const SEQ_SLOTS: usize = 128;
 /// A stream idle for longer than this starts over (bcache: 5 s).
 pub const SEQ_WINDOW_NS: u64 = 5_000_000_000;
 
+/// How far past a stream's end, in lengths of the request, a request may start and still be
+/// taken for one of the stream sent early, and how many such requests a stream holds: a
+/// client's requests sent in order at a queue depth up to this, or spread over connections,
+/// reach the detector out of order by less than that.
+pub const SEQ_REORDER_REQUESTS: u64 = 16;
+/// How long a request past a stream's end waits for those between (as does the
+/// `SEQ_REORDER_REQUESTS` count): requests a client sent together reach the detector within a
+/// worker's wake-up of each other.
+pub const SEQ_REORDER_NS: u64 = 20_000_000;
+
 #[derive(Clone, Copy, Debug)]
-struct Stream {
+struct Ahead {
+    offset: u64,
     end: u64,
+    at_ns: u64,
+    seen: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Stream {
+    /// Where the stream's contiguous run ends.
+    end: u64,
+    /// Bytes of the contiguous run.
     bytes: u64,
     last_ns: u64,
+    /// Requests that started past `end` (at most `SEQ_REORDER_REQUESTS`, none further than
+    /// that many of their own lengths): they join the run once the requests between arrive.
+    /// A stream's length is its run's: a request ahead of it adds only itself. Each with the
+    /// time it came and the detector's request count then: it is dropped once
+    /// `SEQ_REORDER_NS` or 2 × `SEQ_REORDER_REQUESTS` requests passed without those between
+    /// (a scattered scan of a region is not a stream).
+    ahead: Vec<Ahead>,
+}
+
+impl Stream {
+    /// Moves the run's end over the requests ahead that it now reaches.
+    fn absorb(&mut self) {
+        while let Some(i) = self.ahead.iter().position(|a| a.offset <= self.end) {
+            let a = self.ahead.swap_remove(i);
+            if a.end > self.end {
+                self.bytes = self.bytes.saturating_add(a.end - a.offset.max(self.end));
+                self.end = a.end;
+            }
+        }
+    }
 }
 
 #[derive(Default, Debug)]
 pub struct SeqDetector {
     streams: Vec<Stream>,
+    /// Requests observed.
+    seen: u64,
 }
 
 impl SeqDetector {
     /// Records a request and returns how many sequential bytes its stream has seen, including
     /// this request.
     pub fn observe(&mut self, offset: u64, len: u64, now_ns: u64) -> u64 {
+        self.seen += 1;
+        let seen = self.seen;
+        for s in &mut self.streams {
+            s.ahead.retain(|a| {
+                now_ns.saturating_sub(a.at_ns) <= SEQ_REORDER_NS
+                    && seen - a.seen <= 2 * SEQ_REORDER_REQUESTS
+            });
+        }
         let live = |s: &Stream| now_ns.saturating_sub(s.last_ns) <= SEQ_WINDOW_NS;
-        // Two streams can end at the same place (one caught up with the other): the longer
-        // one continues.
-        if let Some(s) = self
-            .streams
-            .iter_mut()
-            .filter(|s| s.end == offset && live(s))
-            .max_by_key(|s| s.bytes)
-        {
-            s.end = offset + len;
-            s.bytes = s.bytes.saturating_add(len);
-            s.last_ns = now_ns;
-            return s.bytes;
-        }
-        let fresh = Stream {
-            end: offset + len,
-            bytes: len,
-            last_ns: now_ns,
+        let end = offset.saturating_add(len);
+        let reach = len.max(1).saturating_mul(SEQ_REORDER_REQUESTS);
+        // Exactly where a stream's run ended (two can end there, one having caught up with
+        // the other: the longer continues); else a little past a run's end, the nearest.
+        let exact = (0..self.streams.len())
+            .filter(|&i| live(&self.streams[i]) && self.streams[i].end == offset)
+            .max_by_key(|&i| self.streams[i].bytes);
+        let ahead = || {
+            (0..self.streams.len())
+                .filter(|&i| {
+                    let s = &self.streams[i];
+                    live(s)
+                        && offset > s.end
+                        && offset - s.end <= reach
+                        && (s.ahead.len() as u64) < SEQ_REORDER_REQUESTS
+                })
+                .min_by_key(|&i| offset - self.streams[i].end)
         };
-        if self.streams.len() < SEQ_SLOTS {
-            self.streams.push(fresh);
+        // A request ahead counts its own length on top of the run (not the others ahead: a
+        // client skipping every other block would add them up).
+        let mut extra = 0;
+        let i = if let Some(i) = exact {
+            let s = &mut self.streams[i];
+            s.end = end;
+            s.bytes = s.bytes.saturating_add(len);
+            s.absorb();
+            i
+        } else if let Some(i) = ahead() {
+            self.streams[i].ahead.push(Ahead {
+                offset,
+                end,
+                at_ns: now_ns,
+                seen,
+            });
+            extra = len;
+            i
         } else {
-            let oldest = (0..self.streams.len())
-                .min_by_key(|&i| self.streams[i].last_ns)
-                .expect("slots are full");
-            self.streams[oldest] = fresh;
-        }
-        len
+            let fresh = Stream {
+                end,
+                bytes: len,
+                last_ns: now_ns,
+                ahead: Vec::new(),
+            };
+            if self.streams.len() < SEQ_SLOTS {
+                self.streams.push(fresh);
+                self.streams.len() - 1
+            } else {
+                let oldest = (0..self.streams.len())
+                    .min_by_key(|&i| self.streams[i].last_ns)
+                    .expect("slots are full");
+                self.streams[oldest] = fresh;
+                oldest
+            }
+        };
+        self.streams[i].last_ns = now_ns;
+        self.streams[i].bytes.saturating_add(extra)
     }
 
     /// How many streams longer than `min_bytes` saw a request in the last `window_ns`
@@ -1206,11 +1292,76 @@ mod tests {
     #[test]
     fn a_stream_that_catches_up_with_a_short_one_keeps_its_length() {
         let mut d = SeqDetector::default();
-        d.observe(8192, 4096, 0); // a lone request ending at 12288
+        d.observe(1 << 20, 4096, 0); // a lone request, far ahead
         d.observe(0, 4096, 1);
         d.observe(4096, 4096, 2);
-        assert_eq!(d.observe(8192, 4096, 3), 12288);
+        // Two streams end at 1 MiB + 4096 once this one catches up: the longer continues.
+        let mut t = 3;
+        for off in (8192..(1 << 20) + 4096).step_by(4096) {
+            d.observe(off, 4096, t);
+            t += 1;
+        }
+        assert_eq!(d.observe((1 << 20) + 4096, 4096, t), (1 << 20) + 8192);
+    }
+
+    #[test]
+    fn a_stream_executed_out_of_order_is_still_one_stream() {
+        // Queue depth 8: each run of 8 requests sent in order reaches the detector shuffled.
+        for (len, order) in [
+            (4096u64, [3, 0, 7, 1, 5, 2, 6, 4]),
+            (65536, [7, 6, 5, 4, 3, 2, 1, 0]),
+            (131072, [1, 0, 3, 2, 5, 4, 7, 6]),
+        ] {
+            let mut d = SeqDetector::default();
+            let (mut last, mut t) = (0, 0);
+            for run in 0..64u64 {
+                for &k in &order {
+                    t += 1;
+                    last = d.observe((run * 8 + k) * len, len, t);
+                }
+            }
+            // At most the first run is lost to a second stream.
+            assert!(last >= (64 - 1) * 8 * len, "{len}: {last}");
+        }
+    }
+
+    #[test]
+    fn neither_rewriting_a_block_nor_skipping_every_other_one_makes_a_stream() {
+        let mut d = SeqDetector::default();
+        assert_eq!(d.observe(0, 4096, 0), 4096);
+        assert_eq!(d.observe(4096, 4096, 1), 8192);
+        for t in 2..1000 {
+            assert_eq!(d.observe(4096, 4096, t), 4096);
+        }
+        let mut d = SeqDetector::default();
+        for b in 0..1000u64 {
+            assert!(d.observe(b * 8192, 4096, b) <= 8192);
+        }
+        // A request ahead joins the run when the one before it comes, once.
+        let mut d = SeqDetector::default();
+        d.observe(0, 4096, 0);
+        assert_eq!(d.observe(8192, 4096, 1), 8192);
+        assert_eq!(d.observe(4096, 4096, 2), 12288);
+        assert_eq!(d.observe(4096, 4096, 3), 4096, "the gap is filled");
         assert_eq!(d.observe(12288, 4096, 4), 16384);
+        // Too far ahead is another stream.
+        let far = 16384 + (SEQ_REORDER_REQUESTS + 1) * 4096;
+        assert_eq!(d.observe(far, 4096, 5), 4096);
+        // A request ahead waits so long for those between.
+        assert_eq!(d.observe(20480, 4096, 6), 20480);
+        assert_eq!(d.observe(16384, 4096, 7 + SEQ_REORDER_NS), 20480);
+        assert_eq!(d.observe(20480, 4096, 8 + SEQ_REORDER_NS), 24576);
+    }
+
+    #[test]
+    fn a_scattered_scan_of_a_region_is_not_a_stream() {
+        // Every block of a region once, in a scrambled order, with no time passing: requests
+        // ahead wait for those between only so many requests.
+        let mut d = SeqDetector::default();
+        let longest = (0..2000u64)
+            .map(|i| d.observe((i * 7919 % 2000) * 4096, 4096, 0))
+            .max();
+        assert!(longest < Some(64 << 10), "{longest:?}");
     }
 
     #[test]
