@@ -47,6 +47,9 @@ struct Ahead {
 struct Stream {
     /// Where the stream's contiguous run ends.
     end: u64,
+    /// The detector's request count at the stream's last request that came ahead of its run
+    /// (0: none yet).
+    ahead_at: u64,
     /// Bytes of the contiguous run.
     bytes: u64,
     last_ns: u64,
@@ -72,6 +75,20 @@ impl Stream {
     }
 }
 
+/// A stream whose last request that came ahead of its run is at most this many requests old
+/// arrives out of order (`Seen::reordered`).
+pub const SEQ_REORDERED_WITHIN: u64 = 4 * SEQ_REORDER_REQUESTS;
+
+/// What the detector says of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seen {
+    /// Sequential bytes of its stream, this request included.
+    pub bytes: u64,
+    /// The stream's requests reach the detector out of order (one came ahead of the run
+    /// within the last `SEQ_REORDERED_WITHIN` requests): they reach the disk so too.
+    pub reordered: bool,
+}
+
 #[derive(Default, Debug)]
 pub struct SeqDetector {
     streams: Vec<Stream>,
@@ -83,6 +100,12 @@ impl SeqDetector {
     /// Records a request and returns how many sequential bytes its stream has seen, including
     /// this request.
     pub fn observe(&mut self, offset: u64, len: u64, now_ns: u64) -> u64 {
+        self.observe_stream(offset, len, now_ns).bytes
+    }
+
+    /// Records a request: its stream's length, and whether the stream's requests arrive out
+    /// of order.
+    pub fn observe_stream(&mut self, offset: u64, len: u64, now_ns: u64) -> Seen {
         self.seen += 1;
         let seen = self.seen;
         for s in &mut self.streams {
@@ -120,6 +143,7 @@ impl SeqDetector {
             s.absorb();
             i
         } else if let Some(i) = ahead() {
+            self.streams[i].ahead_at = seen;
             self.streams[i].ahead.push(Ahead {
                 offset,
                 end,
@@ -130,6 +154,7 @@ impl SeqDetector {
             i
         } else {
             let fresh = Stream {
+                ahead_at: 0,
                 end,
                 bytes: len,
                 last_ns: now_ns,
@@ -147,7 +172,11 @@ impl SeqDetector {
             }
         };
         self.streams[i].last_ns = now_ns;
-        self.streams[i].bytes.saturating_add(extra)
+        let s = &self.streams[i];
+        Seen {
+            bytes: s.bytes.saturating_add(extra),
+            reordered: s.ahead_at > 0 && seen - s.ahead_at <= SEQ_REORDERED_WITHIN,
+        }
     }
 
     /// How many streams longer than `min_bytes` saw a request in the last `window_ns`
@@ -227,6 +256,9 @@ pub struct WriteShape {
     pub interleaved: bool,
     /// The client waits for it to be durable (FUA).
     pub sync: bool,
+    /// Its stream reaches the disk out of order, and the disk is measured to pay positioning
+    /// for requests a little off where the previous one ended (`near_requests_seek`).
+    pub reordered: bool,
 }
 
 /// The route of a write: around the cache while the device is being detached and in
@@ -253,7 +285,9 @@ pub fn route_write(
     match mode {
         CacheMode::Writearound | CacheMode::None => WriteRoute::Bypass(Bypass::Mode),
         CacheMode::Writeback if shape.sequential => {
-            if (shape.sync || shape.interleaved) && under(dirty_max_pct, dirty_blocks()) {
+            if (shape.sync || shape.interleaved || shape.reordered)
+                && under(dirty_max_pct, dirty_blocks())
+            {
                 WriteRoute::Back
             } else {
                 WriteRoute::Bypass(Bypass::Sequential)
@@ -282,6 +316,14 @@ pub const MISS_FILL_EXPLORE_BYTES: u64 = 64 << 10;
 pub const MISS_FILL_EXPLORE_EVERY: u64 = 16;
 /// Positioning below this is not taken for positioning by `seek_bound` (noise of the fit).
 pub const SEEK_FLOOR_NS: f64 = 50_000.0;
+
+/// Whether a device is measured to pay positioning for a request that starts a little off
+/// (up to 64 KiB) from where the previous one ended: a stream that reaches it out of order
+/// then pays a seek for most requests (a disk without a write cache, a model serving requests
+/// in arrival order). Unmeasured: no.
+pub fn near_requests_seek(est: &CostEstimate) -> bool {
+    est.seek_by_bucket[1].is_some_and(|s| s >= SEEK_FLOOR_NS && s >= est.fixed_ns / 4.0)
+}
 
 /// Whether the model says positioning matters on a device.
 pub fn seek_bound(est: &CostEstimate) -> bool {
@@ -735,8 +777,7 @@ mod tests {
         let never = || -> u64 { panic!("dirty count asked outside writeback") };
         let seq = |sequential: bool| WriteShape {
             sequential,
-            interleaved: false,
-            sync: false,
+            ..WriteShape::default()
         };
         let r = |m, det, sequential| route_write(m, det, seq(sequential), 70, 100, never);
         assert_eq!(
@@ -771,6 +812,7 @@ mod tests {
             sequential: true,
             interleaved,
             sync,
+            reordered: false,
         };
         // One stream the disk follows: around the cache, as bcache does.
         assert_eq!(
@@ -785,6 +827,13 @@ mod tests {
             wb(shape(true, false), 90),
             WriteRoute::Bypass(Bypass::Sequential)
         );
+        // A stream that reaches a disk out of order where that costs it seeks: the same.
+        let reordered = WriteShape {
+            reordered: true,
+            ..shape(false, false)
+        };
+        assert_eq!(wb(reordered, 89), WriteRoute::Back);
+        assert_eq!(wb(reordered, 90), WriteRoute::Bypass(Bypass::Sequential));
         // The dirty limit is the knob's.
         let low = route_write(
             CacheMode::Writeback,
@@ -1351,6 +1400,48 @@ mod tests {
         assert_eq!(d.observe(20480, 4096, 6), 20480);
         assert_eq!(d.observe(16384, 4096, 7 + SEQ_REORDER_NS), 20480);
         assert_eq!(d.observe(20480, 4096, 8 + SEQ_REORDER_NS), 24576);
+    }
+
+    #[test]
+    fn a_stream_out_of_order_is_told_from_one_in_order() {
+        let mut d = SeqDetector::default();
+        let in_order: Vec<Seen> = (0..64u64)
+            .map(|b| d.observe_stream(b * 4096, 4096, b))
+            .collect();
+        assert!(in_order.iter().all(|s| !s.reordered));
+        assert_eq!(in_order[63].bytes, 64 * 4096);
+        let mut d = SeqDetector::default();
+        let mut last = None;
+        for run in 0..8u64 {
+            for k in [1, 0, 3, 2, 5, 4, 7, 6] {
+                last = Some(d.observe_stream((1 << 30) + (run * 8 + k) * 4096, 4096, run));
+            }
+        }
+        // (The first request sent came second: it started a stream of its own.)
+        assert_eq!(
+            last,
+            Some(Seen {
+                bytes: 63 * 4096,
+                reordered: true
+            })
+        );
+        // Back in order for a while: no longer out of order.
+        for b in 64..64 + SEQ_REORDERED_WITHIN + 1 {
+            last = Some(d.observe_stream((1 << 30) + b * 4096, 4096, 10));
+        }
+        assert!(!last.unwrap().reordered);
+    }
+
+    #[test]
+    fn a_disk_that_seeks_for_near_requests_is_told_from_one_that_does_not() {
+        let mut disk = est(100.0, Some(5.5), 4700.0);
+        assert!(near_requests_seek(&disk));
+        disk.seek_by_bucket[1] = Some(20_000.0); // a write cache absorbs it
+        assert!(!near_requests_seek(&disk));
+        disk.seek_by_bucket[1] = None; // never measured
+        assert!(!near_requests_seek(&disk));
+        // Positioning small next to the fixed cost (a network disk): not seeking.
+        assert!(!near_requests_seek(&est(2000.0, Some(1.0), 100.0)));
     }
 
     #[test]

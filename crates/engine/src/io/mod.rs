@@ -310,16 +310,24 @@ impl Volume {
         congested
     }
 
-    /// Feeds the sequential detector; returns the length of the stream the request continues.
-    fn note_io(&self, offset: u64, len: u64) -> u64 {
+    /// Feeds the sequential detector; returns what it says of the stream the request
+    /// continues.
+    fn note_io(&self, offset: u64, len: u64) -> crate::policy::Seen {
         let now = self.inner.now_ns();
-        let stream = self.backing.seq.lock().observe(offset, len, now);
-        if stream >= crate::policy::WRITEBACK_STREAM_BYTES {
+        let seen = self.backing.seq.lock().observe_stream(offset, len, now);
+        if seen.bytes >= crate::policy::WRITEBACK_STREAM_BYTES {
             self.backing
                 .client_stream_ns
                 .store(now.max(1), Ordering::Relaxed);
         }
-        stream
+        seen
+    }
+
+    /// Whether a stream that reaches the disk out of order costs it a seek per request (see
+    /// `policy::near_requests_seek`).
+    fn reordering_costs_seeks(&self) -> bool {
+        let est = self.backing.cost.lock().estimate(crate::cost::Op::Write);
+        crate::policy::near_requests_seek(&est)
     }
 
     /// Whether other streams past the cutoff run at the same time as the one a request just

@@ -114,7 +114,7 @@ impl Volume {
         if self.inner.is_degraded() {
             return self.degraded_read(offset, buf);
         }
-        let stream = self.note_io(offset, buf.len() as u64);
+        let stream = self.note_io(offset, buf.len() as u64).bytes;
         if let Some(r) = self.read_around_congestion(offset, buf) {
             return r;
         }

@@ -113,13 +113,14 @@ impl Volume {
             }
             return Ok(());
         }
-        let stream = self.note_io(offset, len);
+        let seen = self.note_io(offset, len);
         let cache_use = self.backing.cache_use();
-        let sequential = self.seq_bypass(stream);
+        let sequential = self.seq_bypass(seen.bytes);
         let shape = crate::policy::WriteShape {
             sequential,
             interleaved: sequential && self.streams_interleaved(),
             sync: fua,
+            reordered: sequential && seen.reordered && self.reordering_costs_seeks(),
         };
         let mut route = self.route(shape, cache_use.detaching());
         if route == Route::Through && self.cache_congested(crate::cachedev::Kind::Write, len) {
