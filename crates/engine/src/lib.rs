@@ -45,6 +45,7 @@ pub mod knobs;
 pub mod policy;
 mod rangelock;
 mod readahead;
+mod seq;
 mod set;
 mod slots;
 mod space;
