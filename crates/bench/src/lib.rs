@@ -1,4 +1,4 @@
-//! The harness behind `tiercache bench`: runs the field's workloads (W1–W7 of BENCHMARKS.md)
+//! The harness behind `tiercache bench`: runs the field's workloads (W1–W7 of docs/benchmarks.md)
 //! against every configuration (the emulated disk alone, the fast file alone, tiercache in
 //! three modes, nbdkit's cache filter, memory-limited variants, and variants over a disk that
 //! does not report itself rotational) through fio, and reports tables, JSON and plots. W6 runs

@@ -2,9 +2,9 @@
 //! tests: [`LatencyDevice`] wraps any device and delays each request by its model's service
 //! time.
 //!
-//! The HDD model (see `docs/benchmarks.md` and `shared/docs/BENCHMARKS.md`): one actuator, so
-//! requests are serviced one at a time in arrival order; service time = seek + rotation +
-//! transfer. Seek is 0 when a request starts where the previous one ended, otherwise
+//! The HDD model (the emulated disk of the benchmark method in `docs/benchmarks.md`): one
+//! actuator, so requests are serviced one at a time in arrival order; service time = seek +
+//! rotation + transfer. Seek is 0 when a request starts where the previous one ended, otherwise
 //! track-to-track plus (full stroke − track-to-track) × sqrt(distance / device size).
 //! Rotation is uniform in [0, one revolution] from a seeded RNG (0 for a continuing request).
 //! Transfer is length / rate. Flush costs one revolution (the drive writes its cache out).
