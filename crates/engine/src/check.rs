@@ -70,6 +70,10 @@ pub fn check_device(dev: &dyn BlockDevice, verify_data: bool) -> Result<CheckRep
         }
     };
     report.problems.extend(loaded.notes.iter().cloned());
+    // The newest journal record whose data never reached the device is what an ordinary
+    // crash or power loss leaves (the write it recorded was never acknowledged as durable):
+    // open drops it, as designed. A fact, not damage.
+    let unclean = loaded.dropped_record.as_ref().map(|d| d.what());
     if let Err(e) = loaded.index.check_invariants() {
         report.problems.push(format!("index invariant broken: {e}"));
         report.fatal = true;
@@ -100,6 +104,12 @@ pub fn check_device(dev: &dyn BlockDevice, verify_data: bool) -> Result<CheckRep
             loaded.records_replayed.to_string(),
         ),
     ];
+    if let Some(u) = unclean {
+        report.facts.push((
+            "after an unclean shutdown".into(),
+            format!("{u} (expected)"),
+        ));
+    }
     if verify_data {
         let mut bad = 0u64;
         let mut buf = Vec::new();

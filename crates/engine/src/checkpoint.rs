@@ -200,7 +200,7 @@ fn read_frame(cache: &dyn BlockDevice, magic: &[u8; 8], at: u64, limit: u64) -> 
 /// Loads the newest state of a cache device: superblock, checkpoint, journal replay. Data of
 /// the journal's last record is read back and checked (see `journal::replay`).
 pub fn load(cache: &dyn BlockDevice) -> Result<Loaded> {
-    let (sb, mut notes) = Superblock::read(cache)?;
+    let (sb, notes) = Superblock::read(cache)?;
     let l = sb.layout.clone();
     let slot_at = l.ckpt_offsets[sb.ckpt_slot as usize];
     let header_len = Layout::ckpt_header_len(l.nbuckets);
@@ -273,12 +273,6 @@ pub fn load(cache: &dyn BlockDevice) -> Result<Loaded> {
     let mut check_data = |entries: &[Entry]| last_record_data_ok(cache, &l, entries);
     let replay = journal::replay(&region, &sb.set_uuid, jpos, jseq, &mut check_data)?;
     drop(region);
-    if let Some(d) = replay.dropped_last {
-        notes.push(format!(
-            "journal record {} dropped: its data did not reach the cache device before the crash",
-            d.seq
-        ));
-    }
     let records_replayed = replay.records.len();
     let mut entries_replayed = 0;
     for (rseq, entries) in replay.records {

@@ -299,6 +299,16 @@ pub struct Dropped {
     pub copy_len: u64,
 }
 
+impl Dropped {
+    /// What happened, for the log and `check`.
+    pub fn what(&self) -> String {
+        format!(
+            "journal record {} dropped: its data did not reach the cache device before the crash",
+            self.seq
+        )
+    }
+}
+
 /// Result of reading the journal after a checkpoint.
 pub struct Replay {
     pub records: Vec<(u64, Vec<Entry>)>,

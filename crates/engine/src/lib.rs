@@ -63,10 +63,10 @@ pub use knobs::{
     DEFAULT_WRITEBACK_PERCENT,
 };
 pub use set::{
-    format_backing, Backing, CacheSet, Config, DevCost, DevKnobs, DevStatus, FormatOptions,
-    Occupancy, RecoveryReport, WritebackError, DEFAULT_CACHE_IO_TIMEOUT_MS,
-    DEFAULT_CONGESTED_READ_US, DEFAULT_CONGESTED_WRITE_US, DEFAULT_IO_ERROR_HALFLIFE,
-    DEFAULT_IO_ERROR_LIMIT,
+    check_format_backing, format_backing, Backing, CacheSet, Config, DevCost, DevKnobs, DevStatus,
+    FormatOptions, MissingVolume, Occupancy, RecoveryReport, WritebackError,
+    DEFAULT_CACHE_IO_TIMEOUT_MS, DEFAULT_CONGESTED_READ_US, DEFAULT_CONGESTED_WRITE_US,
+    DEFAULT_IO_ERROR_HALFLIFE, DEFAULT_IO_ERROR_LIMIT,
 };
 pub use types::{CacheMode, DevId, Error, Result};
 

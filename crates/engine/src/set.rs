@@ -638,13 +638,16 @@ pub(crate) fn grown_data_size(dev: &dyn BlockDevice, old: u64) -> Result<u64> {
     Ok(((size.saturating_sub(BACKING_DATA_OFFSET)) / 512 * 512).max(old))
 }
 
-/// Writes a fresh backing device header (the device is not yet part of any cache set).
-pub fn format_backing(
+/// Checks everything [`format_backing`] checks, writing nothing: the label, the device's
+/// signatures (unless `force`), and its size (at least one block after the header; with a
+/// cache of `block_size` blocks, at most [`crate::index::BLOCK_LIMIT`] of them). `make`
+/// checks every device this way before it writes to any.
+pub fn check_format_backing(
     dev: &dyn BlockDevice,
     label: &str,
-    mode: CacheMode,
     force: bool,
-) -> Result<BackingHeader> {
+    block_size: u64,
+) -> Result<()> {
     if !label.is_empty() {
         crate::knobs::validate_label(label)?;
     }
@@ -656,6 +659,28 @@ pub fn format_backing(
             BACKING_DATA_OFFSET + 4096
         )));
     }
+    check_backing_fits(dev.size_bytes() - BACKING_DATA_OFFSET, block_size)
+}
+
+/// A backing device of `data_size` bytes fits a cache of `block_size` blocks.
+fn check_backing_fits(data_size: u64, block_size: u64) -> Result<()> {
+    if data_size.div_ceil(block_size.max(1)) > crate::index::BLOCK_LIMIT {
+        return Err(Error::Invalid(format!(
+            "backing device of {data_size} bytes is too big for this cache: at most {} blocks of {block_size} bytes",
+            crate::index::BLOCK_LIMIT,
+        )));
+    }
+    Ok(())
+}
+
+/// Writes a fresh backing device header (the device is not yet part of any cache set).
+pub fn format_backing(
+    dev: &dyn BlockDevice,
+    label: &str,
+    mode: CacheMode,
+    force: bool,
+) -> Result<BackingHeader> {
+    check_format_backing(dev, label, force, 512)?;
     let mut h = BackingHeader {
         seq: 0,
         dev_uuid: Uuid::new_v4(),
@@ -684,11 +709,35 @@ fn refuse_if_signed(dev: &dyn BlockDevice, force: bool) -> Result<()> {
     }
 }
 
+/// A backing device the set knows but has not attached ([`CacheSet::missing`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MissingVolume {
+    pub uuid: Uuid,
+    /// Bytes the cache holds for it.
+    pub cached_bytes: u64,
+    /// Of which dirty: written by its clients, not yet on the device.
+    pub dirty_bytes: u64,
+}
+
 impl CacheSet {
+    /// Checks everything [`CacheSet::format`] checks, writing nothing: the layout the options
+    /// give on this device, and its signatures (unless `force`).
+    pub fn check_format(
+        cache: &dyn BlockDevice,
+        opts: &FormatOptions,
+        force: bool,
+    ) -> Result<Layout> {
+        let layout = Layout::compute(cache.size_bytes(), opts.block_size, opts.bucket_size)?;
+        if !opts.label.is_empty() {
+            crate::knobs::validate_label(&opts.label)?;
+        }
+        refuse_if_signed(cache, force)?;
+        Ok(layout)
+    }
+
     /// Formats a cache device: superblocks, an empty checkpoint, an empty journal.
     pub fn format(cache: &dyn BlockDevice, opts: &FormatOptions, force: bool) -> Result<Uuid> {
-        let layout = Layout::compute(cache.size_bytes(), opts.block_size, opts.bucket_size)?;
-        refuse_if_signed(cache, force)?;
+        let layout = Self::check_format(cache, opts, force)?;
         let set_uuid = Uuid::new_v4();
         let sb = Superblock {
             seq: 1,
@@ -752,6 +801,10 @@ impl CacheSet {
             entries_replayed,
             dropped_record,
         } = checkpoint::load(&*cache)?;
+        let mut notes = notes;
+        if let Some(d) = &dropped_record {
+            notes.push(d.what());
+        }
         if let Some(d) = dropped_record {
             // Erase the dropped record (the first block of both copies) so a new record with
             // its sequence can never be mistaken for it; see `journal::replay`.
@@ -892,15 +945,7 @@ impl CacheSet {
             header.write(&*dev)?;
         }
         let set_uuid = self.set_uuid();
-        let blocks = header.data_size.div_ceil(inner.block_size());
-        if blocks > crate::index::BLOCK_LIMIT {
-            return Err(Error::Invalid(format!(
-                "backing device of {} bytes is too big for this cache: at most {} blocks of {} bytes",
-                header.data_size,
-                crate::index::BLOCK_LIMIT,
-                inner.block_size()
-            )));
-        }
+        check_backing_fits(header.data_size, inner.block_size())?;
         if inner
             .backings
             .read()
@@ -1032,6 +1077,24 @@ impl CacheSet {
             inner: inner.clone(),
             backing,
         })
+    }
+
+    /// The backing devices this set knows (it may hold their data) that are not attached
+    /// now: left out of a `serve`, or not reachable yet. A missing device with dirty data has
+    /// its newest data only here.
+    pub fn missing(&self) -> Vec<MissingVolume> {
+        let attached: Vec<DevId> = self.inner.backings.read().keys().copied().collect();
+        let st = self.inner.state.lock();
+        let bs = self.inner.block_size();
+        st.devs
+            .iter()
+            .filter(|(d, _)| !attached.contains(d))
+            .map(|(d, uuid)| MissingVolume {
+                uuid: *uuid,
+                cached_bytes: st.index.dev_live_blocks(*d) * bs,
+                dirty_bytes: st.index.dev_dirty_blocks(*d) * bs,
+            })
+            .collect()
     }
 
     /// The volumes currently attached.

@@ -405,6 +405,24 @@ fn a_torn_record_is_read_from_the_copy_that_survived() {
                     .collect()
             }));
             let (at, copy, header) = record.expect("a record in flight");
+            // What an ordinary crash leaves is no damage: `check` finds nothing wrong and
+            // says the newest record goes (when its data is lost).
+            let checked = engine::check_device(&*rig.cache, false).unwrap();
+            assert!(
+                checked.problems.is_empty(),
+                "{case}: check after a crash: {:?}",
+                checked.problems
+            );
+            let dropped = checked
+                .facts
+                .iter()
+                .any(|(k, _)| k == "after an unclean shutdown");
+            assert_eq!(
+                dropped,
+                !data_kept && left != RecordLeft::Neither,
+                "{case}: check's facts {:?}",
+                checked.facts
+            );
             rig.open().unwrap_or_else(|e| panic!("{case}: reopen: {e}"));
             if !data_kept && left != RecordLeft::Neither {
                 // Neither copy's header is left (a later record may have been written there).

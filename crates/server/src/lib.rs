@@ -72,4 +72,6 @@ pub use nbd_proto::ValidRequest;
 pub use nbd_tls::ServerTls;
 pub use net::{peer_cred, tcp_exposure_warning, BindAddr, LocalAddr};
 pub use server::{start, ServerConfig, ServerHandle, ServerStats, StatsView, TlsConfig};
-pub use unix_socket::{bind_unix, UnixSocketFile, UnixSocketPerms, SOCKET_MODE_DEFAULT};
+pub use unix_socket::{
+    bind_unix, check_unix_path, UnixSocketFile, UnixSocketPerms, SOCKET_MODE_DEFAULT,
+};

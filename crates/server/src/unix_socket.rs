@@ -158,11 +158,56 @@ pub fn bind_unix(
     ))
 }
 
+/// Checks, changing nothing, what [`bind_unix`] would refuse at `path` now: a path with no
+/// file name, in a directory that does not exist, too long for a socket address, naming
+/// something that is not a socket, or a socket a server listens on. A server checks its
+/// paths this way before it opens its devices, so a mistake costs nothing.
+pub fn check_unix_path(path: &Path) -> io::Result<()> {
+    if path.file_name().is_none() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("socket path {} has no file name", path.display()),
+        ));
+    }
+    let parent = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!(
+                "socket path {}: the directory {} does not exist",
+                path.display(),
+                parent.display()
+            ),
+        ));
+    }
+    if is_stale(path)? {
+        return Ok(());
+    }
+    // Nothing there: the probe checks the path's length (a stale socket was probed already).
+    is_live(path).map(drop)
+}
+
 /// Removes `path` if it is a socket nobody listens on; refuses a live socket or a non-socket.
 fn remove_stale(path: &Path) -> io::Result<()> {
+    if !is_stale(path)? {
+        return Ok(());
+    }
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(err) => Err(with_path(err, "could not remove the stale socket", path)),
+    }
+}
+
+/// Whether `path` is a socket nobody listens on (false: nothing there); a live socket or a
+/// non-socket is an error.
+fn is_stale(path: &Path) -> io::Result<bool> {
     let meta = match fs::symlink_metadata(path) {
         Ok(meta) => meta,
-        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(err) => return Err(with_path(err, "could not stat", path)),
     };
     if !meta.file_type().is_socket() {
@@ -183,11 +228,7 @@ fn remove_stale(path: &Path) -> io::Result<()> {
             ),
         ));
     }
-    match fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(err) => Err(with_path(err, "could not remove the stale socket", path)),
-    }
+    Ok(true)
 }
 
 /// Whether a server accepts connections at the socket `path`. The probe never blocks: a full

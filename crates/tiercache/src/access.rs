@@ -79,6 +79,10 @@ fn lookup(
     get: impl Fn(&CString, &mut Vec<u8>) -> (libc::c_int, Option<u32>),
 ) -> Result<u32> {
     if let Ok(id) = s.parse::<u32>() {
+        // (uid_t)-1 is no id: chown(2) reads it as "leave unchanged".
+        if id == u32::MAX {
+            bail!("{what} id {id} is not a valid id (it means \"no change\" to the system)");
+        }
         return Ok(id);
     }
     let name = CString::new(s).with_context(|| format!("{what} name {s:?} contains a NUL"))?;
@@ -108,6 +112,11 @@ mod tests {
         for bad in ["", "rw", "888", "1777", "0440", "0060"] {
             assert!(parse_mode(bad).is_err(), "{bad} accepted");
         }
+        for bad in ["4294967295", "-1", "4294967296"] {
+            assert!(parse_user(bad).is_err(), "user {bad} accepted");
+            assert!(parse_group(bad).is_err(), "group {bad} accepted");
+        }
+        assert_eq!(parse_user("4294967294").unwrap(), 4294967294);
     }
 
     #[test]

@@ -54,6 +54,31 @@ pub trait Control: Send + Sync + 'static {
     fn open_backing(&self, path: &Path) -> Result<Arc<dyn blockdev::BlockDevice>>;
     /// Everything the server measures (`crate::metrics::Sample`), for `metrics`.
     fn metrics(&self) -> Result<Value>;
+    /// Backing devices named at start that have not answered yet.
+    fn pending(&self) -> Vec<crate::serve::Pending> {
+        Vec::new()
+    }
+}
+
+/// The backing devices the set knows but does not have (`missing`), and those named at start
+/// that have not answered yet (`pending`), for `status`.
+fn missing_json(set: &CacheSet, pending: &[crate::serve::Pending]) -> (Value, Value) {
+    let missing = set
+        .missing()
+        .iter()
+        .map(|m| {
+            json!({
+                "uuid": m.uuid.to_string(),
+                "cached_bytes": m.cached_bytes,
+                "dirty_bytes": m.dirty_bytes,
+            })
+        })
+        .collect();
+    let pending = pending
+        .iter()
+        .map(|p| json!({"backing": p.spec, "error": p.error, "since_unix": p.since_unix}))
+        .collect();
+    (Value::Array(missing), Value::Array(pending))
 }
 
 fn find(set: &CacheSet, name: &str) -> Result<Volume> {
@@ -259,11 +284,14 @@ fn handle(
                     d
                 })
                 .collect();
+            let (missing, pending) = missing_json(set, &ctl.pending());
             Ok(json!({
                 "ok": true,
                 "cache": cache_json(set),
                 "health": health_json(set),
                 "devices": devices,
+                "missing": missing,
+                "pending": pending,
             }))
         }
         "readmit" => {

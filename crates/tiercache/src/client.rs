@@ -180,6 +180,33 @@ pub fn status(a: &Admin) -> Result<()> {
             );
         }
     }
+    for m in r["missing"].as_array().into_iter().flatten() {
+        println!(
+            "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10}",
+            text(m, "uuid"),
+            "?",
+            "-",
+            "MISSING",
+            human(num(m, "dirty_bytes")),
+            human(num(m, "cached_bytes")),
+        );
+        println!(
+            "  known to this cache set but not attached{}; `tiercache attach DEVICE` brings it back",
+            if num(m, "dirty_bytes") > 0 {
+                ": its newest data (the dirty bytes) is only in this cache"
+            } else {
+                ""
+            }
+        );
+    }
+    for p in r["pending"].as_array().into_iter().flatten() {
+        println!(
+            "backing device {} has not answered since {}; retried until it does: {}",
+            text(p, "backing"),
+            iso_utc(num(p, "since_unix")),
+            text(p, "error")
+        );
+    }
     Ok(())
 }
 

@@ -7,7 +7,10 @@
 //! conflict with another owner stays recognisable: [`is_busy`]), and the "same device under
 //! two names" check ([`ensure_distinct`]).
 //!
-//! Invariants: a missing path is a one-line "no such file or device" error, never a panic.
+//! Invariants: a missing path is a one-line "no such file or device" error, never a panic;
+//! anything but a regular file or a block device (a FIFO, a socket, a directory, a character
+//! device) is refused before it is opened, for every command (a FIFO opened to be read would
+//! wait for a writer forever).
 //! One owner per device: `serve`, `make` and `attach` open paths exclusively, `check` too
 //! (its verdict on a device another process writes would be meaningless) — see
 //! `blockdev::owner` — and the lock lives as long as the returned device; `show` reads headers
@@ -23,6 +26,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use blockdev::owner::{Busy, Holder};
 use blockdev::NbdDevice;
 use blockdev::{BlockDevice, DeviceBusy, DeviceId, FileDevice, FileDeviceOptions, LockMode};
+use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -54,8 +58,21 @@ impl Access {
 
 /// Opens a file or block device.
 pub fn open_path(path: &Path, access: Access) -> Result<Arc<dyn BlockDevice>> {
-    if !path.exists() {
-        bail!("{}: no such file or device", path.display());
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            bail!("{}: no such file or device", path.display())
+        }
+        Err(e) => return Err(anyhow!(e).context(format!("examining {}", path.display()))),
+    };
+    // Before any open: opening a FIFO read-only waits for a writer, forever.
+    let kind = meta.file_type();
+    if !(kind.is_file() || kind.is_block_device()) {
+        bail!(
+            "{}: neither a regular file nor a block device (it is {})",
+            path.display(),
+            kind_name(&kind)
+        );
     }
     match FileDevice::open(path, access.options()) {
         Ok(dev) => Ok(Arc::new(dev)),
@@ -70,6 +87,21 @@ pub fn open_path(path: &Path, access: Access) -> Result<Arc<dyn BlockDevice>> {
             Some(b) => anyhow::Error::new(b.clone()),
             None => anyhow!(e).context(format!("opening {}", path.display())),
         }),
+    }
+}
+
+/// What a path that is neither a regular file nor a block device is, for the refusal.
+fn kind_name(kind: &std::fs::FileType) -> &'static str {
+    if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else {
+        "not a device"
     }
 }
 

@@ -22,7 +22,6 @@ mod without_cache;
 mod writeback_meter;
 
 use anyhow::{bail, Context, Result};
-use blockdev::BlockDevice;
 use clap::{CommandFactory, Parser, Subcommand};
 use devices::Access;
 use engine::{CacheMode, CacheSet, Config, FormatOptions};
@@ -234,12 +233,19 @@ enum Cmd {
         /// its dirty data was given up at an earlier start (its header records that).
         #[arg(long, requires = "without_cache_if_missing")]
         without_cache_discard_dirty: bool,
+        /// Start although the cache set holds dirty data of a backing device not named by
+        /// --backing (attached earlier, then left out). Without it such a start is refused,
+        /// naming the device: its newest data is only in the cache. With it the device is
+        /// listed as missing by `status` (and the metrics) until it is attached again
+        /// (`tiercache attach`); its data stays in the cache meanwhile.
+        #[arg(long)]
+        allow_missing: bool,
         /// Read settings from a TOML file: the keys are the long options above with '_' for
         /// '-' (cache, backing, socket, tcp, admin, socket_mode, ..., request_memory,
         /// io_error_limit, ..., congested_write_threshold_us, admission = "ghost",
         /// replacement = "lru", tls = "require", tls_cert,
         /// tls_key, tls_verify_peer = true, tls_ca, without_cache_if_missing = true,
-        /// without_cache_discard_dirty = true), plus per-volume knobs in [volumes.NAME] tables
+        /// without_cache_discard_dirty = true, allow_missing = true), plus per-volume knobs in [volumes.NAME] tables
         /// (see README).
         #[arg(long, conflicts_with_all = [
             "cache", "backing", "socket", "tcp", "admin", "socket_mode", "socket_owner",
@@ -247,7 +253,7 @@ enum Cmd {
             "max_connections_per_client", "request_memory", "io_error_limit",
             "io_error_halflife", "cache_io_timeout_ms", "congested_read_threshold_us",
             "congested_write_threshold_us", "admission", "replacement",
-            "without_cache_if_missing",
+            "without_cache_if_missing", "allow_missing",
             "without_cache_discard_dirty", "tls", "tls_cert", "tls_key", "tls_verify_peer",
             "tls_ca", "metrics",
         ])]
@@ -522,19 +528,26 @@ fn make(
     } else {
         CacheMode::Writethrough
     };
-    // Check everything before writing anything.
-    engine::format::Layout::compute(cache_dev.size_bytes(), opts.block_size, opts.bucket_size)
+    let labels: Vec<String> = (0..backing.len())
+        .map(|i| {
+            if backing.len() > 1 && !label.is_empty() {
+                format!("{label}-{i}")
+            } else {
+                label.to_string()
+            }
+        })
+        .collect();
+    // Check everything before writing anything: a `make` that fails has changed nothing.
+    CacheSet::check_format(&*cache_dev, &opts, force)
         .with_context(|| format!("{}", cache.display()))?;
+    for ((p, d), l) in backing.iter().zip(&backing_devs).zip(&labels) {
+        engine::check_format_backing(&**d, l, force, block_size)
+            .with_context(|| format!("{}", p.display()))?;
+    }
     let set_uuid = CacheSet::format(&*cache_dev, &opts, force)
         .with_context(|| format!("{}", cache.display()))?;
-    for (i, (p, d)) in backing.iter().zip(&backing_devs).enumerate() {
-        let l = if backing.len() > 1 && !label.is_empty() {
-            format!("{label}-{i}")
-        } else {
-            label.to_string()
-        };
-        engine::format_backing(&**d, &l, mode, force)
-            .with_context(|| format!("{}", p.display()))?;
+    for ((p, d), l) in backing.iter().zip(&backing_devs).zip(&labels) {
+        engine::format_backing(&**d, l, mode, force).with_context(|| format!("{}", p.display()))?;
     }
     let (set, _) = CacheSet::open(
         cache_dev,
@@ -768,11 +781,57 @@ fn check(path: &Path, data: bool, as_json: bool) -> Result<ExitCode> {
     })
 }
 
+/// The command line, or exit: help and version as clap prints them, a mistake in one line
+/// (clap's usage block and "try --help" trailer dropped; a negative number reaches its
+/// option's parser, which says what is wrong, instead of being taken for an option).
+fn parse_args() -> Cli {
+    fn negative_numbers(cmd: clap::Command) -> clap::Command {
+        cmd.mut_args(|a| {
+            let takes_values = a.get_action().takes_values();
+            a.allow_negative_numbers(takes_values)
+        })
+        .mut_subcommands(negative_numbers)
+    }
+    let matches = negative_numbers(Cli::command()).try_get_matches();
+    let parsed =
+        matches.and_then(|mut m| <Cli as clap::FromArgMatches>::from_arg_matches_mut(&mut m));
+    match parsed {
+        Ok(cli) => cli,
+        Err(e)
+            if !e.use_stderr()
+                || e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand =>
+        {
+            e.exit()
+        }
+        Err(e) => {
+            eprintln!("{}", one_line(&e.render().to_string()));
+            std::process::exit(2);
+        }
+    }
+}
+
+/// A clap error on one line: its own lines, without the usage block and the help hint.
+fn one_line(rendered: &str) -> String {
+    rendered
+        .lines()
+        .map(str::trim)
+        .filter(|l| {
+            !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more information")
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
-        .format_timestamp_millis()
-        .init();
-    let cli = Cli::parse();
+    // rustls warns of every client that sends an IP address as its TLS server name (libnbd
+    // and qemu do when they connect by address); the server uses no server name, so that is
+    // no news. RUST_LOG overrides.
+    env_logger::Builder::from_env(
+        env_logger::Env::default().default_filter_or("info,rustls::msgs::handshake=error"),
+    )
+    .format_timestamp_millis()
+    .init();
+    let cli = parse_args();
     if matches!(
         cli.cmd,
         Cmd::Show { .. }
@@ -835,6 +894,7 @@ fn main() -> ExitCode {
             tls,
             without_cache_if_missing,
             without_cache_discard_dirty,
+            allow_missing,
             config,
         } => (|| {
             let cfg = match config {
@@ -863,6 +923,7 @@ fn main() -> ExitCode {
                     volumes: Default::default(),
                     without_cache_if_missing,
                     without_cache_discard_dirty,
+                    allow_missing,
                     tls: tls.tls,
                     tls_cert: tls.tls_cert,
                     tls_key: tls.tls_key,

@@ -91,6 +91,11 @@ pub struct ServeConfig {
     /// volume returns the older data on the backing device meanwhile) (default false).
     #[serde(default)]
     pub without_cache_discard_dirty: bool,
+    /// Start although the cache set holds dirty data of a backing device not named in
+    /// `backing` (default false: such a start is refused, naming the device). The device is
+    /// then listed as missing by `status` and the metrics until it is attached.
+    #[serde(default)]
+    pub allow_missing: bool,
     /// Cache-device failures (I/O errors, timeouts, checksum mismatches; decayed by
     /// `io_error_halflife`) at which the cache set is degraded: every volume is then served
     /// from its backing device (default 8, bcache's `io_error_limit`; 0: the first failure).
@@ -156,7 +161,7 @@ impl ServeConfig {
     pub fn from_file(path: &Path) -> Result<ServeConfig> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+        toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))
     }
 
     /// The NBD server's limits and socket permissions: the defaults of
@@ -197,6 +202,14 @@ impl ServeConfig {
                 anyhow::bail!(
                     "request_memory {m} is too small (at least {} for one largest request)",
                     crate::units::human(REQUEST_MEMORY_MIN)
+                );
+            }
+            let physical = physical_memory();
+            if bytes > physical {
+                anyhow::bail!(
+                    "request_memory {m} is more than this machine's memory ({}): it is what \
+                     requests in flight may hold",
+                    crate::units::human(physical)
                 );
             }
             c.bytes_in_flight_max = usize::try_from(bytes).context("request_memory")?;
@@ -278,11 +291,26 @@ impl ServeConfig {
                  (--without-cache-discard-dirty needs --without-cache-if-missing)"
             );
         }
-        if let Some(m) = &self.metrics {
-            crate::metrics::http::parse_addr(m)?;
-        }
         self.engine_config()?;
-        self.check_tls()
+        self.server_config()?;
+        // The TLS files are read (and their key checked against the certificate) now.
+        self.tls_config()?;
+        if let Some(t) = &self.tcp {
+            let addr = parse_tcp(t)?;
+            probe_bind(addr).with_context(|| format!("cannot listen on tcp {addr}"))?;
+        }
+        if let Some(m) = &self.metrics {
+            let addr = crate::metrics::http::parse_addr(m)?;
+            probe_bind(addr).with_context(|| format!("cannot serve metrics on {addr}"))?;
+        }
+        for (what, path) in [
+            ("NBD socket", self.socket()),
+            ("admin socket", self.admin()),
+        ] {
+            server::check_unix_path(&path).with_context(|| format!("the {what}"))?;
+        }
+        parse_volume_knobs(&self.volumes)?;
+        Ok(())
     }
 
     /// The TLS mode in force: the one given, else `require` with a certificate, else `off`.
@@ -342,6 +370,21 @@ impl ServeConfig {
     }
 }
 
+/// A TOML error on one line: file, line and column, and what is wrong (the toml crate's own
+/// rendering draws the line over five).
+fn toml_error(path: &Path, text: &str, e: &toml::de::Error) -> anyhow::Error {
+    let message = e.message().trim().replace('\n', "; ");
+    match e.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+            anyhow::anyhow!("{}:{line}:{column}: {message}", path.display())
+        }
+        None => anyhow::anyhow!("{}: {message}", path.display()),
+    }
+}
+
 /// Largest `io_error_limit`.
 const IO_ERROR_LIMIT_MAX: u64 = 1_000_000;
 /// Shortest `cache_io_timeout_ms` other than 0 (no limit), and the longest.
@@ -354,6 +397,21 @@ pub const DEFAULT_SOCKET: &str = "/tmp/tiercache.sock";
 
 /// Smallest `request_memory`: room for two of the largest NBD requests (32 MiB each).
 const REQUEST_MEMORY_MIN: u64 = 64 << 20;
+
+/// Bytes of physical memory (`u64::MAX` when the system does not say).
+fn physical_memory() -> u64 {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages <= 0 || page <= 0 {
+        return u64::MAX;
+    }
+    (pages as u64).saturating_mul(page as u64)
+}
 
 /// The admin socket that goes with an NBD socket.
 pub fn admin_for(socket: &Path) -> PathBuf {
@@ -376,14 +434,31 @@ pub fn parse_tcp(s: &str) -> Result<std::net::SocketAddr> {
 /// configuration; names that match no attached volume are an error, not a silent no-op.
 fn apply_volume_knobs(set: &CacheSet, volumes: &BTreeMap<String, toml::Table>) -> Result<()> {
     let mut changes = Vec::new();
-    for (name, table) in volumes {
+    for (name, knobs) in parse_volume_knobs(volumes)? {
         let vol = set
             .volumes()
             .into_iter()
-            .find(|v| v.name() == *name || v.uuid().to_string() == *name)
+            .find(|v| v.name() == name || v.uuid().to_string() == name)
             .with_context(|| {
                 format!("config [volumes.{name}]: no attached backing device has that name or uuid")
             })?;
+        changes.extend(knobs.into_iter().map(|k| (vol.clone(), k)));
+    }
+    for (vol, knob) in changes {
+        let what = format!("{} {}", vol.name(), knob.name());
+        vol.set_knob(knob)
+            .with_context(|| format!("applying config knob {what}"))?;
+    }
+    Ok(())
+}
+
+/// The config file's `[volumes.NAME]` knobs, parsed and validated (by volume name).
+fn parse_volume_knobs(
+    volumes: &BTreeMap<String, toml::Table>,
+) -> Result<Vec<(String, Vec<engine::Knob>)>> {
+    let mut parsed = Vec::new();
+    for (name, table) in volumes {
+        let mut knobs = Vec::new();
         for (key, value) in table {
             let text = match value {
                 toml::Value::String(s) => s.clone(),
@@ -398,14 +473,17 @@ fn apply_volume_knobs(set: &CacheSet, volumes: &BTreeMap<String, toml::Table>) -
                 .with_context(|| format!("config [volumes.{name}]"))?;
             knob.validate()
                 .with_context(|| format!("config [volumes.{name}]"))?;
-            changes.push((vol.clone(), knob));
+            knobs.push(knob);
         }
+        parsed.push((name.clone(), knobs));
     }
-    for (vol, knob) in changes {
-        let what = format!("{} {}", vol.name(), knob.name());
-        vol.set_knob(knob)
-            .with_context(|| format!("applying config knob {what}"))?;
-    }
+    Ok(parsed)
+}
+
+/// Binds `addr` and lets it go: an address that is in use, not local or not allowed fails
+/// now, before any device is opened, not after recovery.
+fn probe_bind(addr: std::net::SocketAddr) -> Result<()> {
+    std::net::TcpListener::bind(addr).map(drop)?;
     Ok(())
 }
 
@@ -496,6 +574,8 @@ pub struct Running {
     stop: AtomicBool,
     /// Request, device and connection metrics (`serve --metrics`, `tiercache top`).
     pub metrics: Arc<Metrics>,
+    /// Backing devices named at start that have not answered yet.
+    pending: std::sync::Mutex<Vec<Pending>>,
 }
 
 impl Running {
@@ -577,6 +657,9 @@ impl Control for Running {
     fn volumes_changed(&self) {
         self.sync_exports();
     }
+    fn pending(&self) -> Vec<Pending> {
+        lock(&self.pending).clone()
+    }
     fn stop(&self) {
         self.request_stop();
     }
@@ -606,15 +689,22 @@ pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> 
             return cache.map(drop);
         }
     }
-    let backings = cfg
-        .backing
-        .iter()
-        .map(|b| Ok(metrics.wrap_backing(crate::devices::open_spec(b, Access::Write)?, b)))
-        .collect::<Result<Vec<_>>>()?;
+    let (backings, pending) = open_backings(cfg, &metrics)?;
     match cache.and_then(|c| open_set(c, cfg.engine_config()?)) {
-        Ok(set) => run(cfg, with_set(cfg, set, backings, metrics)?, on_ready),
+        Ok(set) => run(
+            cfg,
+            with_set(cfg, set, backings, pending, metrics)?,
+            on_ready,
+        ),
         Err(e) if may_serve_without(cfg, &e) => {
-            let named = cfg.backing.iter().cloned().zip(backings).collect();
+            if let Some(p) = pending.first() {
+                anyhow::bail!(
+                    "serving without the cache device needs every backing device: {}: {}",
+                    p.spec,
+                    p.error
+                );
+            }
+            let named = backings;
             let without = crate::without_cache::prepare(
                 cfg.cache.clone(),
                 format!("{e:#}"),
@@ -629,12 +719,145 @@ pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> 
             }
             run(
                 cfg,
-                running(Source::WithoutCache(without), metrics),
+                running(Source::WithoutCache(without), metrics, Vec::new()),
                 on_ready,
             )
         }
         Err(e) => Err(e),
     }
+}
+
+/// Opens the backing devices named in `cfg`, as `(spec, device)`. A remote (NBD) device that
+/// does not answer is left pending, to be attached when it does; any other failure stops the
+/// start.
+fn open_backings(
+    cfg: &ServeConfig,
+    metrics: &Metrics,
+) -> Result<(Vec<(String, Arc<dyn BlockDevice>)>, Vec<Pending>)> {
+    // Remote devices are tried at once, so one that does not answer delays the start by one
+    // connection timeout, not one per device.
+    let opened: Vec<(String, Result<Arc<dyn BlockDevice>>)> = std::thread::scope(|s| {
+        let tries: Vec<_> = (cfg.backing.iter())
+            .map(|b| (b, s.spawn(|| crate::devices::open_spec(b, Access::Write))))
+            .collect();
+        tries
+            .into_iter()
+            .map(|(b, t)| {
+                let r = t
+                    .join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("opening {b} panicked")));
+                (b.clone(), r)
+            })
+            .collect()
+    });
+    let mut devices = Vec::new();
+    let mut pending = Vec::new();
+    for (spec, r) in opened {
+        match r {
+            Ok(d) => devices.push((spec.clone(), metrics.wrap_backing(d, &spec))),
+            Err(e) if blockdev::is_nbd_uri(&spec) => {
+                log::warn!(
+                    "backing device {spec} does not answer ({e:#}); the other volumes start                      now, this one as soon as it answers"
+                );
+                pending.push(Pending::new(spec, format!("{e:#}")));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok((devices, pending))
+}
+
+/// A backing device named for `serve` that did not answer yet: retried until it does.
+#[derive(Clone, Debug)]
+pub struct Pending {
+    pub spec: String,
+    /// Why the last try failed.
+    pub error: String,
+    /// Since when (seconds since the Unix epoch).
+    pub since_unix: u64,
+}
+
+impl Pending {
+    fn new(spec: String, error: String) -> Pending {
+        let since_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Pending {
+            spec,
+            error,
+            since_unix,
+        }
+    }
+}
+
+/// Longest wait between two tries of a pending backing device.
+const PENDING_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Tries each pending backing device until it answers, then attaches and exports it.
+fn retry_pending(running: &Arc<Running>) {
+    let specs: Vec<String> = lock(&running.pending)
+        .iter()
+        .map(|p| p.spec.clone())
+        .collect();
+    for spec in specs {
+        let running = running.clone();
+        let spawned = std::thread::Builder::new()
+            .name("pending-backing".into())
+            .spawn(move || retry_one(&running, &spec));
+        if let Err(e) = spawned {
+            log::error!("cannot start a thread to retry a backing device: {e}");
+        }
+    }
+}
+
+fn retry_one(running: &Arc<Running>, spec: &str) {
+    let mut wait = Duration::from_secs(1);
+    let forget = |running: &Running| lock(&running.pending).retain(|p| p.spec != spec);
+    loop {
+        // Sleep in small steps, so a stop is not held up.
+        let until = std::time::Instant::now() + wait;
+        while std::time::Instant::now() < until {
+            if running.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        wait = (wait * 2).min(PENDING_RETRY_MAX);
+        let Some(set) = running.set() else { return };
+        let dev = match crate::devices::open_spec(spec, Access::Write) {
+            Ok(d) => running.metrics.wrap_backing(d, spec),
+            Err(e) => {
+                if let Some(p) = lock(&running.pending).iter_mut().find(|p| p.spec == spec) {
+                    p.error = format!("{e:#}");
+                }
+                continue;
+            }
+        };
+        match set.attach(dev) {
+            Ok(v) => {
+                forget(running);
+                log::info!(
+                    "backing device {spec} answers: export '{}' ({} bytes, mode {}) is served",
+                    v.name(),
+                    v.size_bytes(),
+                    v.mode()
+                );
+                running.sync_exports();
+            }
+            Err(e) => {
+                // Reachable, but the set will not take it: retrying cannot help.
+                log::error!("backing device {spec} answers, but cannot be attached: {e}");
+                if let Some(p) = lock(&running.pending).iter_mut().find(|p| p.spec == spec) {
+                    p.error = format!("cannot be attached (not retried): {e}");
+                }
+            }
+        }
+        return;
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Whether a failure to open the cache device (or its set) allows serving without it: only
@@ -653,10 +876,14 @@ pub fn serve_devices(
     let metrics = Arc::new(Metrics::default());
     let cache = metrics.wrap_cache(cache, &cfg.cache.to_string_lossy());
     let backings = (backings.into_iter().zip(&cfg.backing))
-        .map(|(d, name)| metrics.wrap_backing(d, name))
+        .map(|(d, name)| (name.clone(), metrics.wrap_backing(d, name)))
         .collect();
     let set = open_set(cache, cfg.engine_config()?)?;
-    run(cfg, with_set(cfg, set, backings, metrics)?, on_ready)
+    run(
+        cfg,
+        with_set(cfg, set, backings, Vec::new(), metrics)?,
+        on_ready,
+    )
 }
 
 /// Opens (recovers) the cache set on its device.
@@ -675,7 +902,7 @@ fn open_set(cache: Arc<dyn BlockDevice>, config: Config) -> Result<CacheSet> {
     Ok(set)
 }
 
-fn running(source: Source, metrics: Arc<Metrics>) -> Arc<Running> {
+fn running(source: Source, metrics: Arc<Metrics>, pending: Vec<Pending>) -> Arc<Running> {
     if let Source::Set(set) = &source {
         metrics.set_opened(set);
     }
@@ -684,32 +911,83 @@ fn running(source: Source, metrics: Arc<Metrics>) -> Arc<Running> {
         exports: server::ExportRegistry::default(),
         stop: AtomicBool::new(false),
         metrics,
+        pending: std::sync::Mutex::new(pending),
     })
 }
 
-/// Attaches the backing devices to the set and applies the configured knobs.
+/// Attaches the backing devices to the set and applies the configured knobs. A device the
+/// set holds dirty data of that was not named stops the start (unless `allow_missing`);
+/// every device it knows but does not have is logged.
 fn with_set(
     cfg: &ServeConfig,
     set: CacheSet,
-    backings: Vec<Arc<dyn BlockDevice>>,
+    backings: Vec<(String, Arc<dyn BlockDevice>)>,
+    pending: Vec<Pending>,
     metrics: Arc<Metrics>,
 ) -> Result<Arc<Running>> {
-    for (i, b) in backings.into_iter().enumerate() {
-        let v = set.attach(b).with_context(|| {
-            format!(
-                "attaching backing device {}",
-                cfg.backing.get(i).map(String::as_str).unwrap_or("?")
-            )
-        })?;
-        log::info!(
-            "export '{}': {} bytes, mode {}",
-            v.name(),
-            v.size_bytes(),
-            v.mode()
+    let attached = (|| {
+        for (spec, b) in backings {
+            let v = set
+                .attach(b)
+                .with_context(|| format!("attaching backing device {spec}"))?;
+            log::info!(
+                "export '{}': {} bytes, mode {}",
+                v.name(),
+                v.size_bytes(),
+                v.mode()
+            );
+        }
+        check_missing(cfg, &set, &pending)?;
+        apply_volume_knobs(&set, &cfg.volumes)
+    })();
+    if let Err(e) = attached {
+        // Nothing was served: close the set cleanly so the next start needs no recovery.
+        if let Err(close) = set.close() {
+            log::error!("closing the cache set: {close:#}");
+        }
+        return Err(e);
+    }
+    Ok(running(Source::Set(Arc::new(set)), metrics, pending))
+}
+
+/// Says loudly which backing devices the set knows but does not have, and refuses to start
+/// without one that holds dirty data (its newest data is only in the cache) unless
+/// `allow_missing` — or unless a named device that has not answered yet may be it.
+fn check_missing(cfg: &ServeConfig, set: &CacheSet, pending: &[Pending]) -> Result<()> {
+    let missing = set.missing();
+    let dirty: Vec<_> = missing.iter().filter(|m| m.dirty_bytes > 0).collect();
+    if !dirty.is_empty() && pending.is_empty() && !cfg.allow_missing {
+        let list: Vec<String> = dirty
+            .iter()
+            .map(|m| format!("{} ({} dirty)", m.uuid, crate::units::human(m.dirty_bytes)))
+            .collect();
+        anyhow::bail!(
+            "the cache set holds dirty data of backing device(s) not given with --backing: {};              their newest data is only in this cache. Name them with --backing (or in the              config's backing list), or start with --allow-missing (allow_missing = true) to              serve the others meanwhile (`tiercache attach` brings them back)",
+            list.join(", ")
         );
     }
-    apply_volume_knobs(&set, &cfg.volumes)?;
-    Ok(running(Source::Set(Arc::new(set)), metrics))
+    for m in &missing {
+        let why = if pending.is_empty() {
+            "not given with --backing"
+        } else {
+            "not attached (a named device that has not answered yet may be it)"
+        };
+        if m.dirty_bytes > 0 {
+            log::error!(
+                "backing device {} is {why}: it holds {} of dirty data in this cache (its newest                  data, only here) and {} cached in all; `tiercache status` lists it as missing                  until it is attached",
+                m.uuid,
+                crate::units::human(m.dirty_bytes),
+                crate::units::human(m.cached_bytes)
+            );
+        } else {
+            log::warn!(
+                "backing device {} is {why}: {} of clean copies stay cached for it until it is                  attached or the space is needed",
+                m.uuid,
+                crate::units::human(m.cached_bytes)
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Serves `running` until stopped, then shuts down.
@@ -733,6 +1011,7 @@ fn run(
             return Err(e);
         }
     };
+    retry_pending(&running);
     log::info!(
         "serving on {} (admin socket {}){}",
         cfg.socket().display(),

@@ -295,6 +295,102 @@ fn make_on_devices_in_use_is_refused_and_changes_nothing() {
     }
 }
 
+/// `make` checks every argument and every device before it writes anything: a bad label, a
+/// backing device too small, or a signature without `--force` on any device leaves all of
+/// them as they were — also an existing cache set whose backing device holds its data.
+#[test]
+fn a_make_that_fails_has_changed_nothing() {
+    let d = Dir::new();
+    d.make("fast.img", "slow.img", "data");
+    let images = |names: &[&str]| -> Vec<Vec<u8>> {
+        names
+            .iter()
+            .map(|n| std::fs::read(d.path(n)).unwrap())
+            .collect()
+    };
+    d.file("b3.img", 16);
+    d.file("tiny.img", 0);
+    std::fs::write(d.path("tiny.img"), [0u8; 4096]).unwrap();
+    let all = ["fast.img", "slow.img", "b3.img", "tiny.img"];
+    let before = images(&all);
+    let make = |extra: &[&str], cache: &str, backing: &[&str]| {
+        let mut c = tc();
+        c.args(["make", "--bucket-size", "256k"]).args(extra);
+        c.arg("--cache").arg(d.path(cache));
+        for b in backing {
+            c.arg("--backing").arg(d.path(b));
+        }
+        refused(&mut c)
+    };
+    // Over the existing set, forced: the label is bad, or the second backing device too small.
+    let err = make(
+        &["--force", "--label", "bad label"],
+        "fast.img",
+        &["b3.img"],
+    );
+    assert_contains(&err, "label");
+    let err = make(&["--force"], "fast.img", &["b3.img", "tiny.img"]);
+    assert_contains(&err, "too small");
+    // Not forced: the cache holds a tiercache, then the backing device does.
+    let err = make(&[], "b3.img", &["slow.img"]);
+    assert_contains(&err, "signature");
+    assert!(images(&all) == before, "a refused make changed a device");
+    // Blank devices, a bad label: neither is formatted.
+    d.file("blank-cache.img", 16);
+    d.file("blank-backing.img", 16);
+    let err = make(
+        &["--label", "bad/label"],
+        "blank-cache.img",
+        &["blank-backing.img"],
+    );
+    assert_contains(&err, "label");
+    for n in ["blank-cache.img", "blank-backing.img"] {
+        assert!(
+            std::fs::read(d.path(n)).unwrap().iter().all(|&b| b == 0),
+            "a refused make wrote to {n}"
+        );
+    }
+    // The set still takes its backing device.
+    let a = Server::start(&d.path("fast.img"), &d.path("slow.img"), d.path("a.sock"));
+    a.assert_serving("data");
+    a.stop();
+}
+
+/// A FIFO, a socket or a directory is no device: every command refuses it at once (a FIFO
+/// opened for reading would wait for a writer forever).
+#[test]
+fn fifos_and_directories_are_refused_by_every_command() {
+    let d = Dir::new();
+    d.make("fast.img", "slow.img", "data");
+    let fifo = d.path("fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success(), "mkfifo failed");
+    let dir = d.path("subdir");
+    std::fs::create_dir(&dir).unwrap();
+    for (odd, what) in [(&fifo, "a FIFO"), (&dir, "a directory")] {
+        for args in [vec!["check"], vec!["check", "--data"], vec!["show"]] {
+            let err = refused(tc().args(&args).arg(odd));
+            assert_contains(&err, what);
+        }
+        let err = refused(
+            tc().args(["make", "--force", "--cache"])
+                .arg(odd)
+                .arg("--backing")
+                .arg(d.path("slow2.img")),
+        );
+        assert_contains(&err, what);
+        let err = refused(
+            tc().args(["serve", "--cache"])
+                .arg(d.path("fast.img"))
+                .arg("--backing")
+                .arg(odd)
+                .arg("--socket")
+                .arg(d.path("s.sock")),
+        );
+        assert_contains(&err, what);
+    }
+}
+
 #[test]
 fn check_of_a_device_in_use_is_refused() {
     let d = Dir::new();

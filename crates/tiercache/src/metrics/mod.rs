@@ -220,6 +220,7 @@ fn counters(s: &engine::stats::Snapshot) -> BTreeMap<String, u64> {
 
 fn set_sample(set: &CacheSet) -> SetSample {
     let o = set.occupancy();
+    let missing = set.missing();
     let h = set.health();
     SetSample {
         uuid: set.set_uuid().to_string(),
@@ -230,6 +231,8 @@ fn set_sample(set: &CacheSet) -> SetSample {
         metadata_bytes: o.metadata_bytes,
         in_use_pct: o.in_use_pct,
         degraded: h.degraded.as_ref().map(|d| d.reason.clone()),
+        missing_volumes: missing.len() as u64,
+        missing_dirty_bytes: missing.iter().map(|m| m.dirty_bytes).sum(),
         errors_total: h.errors_total,
         error_count: h.error_count,
         io_error_limit: h.io_error_limit,
@@ -267,6 +270,12 @@ pub struct SetSample {
     pub dirty_bytes: u64,
     pub metadata_bytes: u64,
     pub in_use_pct: u32,
+    /// Backing devices the set holds data for that are not attached (`status` lists them).
+    #[serde(default)]
+    pub missing_volumes: u64,
+    /// Their dirty data: held only in the cache until they are attached.
+    #[serde(default)]
+    pub missing_dirty_bytes: u64,
     /// Why the set is degraded, while it is.
     pub degraded: Option<String>,
     pub errors_total: u64,
@@ -426,6 +435,8 @@ pub mod test_samples {
                 metadata_bytes: 2 << 20,
                 in_use_pct: 37,
                 degraded: None,
+                missing_volumes: 0,
+                missing_dirty_bytes: 0,
                 errors_total: 0,
                 error_count: 0.0,
                 io_error_limit: 8,

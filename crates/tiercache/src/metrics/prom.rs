@@ -361,7 +361,9 @@ impl Collector for SampleCollector {
                 ],
                 |(kind, b)| ([("kind", kind.to_string())], U(*b)),
             )?;
-            let gauges: [(&str, &str, Num); 6] = [
+            let gauges: [(&str, &str, Num); 8] = [
+                ("tiercache_cache_set_missing_volumes", "Backing devices the cache set holds data for that are not attached (left out of serve, or not reachable yet); `tiercache status` names them.", U(c.missing_volumes)),
+                ("tiercache_cache_set_missing_dirty_bytes", "Dirty data of those devices: their newest data, held only in the cache until they are attached.", U(c.missing_dirty_bytes)),
                 ("tiercache_cache_set_in_use_ratio", "Fraction of the data buckets holding something (bcache's in_use, as 0..1).", F(f64::from(c.in_use_pct) / 100.0)),
                 ("tiercache_cache_set_degraded", "1 while the cache set is degraded (every volume served from its backing device), else 0.", U(u64::from(c.degraded.is_some()))),
                 ("tiercache_cache_set_error_count", "Cache-device failures, decayed by io_error_halflife; the set degrades when it reaches tiercache_cache_set_io_error_limit.", F(c.error_count)),
