@@ -30,12 +30,14 @@ use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long the accept loop pauses after running out of a resource (descriptors, memory).
 pub(crate) const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 
 const MIB: usize = 1024 * 1024;
+/// How often a shutdown with a deadline looks whether a connection has finished.
+const SHUTDOWN_POLL: Duration = Duration::from_millis(10);
 
 /// Limits and timeouts of a server. Memory outside `bytes_in_flight_max`: per connection a
 /// 256 KiB read buffer, per worker thread an I/O buffer kept up to 256 KiB between requests.
@@ -401,6 +403,15 @@ impl ServerHandle {
     /// all connections and returns. Clients that stop reading their replies are cut off by the
     /// reply timeout. Works whatever happened to the socket file meanwhile.
     pub fn shutdown(self) {
+        self.shutdown_within(None);
+    }
+
+    /// Like [`ServerHandle::shutdown`], but waits at most `limit` for the requests already
+    /// read: a connection still executing one then (a request stuck in a hung device) has its
+    /// socket shut down, so its client sees the connection end and its unanswered requests
+    /// fail, and its thread is left behind. Returns how many connections were abandoned.
+    pub fn shutdown_within(self, limit: Option<Duration>) -> usize {
+        let started = Instant::now();
         self.shared.stopping.store(true, Ordering::SeqCst);
         // While the listener is still open, so a server probing the path sees it live.
         if let Some(file) = &self.socket_file {
@@ -425,11 +436,28 @@ impl ServerHandle {
         for (_, entry) in &connections {
             entry.stream().shutdown(Shutdown::Read);
         }
+        let mut abandoned = 0;
         for (id, entry) in connections {
+            if let Some(limit) = limit {
+                while !entry.thread_finished() && started.elapsed() < limit {
+                    std::thread::sleep(SHUTDOWN_POLL);
+                }
+                if !entry.thread_finished() {
+                    log::warn!(
+                        "connection {id}: a request still runs after the shutdown deadline \
+                         ({limit:?}; a hung device?): its connection is closed without its \
+                         reply and the request abandoned"
+                    );
+                    entry.stream().shutdown(Shutdown::Both);
+                    abandoned += 1;
+                    continue;
+                }
+            }
             if entry.into_thread().join().is_err() {
                 log::error!("connection {id} thread panicked");
             }
         }
+        abandoned
     }
 }
 

@@ -202,6 +202,10 @@ impl Entry {
     pub(crate) fn into_thread(self) -> JoinHandle<()> {
         self.thread
     }
+
+    pub(crate) fn thread_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
 }
 
 #[derive(Default)]

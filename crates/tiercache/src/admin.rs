@@ -491,13 +491,30 @@ fn serve_conn(
         let reply = reply.unwrap_or_else(|e| json!({"ok": false, "error": format!("{e:#}")}));
         writeln!(writer, "{reply}")?;
         if stopping {
-            // Hold the connection (reading nothing, so no idle timeout) until the process
-            // exits and the kernel closes it: the client's end-of-file means "stopped".
+            // Hold the connection (reading nothing, so no idle timeout) until the server has
+            // shut down ([`stopped`]) or the process exits: the client's end-of-file means
+            // "stopped".
+            if let Ok(s) = writer.try_clone() {
+                STOPPING.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+            }
             let _held = (reader, writer);
             loop {
                 std::thread::park();
             }
         }
+    }
+}
+
+/// The connections of `stop` requests, held until the server has shut down.
+static STOPPING: std::sync::Mutex<Vec<UnixStream>> = std::sync::Mutex::new(Vec::new());
+
+/// The server has shut down (requests finished or abandoned, cache set saved): the clients
+/// that asked it to stop see their connection end now, even if the process itself cannot
+/// exit yet (a thread held by the kernel in an I/O of a hung device keeps it, and its
+/// descriptors, until the device answers).
+pub fn stopped() {
+    for s in STOPPING.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        let _ = s.shutdown(std::net::Shutdown::Both);
     }
 }
 

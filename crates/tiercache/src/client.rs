@@ -493,29 +493,53 @@ fn watch_process(pid: libc::pid_t) -> Result<Option<std::os::fd::OwnedFd>> {
     }))
 }
 
-/// Waits for a [`watch_process`] descriptor to say the process has exited, for at most `max`.
-fn wait_exited(pidfd: &std::os::fd::OwnedFd, pid: libc::pid_t, max: Duration) -> Result<()> {
+/// Whether process `pid`'s main thread has exited (`/proc/PID/stat` says `Z`, though other
+/// threads may remain).
+fn main_thread_exited(pid: libc::pid_t) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the command name, which is in parentheses and may hold spaces.
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+    })
+}
+
+/// Waits for a [`watch_process`] descriptor to say the process has exited, for at most `max`:
+/// true once it has; false when its main thread has been gone for [`HELD_AFTER`] while the
+/// process is not (a thread held by the kernel in a device I/O); an error when it still runs.
+fn wait_exited(pidfd: &std::os::fd::OwnedFd, pid: libc::pid_t, max: Duration) -> Result<bool> {
     let mut pfd = libc::pollfd {
         fd: std::os::fd::AsRawFd::as_raw_fd(pidfd),
         events: libc::POLLIN,
         revents: 0,
     };
-    let deadline = Instant::now() + max;
+    let started = Instant::now();
+    let mut main_gone_since = None;
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
         // SAFETY: one valid pollfd.
-        match unsafe { libc::poll(&raw mut pfd, 1, ms) } {
-            n if n > 0 => return Ok(()),
-            0 => bail!("the server closed its admin socket, but its process {pid} still runs"),
+        match unsafe { libc::poll(&raw mut pfd, 1, 100) } {
+            n if n > 0 => return Ok(true),
+            0 => {}
             _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
             _ => bail!(
                 "waiting for the server process {pid}: {}",
                 std::io::Error::last_os_error()
             ),
         }
+        if main_thread_exited(pid) {
+            let since = *main_gone_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= HELD_AFTER {
+                return Ok(false);
+            }
+        }
+        if started.elapsed() >= max {
+            bail!("the server closed its admin socket, but its process {pid} still runs");
+        }
     }
 }
+
+/// How long a process whose main thread has exited may take to be gone before a thread of it
+/// counts as held by the kernel (the other threads end within milliseconds otherwise).
+const HELD_AFTER: Duration = Duration::from_secs(2);
 
 pub fn stop(a: &Admin, no_wait: bool) -> Result<()> {
     let (mut r, mut conn) = exchange(&a.socket, &json!({"cmd": "stop"}), &mut |_| {})?;
@@ -537,7 +561,17 @@ pub fn stop(a: &Admin, no_wait: bool) -> Result<()> {
         let mut sink = [0u8; 256];
         while matches!(conn.read(&mut sink), Ok(n) if n > 0) {}
         if let (Some(p), Some(fd)) = (peer, pidfd) {
-            wait_exited(&fd, p, EXIT_AFTER_CLOSE_MAX)?;
+            if !wait_exited(&fd, p, EXIT_AFTER_CLOSE_MAX)? {
+                // Done but not gone: its main thread has exited (the leader is a zombie) while
+                // the kernel holds another thread in an I/O of a hung device, and with it the
+                // process and its device locks, until the device answers.
+                eprintln!(
+                    "tiercache: the server has shut down, but the kernel still holds its \
+                     process {p} in an I/O of a hung device (its device locks go when the \
+                     device answers or is removed)"
+                );
+                r["held_by_kernel"] = json!(true);
+            }
         }
     }
     r["stopped"] = json!(!no_wait);

@@ -86,6 +86,12 @@ struct ServeLimits {
     /// 256M].
     #[arg(long)]
     request_memory: Option<String>,
+    /// Seconds a shutdown (SIGTERM, `tiercache stop`) waits for requests in flight, and then
+    /// again for the cache to be saved [default: 30]. A request still running then (stuck in
+    /// a hung device) has its connection closed without a reply; a save still running then
+    /// is given up and the next start recovers as after a crash.
+    #[arg(long)]
+    shutdown_timeout: Option<u64>,
 }
 
 /// When the cache device counts as failing or slow (bcache's names and defaults). A failing
@@ -250,7 +256,7 @@ enum Cmd {
         #[arg(long, conflicts_with_all = [
             "cache", "backing", "socket", "tcp", "admin", "socket_mode", "socket_owner",
             "socket_group", "idle_timeout", "idle_close_after", "max_connections",
-            "max_connections_per_client", "request_memory", "io_error_limit",
+            "max_connections_per_client", "request_memory", "shutdown_timeout", "io_error_limit",
             "io_error_halflife", "cache_io_timeout_ms", "congested_read_threshold_us",
             "congested_write_threshold_us", "admission", "replacement",
             "without_cache_if_missing", "allow_missing",
@@ -913,6 +919,7 @@ fn main() -> ExitCode {
                     max_connections: limits.max_connections,
                     max_connections_per_client: limits.max_connections_per_client,
                     request_memory: limits.request_memory,
+                    shutdown_timeout: limits.shutdown_timeout,
                     io_error_limit: Some(health.io_error_limit),
                     io_error_halflife: Some(health.io_error_halflife),
                     cache_io_timeout_ms: Some(health.cache_io_timeout_ms),

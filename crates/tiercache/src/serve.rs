@@ -96,6 +96,11 @@ pub struct ServeConfig {
     /// then listed as missing by `status` and the metrics until it is attached.
     #[serde(default)]
     pub allow_missing: bool,
+    /// Seconds a shutdown waits for requests in flight, and then again for the cache set to
+    /// be saved (default 30; 1 to 3600). A request still running then (stuck in a hung
+    /// device) has its connection closed without a reply; a save still running then is given
+    /// up, and the next start recovers as after a crash.
+    pub shutdown_timeout: Option<u64>,
     /// Cache-device failures (I/O errors, timeouts, checksum mismatches; decayed by
     /// `io_error_halflife`) at which the cache set is degraded: every volume is then served
     /// from its backing device (default 8, bcache's `io_error_limit`; 0: the first failure).
@@ -284,7 +289,19 @@ impl ServeConfig {
         Ok(c)
     }
 
+    /// How long a shutdown waits for requests in flight, and then for the save.
+    pub fn shutdown_timeout(&self) -> Result<Duration> {
+        let secs = self
+            .shutdown_timeout
+            .unwrap_or(SHUTDOWN_TIMEOUT_DEFAULT_SECS);
+        if !(1..=SHUTDOWN_TIMEOUT_MAX_SECS).contains(&secs) {
+            anyhow::bail!("shutdown_timeout {secs} is out of range (1 to {SHUTDOWN_TIMEOUT_MAX_SECS} seconds)");
+        }
+        Ok(Duration::from_secs(secs))
+    }
+
     fn check(&self) -> Result<()> {
+        self.shutdown_timeout()?;
         if self.without_cache_discard_dirty && !self.without_cache_if_missing {
             anyhow::bail!(
                 "without_cache_discard_dirty applies only with without_cache_if_missing \
@@ -384,6 +401,10 @@ fn toml_error(path: &Path, text: &str, e: &toml::de::Error) -> anyhow::Error {
         None => anyhow::anyhow!("{}: {message}", path.display()),
     }
 }
+
+/// `shutdown_timeout` unless set, and its largest value.
+const SHUTDOWN_TIMEOUT_DEFAULT_SECS: u64 = 30;
+const SHUTDOWN_TIMEOUT_MAX_SECS: u64 = 3600;
 
 /// Largest `io_error_limit`.
 const IO_ERROR_LIMIT_MAX: u64 = 1_000_000;
@@ -757,7 +778,8 @@ fn open_backings(
             Ok(d) => devices.push((spec.clone(), metrics.wrap_backing(d, &spec))),
             Err(e) if blockdev::is_nbd_uri(&spec) => {
                 log::warn!(
-                    "backing device {spec} does not answer ({e:#}); the other volumes start                      now, this one as soon as it answers"
+                    "backing device {spec} does not answer ({e:#}); the other volumes start \
+                     now, this one as soon as it answers"
                 );
                 pending.push(Pending::new(spec, format!("{e:#}")));
             }
@@ -962,7 +984,10 @@ fn check_missing(cfg: &ServeConfig, set: &CacheSet, pending: &[Pending]) -> Resu
             .map(|m| format!("{} ({} dirty)", m.uuid, crate::units::human(m.dirty_bytes)))
             .collect();
         anyhow::bail!(
-            "the cache set holds dirty data of backing device(s) not given with --backing: {};              their newest data is only in this cache. Name them with --backing (or in the              config's backing list), or start with --allow-missing (allow_missing = true) to              serve the others meanwhile (`tiercache attach` brings them back)",
+            "the cache set holds dirty data of backing device(s) not given with --backing: {}; \
+             their newest data is only in this cache. Name them with --backing (or in the \
+             config's backing list), or start with --allow-missing (allow_missing = true) to \
+             serve the others meanwhile (`tiercache attach` brings them back)",
             list.join(", ")
         );
     }
@@ -974,14 +999,17 @@ fn check_missing(cfg: &ServeConfig, set: &CacheSet, pending: &[Pending]) -> Resu
         };
         if m.dirty_bytes > 0 {
             log::error!(
-                "backing device {} is {why}: it holds {} of dirty data in this cache (its newest                  data, only here) and {} cached in all; `tiercache status` lists it as missing                  until it is attached",
+                "backing device {} is {why}: it holds {} of dirty data in this cache (its newest \
+                 data, only here) and {} cached in all; `tiercache status` lists it as missing \
+                 until it is attached",
                 m.uuid,
                 crate::units::human(m.dirty_bytes),
                 crate::units::human(m.cached_bytes)
             );
         } else {
             log::warn!(
-                "backing device {} is {why}: {} of clean copies stay cached for it until it is                  attached or the space is needed",
+                "backing device {} is {why}: {} of clean copies stay cached for it until it is \
+                 attached or the space is needed",
                 m.uuid,
                 crate::units::human(m.cached_bytes)
             );
@@ -1034,8 +1062,21 @@ fn run(
     });
     crate::notify::notify("STOPPING=1\nSTATUS=finishing in-flight requests, saving the cache");
     log::info!("shutting down: finishing in-flight requests");
-    for h in handles {
-        h.shutdown();
+    let limit = cfg.shutdown_timeout()?;
+    // One deadline for all listeners: they stop accepting at once, then their requests get
+    // `limit` together.
+    let abandoned: usize = std::thread::scope(|s| {
+        let stopping: Vec<_> = handles
+            .into_iter()
+            .map(|h| s.spawn(move || h.shutdown_within(Some(limit))))
+            .collect();
+        stopping.into_iter().map(|t| t.join().unwrap_or(0)).sum()
+    });
+    if abandoned > 0 {
+        log::warn!(
+            "{abandoned} connection(s) still had a request running after {limit:?}; they were \
+             closed without a reply"
+        );
     }
     if let Some(m) = metrics_http {
         m.shutdown();
@@ -1043,7 +1084,30 @@ fn run(
     if let Err(e) = admin_file.remove_if_ours() {
         log::warn!("could not remove {}: {e}", cfg.admin().display());
     }
-    running.close()?;
+    let closed = close_within(&running, limit);
+    admin::stopped();
+    closed?;
     log::info!("closed cleanly");
     Ok(())
+}
+
+/// Closes the set (journal and checkpoint durable), giving up after `limit`: a device that
+/// hangs the save must not hang the shutdown. Given up, the cache set is as after a crash,
+/// which the next start recovers (nothing acknowledged as flushed is lost).
+fn close_within(running: &Arc<Running>, limit: Duration) -> Result<()> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let closer = running.clone();
+    std::thread::Builder::new()
+        .name("close".into())
+        .spawn(move || {
+            let _ = tx.send(closer.close());
+        })
+        .context("starting the thread that saves the cache set")?;
+    match rx.recv_timeout(limit) {
+        Ok(r) => r,
+        Err(_) => anyhow::bail!(
+            "saving the cache set did not finish within {limit:?} (a hung device?); exiting \
+             without it: the next start recovers from the journal, as after a crash"
+        ),
+    }
 }

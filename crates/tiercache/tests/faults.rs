@@ -60,7 +60,7 @@ fn tools() -> bool {
     if !all {
         return false;
     }
-    for filter in ["error", "rate"] {
+    for filter in ["error", "rate", "pause"] {
         let ok = Command::new("nbdkit")
             .args([&format!("--filter={filter}"), "null", "--dump-plugin"])
             .output()
@@ -83,6 +83,9 @@ enum Filter {
     Error,
     /// Bandwidth (bits per second) from the rate file; unlimited until it exists.
     Rate,
+    /// Requests wait while paused through the control socket (`pause-control=PAUSE`): a
+    /// hung device that answers again once resumed.
+    Pause,
 }
 
 /// The cache device `fast.img`: nbdkit (memory plugin behind a filter) mounted over the file
@@ -118,6 +121,9 @@ impl FaultyCache {
                 .args(["--filter=error", "memory", &CACHE_BYTES.to_string()])
                 .arg("error-rate=1")
                 .arg(format!("error-file={}", dir.join("TRIGGER").display())),
+            Filter::Pause => kit
+                .args(["--filter=pause", "memory", &CACHE_BYTES.to_string()])
+                .arg(format!("pause-control={}", dir.join("PAUSE").display())),
             Filter::Rate => kit
                 .args(["--filter=rate", "memory", &CACHE_BYTES.to_string()])
                 .arg(format!("rate-file={}", dir.join("RATE").display()))
@@ -245,6 +251,17 @@ impl Rig {
     fn repair_cache(&self) {
         self.step("cache device repaired (TRIGGER removed)");
         std::fs::remove_file(self.trigger()).unwrap();
+    }
+
+    /// Pauses (`b'p'`) or resumes (`b'r'`) the cache device (pause filter): paused, every
+    /// new request waits, as on a hung device.
+    fn pause_control(&self, command: u8) {
+        use std::io::{Read, Write};
+        let mut s = std::os::unix::net::UnixStream::connect(self.f.path("PAUSE")).unwrap();
+        s.write_all(&[command]).unwrap();
+        let mut reply = [0u8; 1];
+        s.read_exact(&mut reply).unwrap();
+        assert_eq!(reply[0], command.to_ascii_uppercase(), "pause filter reply");
     }
 
     /// Sets the cache device's bandwidth (rate filter), atomically as nbdkit asks.
@@ -761,6 +778,66 @@ fn a_restart_after_degradation_serves_the_writes_made_meanwhile() {
     );
     let header = stdout(&run(tc().arg("show").arg(r.f.path("slow.img"))));
     assert!(header.contains("stale_copies    none"), "{header}");
+    r.f.stop();
+}
+
+/// A cache device that hangs (every request waits for hours) does not hang the shutdown: the
+/// request stuck in it is abandoned after `--shutdown-timeout` (its client's connection
+/// closes), the set, degraded by then, is closed without the hung device, and the process
+/// exits 0; the next start, the device answering again, serves every flushed write.
+#[test]
+fn a_hung_cache_device_does_not_hang_the_shutdown() {
+    if !tools() {
+        return;
+    }
+    const SHUTDOWN_TIMEOUT_SECS: u64 = 3;
+    let mut r = Rig::new(Filter::Pause, false);
+    r.serve(&[
+        "--cache-io-timeout-ms",
+        "1000",
+        "--shutdown-timeout",
+        &SHUTDOWN_TIMEOUT_SECS.to_string(),
+    ]);
+    r.io_ok(
+        "data cached while the device answers",
+        &["write -P 0x3c 0 4M", "flush", "read -P 0x3c 0 4M"],
+    );
+    r.step("cache device hung (paused)");
+    r.pause_control(b'p');
+    // A client reads cached data: its request goes to the hung device and stays there.
+    let mut stuck = Command::new("qemu-io")
+        .args(["-f", "raw", "-t", "none", "-c", "read -P 0x3c 0 64k"])
+        .arg(r.f.uri())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    r.wait_degraded();
+    r.io_ok("reads around the hung device", &["read -P 0x3c 1M 1M"]);
+    r.step("stop with a request stuck in the hung cache device");
+    let t = Instant::now();
+    let stop = output_within(&mut r.f.admin_cmd(&["stop"]), COMMAND_LIMIT)
+        .expect("tiercache stop hung behind a hung cache device");
+    let took = t.elapsed();
+    let said = format!("{}{}", stdout(&stop), String::from_utf8_lossy(&stop.stderr));
+    r.step(&format!("tiercache stop returned in {took:?}: {said}"));
+    assert!(stop.status.success(), "tiercache stop failed: {said}");
+    // The kernel may hold the process (a thread in a FUSE read) until the device answers.
+    r.step("the device answers again (resumed)");
+    r.pause_control(b'r');
+    let mut server = r.f.server.take().unwrap();
+    let status = wait_for(&mut server, COMMAND_LIMIT);
+    if status.is_none() {
+        let _ = server.kill();
+        let _ = server.wait();
+    }
+    let status = status.expect("serve did not exit once the device answered");
+    assert!(status.success(), "serve exited with {status}");
+    let _ = stuck.kill();
+    let _ = stuck.wait();
+    r.step("start again");
+    r.serve(&[]);
+    r.io_ok("the flushed data", &["read -P 0x3c 0 4M"]);
     r.f.stop();
 }
 
