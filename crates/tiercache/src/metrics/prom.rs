@@ -664,7 +664,9 @@ mod tests {
             // `_sum` and `_bucket` for histograms' series.
             assert_eq!(name.ends_with("_total"), kind == "counter", "{name}");
             assert!(
-                !["_count", "_sum", "_bucket"].iter().any(|s| name.ends_with(s)),
+                !["_count", "_sum", "_bucket"]
+                    .iter()
+                    .any(|s| name.ends_with(s)),
                 "{name}"
             );
             assert!(
