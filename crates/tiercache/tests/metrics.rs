@@ -1,7 +1,10 @@
 //! `serve --metrics` and `tiercache top` against the real binary and a real NBD client
 //! (qemu-io): the counters move as the I/O says, histograms are complete, every line of the
-//! exposition parses and its names are well-formed; `top --once` shows the volume with
-//! plausible numbers in 80 columns.
+//! exposition parses and its names are well-formed; both formats pass their readers'
+//! checks (classic: `promtool check metrics`; OpenMetrics: the strict parser here and, when
+//! installed, Python's prometheus_client); scrapes are answered while hundreds of slow clients
+//! trickle requests at the endpoint; `top --once` shows the volume with plausible numbers in
+//! 80 columns.
 
 mod common;
 
@@ -9,11 +12,11 @@ use common::*;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
-use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 fn admin(f: &Fixture, req: &Value) -> Value {
     let mut s = UnixStream::connect(f.admin()).unwrap();
@@ -25,21 +28,50 @@ fn admin(f: &Fixture, req: &Value) -> Value {
     v
 }
 
-/// A plain HTTP GET of /metrics, as any scraper would send it.
-fn scrape(addr: &str) -> String {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nAccept: */*\r\n\r\n"
-    )
-    .unwrap();
-    let mut reply = String::new();
-    s.read_to_string(&mut reply).unwrap();
+/// The `Accept` header of Prometheus' scrapes (2.x): OpenMetrics preferred.
+const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,\
+    application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+const CLASSIC: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// An HTTP GET of /metrics with `accept` (`None`: no Accept header): the reply's
+/// Content-Type and body. It must be a 200 and come within `limit` (a hang guard).
+fn get_metrics(addr: &str, accept: Option<&str>, limit: Duration) -> (String, String) {
+    let deadline = Instant::now() + limit;
+    let sa: SocketAddr = addr.parse().unwrap();
+    let mut s = TcpStream::connect_timeout(&sa, limit)
+        .unwrap_or_else(|e| panic!("connecting to {addr} within {limit:?}: {e}"));
+    s.set_write_timeout(Some(limit)).unwrap();
+    let accept = accept.map_or(String::new(), |a| format!("Accept: {a}\r\n"));
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\n{accept}\r\n").unwrap();
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 64 << 10];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "no whole reply within {limit:?}");
+        s.set_read_timeout(Some(left)).unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => reply.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("reading the reply within {limit:?}: {e}"),
+        }
+    }
+    let reply = String::from_utf8(reply).unwrap();
     let (head, body) = reply.split_once("\r\n\r\n").expect("an HTTP reply");
     assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
-    assert!(head.contains("application/openmetrics-text"), "{head}");
-    body.to_string()
+    let content_type = head
+        .lines()
+        .find_map(|l| l.strip_prefix("Content-Type: "))
+        .expect("a Content-Type")
+        .to_string();
+    (content_type, body.to_string())
+}
+
+/// A scrape as Prometheus sends it: OpenMetrics.
+fn scrape(addr: &str) -> String {
+    let (content_type, body) = get_metrics(addr, Some(PROMETHEUS_ACCEPT), Duration::from_secs(10));
+    assert_eq!(content_type, OPENMETRICS);
+    body
 }
 
 type Labels = BTreeMap<String, String>;
@@ -450,4 +482,203 @@ fn a_metrics_port_in_use_stops_the_start() {
     .unwrap();
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("metrics address 'localhost'"));
+}
+
+/// `promtool check metrics` on `text`: its complaints, if any (it reads the classic format).
+fn promtool(text: &str) -> Result<(), String> {
+    let mut c = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running promtool");
+    c.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let o = c.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    if o.status.success() && said.trim().is_empty() {
+        Ok(())
+    } else {
+        Err(format!("promtool: {}: {said}", o.status))
+    }
+}
+
+/// A Python with prometheus_client's OpenMetrics parser (Debian: python3-prometheus-client),
+/// if there is one; optional, so its absence is a printed skip even in CI.
+fn python_with_openmetrics_parser() -> Option<&'static str> {
+    let found = ["python3", "/usr/bin/python3"].into_iter().find(|py| {
+        Command::new(py)
+            .args(["-c", "import prometheus_client.openmetrics.parser"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    if found.is_none() {
+        eprintln!("SKIP: no python3 with prometheus_client (python3-prometheus-client)");
+    }
+    found
+}
+
+/// Python prometheus_client's strict OpenMetrics parser on `text`.
+fn python_openmetrics(py: &str, text: &str) -> Result<(), String> {
+    let mut c = Command::new(py)
+        .args([
+            "-c",
+            "import sys\n\
+             from prometheus_client.openmetrics.parser import text_string_to_metric_families\n\
+             print(len(list(text_string_to_metric_families(sys.stdin.read()))))",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    c.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let o = c.wait_with_output().unwrap();
+    if o.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&o.stderr).into_owned())
+    }
+}
+
+#[test]
+fn each_format_passes_its_readers_checks() {
+    if !have("promtool") {
+        return;
+    }
+    let mut f = Fixture::new(16, 16, false);
+    f.start_with(&["--metrics", "127.0.0.1:0"]);
+    let addr = metrics_address(&f);
+    let limit = Duration::from_secs(10);
+    // Scrapers that do not ask for OpenMetrics get the classic format, which promtool reads
+    // and lints.
+    let mut classic = String::new();
+    for accept in [
+        None,
+        Some("*/*"),
+        Some("text/plain;version=0.0.4"),
+        Some("application/openmetrics-text;q=0.3,text/plain"),
+    ] {
+        let (content_type, body) = get_metrics(&addr, accept, limit);
+        assert_eq!(content_type, CLASSIC, "Accept: {accept:?}");
+        promtool(&body).unwrap_or_else(|e| panic!("Accept: {accept:?}: {e}"));
+        assert!(body.contains("# TYPE tiercache_volume_info gauge\n"));
+        assert!(body.contains("tiercache_volume_info{volume=\"data\","));
+        assert!(body.contains("# TYPE tiercache_volume_requests_total counter\n"));
+        assert!(!body.contains("# EOF") && !body.contains("# UNIT"));
+        classic = body;
+    }
+    // promtool does find fault: a gauge declared a counter lacks `_total`.
+    let broken = classic.replace(
+        "# TYPE tiercache_uptime_seconds gauge",
+        "# TYPE tiercache_uptime_seconds counter",
+    );
+    assert_ne!(broken, classic);
+    assert!(promtool(&broken).is_err());
+
+    // Prometheus' own request gets OpenMetrics: the strict parser here, and Python's.
+    let om = scrape(&addr);
+    let samples = parse(&om);
+    assert_eq!(
+        value(&samples, "tiercache_volume_info", &[("volume", "data")]),
+        1.0
+    );
+    if let Some(py) = python_with_openmetrics_parser() {
+        python_openmetrics(py, &om).unwrap();
+        // It finds fault too: OpenMetrics ends in `# EOF`.
+        assert!(python_openmetrics(py, om.strip_suffix("# EOF\n").unwrap()).is_err());
+    }
+    f.stop();
+}
+
+/// Slow HTTP clients until `stop`: `target` connections to `addr`, each sending a request
+/// head one byte a second and never finishing it; one the server closes is opened again at
+/// its next byte. `rounds` counts the passes over all of them.
+fn trickle(addr: &str, target: &AtomicUsize, rounds: &AtomicUsize, stop: &AtomicBool) {
+    let head = b"GET /metrics HTTP/1.1\r\nHost: slow\r\nX-Slow: ";
+    let sa: SocketAddr = addr.parse().unwrap();
+    let mut conns: Vec<Option<(TcpStream, usize)>> = Vec::new();
+    while !stop.load(Ordering::SeqCst) {
+        conns.resize_with(target.load(Ordering::SeqCst), || None);
+        for slot in conns.iter_mut() {
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
+            if slot.is_none() {
+                *slot = TcpStream::connect_timeout(&sa, Duration::from_secs(1))
+                    .ok()
+                    .map(|s| (s, 0));
+            }
+            if let Some((s, sent)) = slot {
+                let byte = head.get(*sent).copied().unwrap_or(b'a');
+                if s.write_all(&[byte]).is_ok() {
+                    *sent += 1;
+                } else {
+                    *slot = None;
+                }
+            }
+        }
+        rounds.fetch_add(1, Ordering::SeqCst);
+        for _ in 0..10 {
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Sets the flag when dropped, on a panic too (the slow clients' thread must end for the
+/// test to end).
+struct SetOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn scrapes_are_answered_while_slow_clients_trickle() {
+    let mut f = Fixture::new(16, 16, false);
+    f.start_with(&["--metrics", "127.0.0.1:0"]);
+    let addr = metrics_address(&f);
+    let target = AtomicUsize::new(0);
+    let rounds = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let _stop = SetOnDrop(&stop);
+        s.spawn(|| trickle(&addr, &target, &rounds, &stop));
+        for n in [8, 500] {
+            target.store(n, Ordering::SeqCst);
+            // Two whole passes: every slow client connected and trickling for a second or
+            // more (the wait is a hang guard; the scrapes are what is tested).
+            let r0 = rounds.load(Ordering::SeqCst);
+            let t = Instant::now();
+            while rounds.load(Ordering::SeqCst) < r0 + 3 && t.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            for _ in 0..3 {
+                // Prometheus' default scrape timeout is 10 s: a generous bound for a reply
+                // that takes milliseconds.
+                let t = Instant::now();
+                let samples = parse(&scrape(&addr));
+                eprintln!("{n} slow clients: scraped in {:?}", t.elapsed());
+                assert!(value(&samples, "tiercache_uptime_seconds", &[]) > 0.0);
+                assert_eq!(
+                    value(&samples, "tiercache_volume_info", &[("volume", "data")]),
+                    1.0
+                );
+                let (content_type, body) = get_metrics(&addr, None, Duration::from_secs(10));
+                assert_eq!(content_type, CLASSIC);
+                assert!(body.contains("\ntiercache_uptime_seconds "), "{body}");
+            }
+        }
+    });
+    f.stop();
 }

@@ -46,7 +46,7 @@ pub fn start_http(
     let r = running.clone();
     let srv = http::MetricsServer::start(
         http::parse_addr(addr)?,
-        Arc::new(move || prom::render(&r.sample())),
+        Arc::new(move |format| prom::render(&r.sample(), format)),
     )?;
     running.metrics.set_http_addr(srv.addr());
     log::info!("metrics at http://{}/metrics", srv.addr());

@@ -1,11 +1,22 @@
-//! A [`Sample`] in the OpenMetrics text format (which Prometheus scrapes), encoded with
-//! `prometheus-client`. Every metric is listed in docs/metrics.md; a test fails when one is
-//! missing there, or when the engine grows a counter this file has no description for.
+//! A [`Sample`] as Prometheus text, in the format the scraper asked for: OpenMetrics 1.0.0
+//! (encoded with `prometheus-client`) or the classic text format 0.0.4 (derived from the
+//! OpenMetrics text by `to_classic`). Every metric is listed in docs/metrics.md; a test fails
+//! when one is missing there, or when the engine grows a counter this file has no description
+//! for.
 //!
 //! Names follow Prometheus' conventions: `tiercache_` prefix, base units (bytes, seconds) as
 //! a suffix, `_total` on counters (added by the encoder), ratios as 0..1 `_ratio` gauges.
 //! Per-volume series carry a `volume` label (the export name); per-device series `role`
 //! (`cache` or `backing`) and `device` (as named on the command line).
+//!
+//! Invariants: both formats carry the same sample lines, byte for byte (names, labels,
+//! values); they differ only in comments: the classic format names a counter family by its
+//! `_total` samples, turns an info family into a gauge named `..._info` (whose samples are
+//! already `..._info{...} 1`), and has no `# UNIT` and no `# EOF`. No exemplars and no
+//! `_created` samples are encoded, so nothing else needs translating. Help texts contain no
+//! `\`, `"` or newline, the characters the two formats escape differently (a test checks).
+//! [`Format::negotiate`] picks the format from the request's `Accept` header as Prometheus'
+//! Go client library does; anything it does not recognise gets the classic format.
 
 use super::hist::BOUNDS_US;
 use super::{Sample, VOLUME_STATES, WRITEBACK_STATES};
@@ -13,6 +24,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
+use std::collections::HashMap;
 use std::fmt::Error;
 
 /// The engine's counters (`engine::stats::Snapshot` fields): metric name (without unit and
@@ -52,13 +64,112 @@ type Row<T, V> = (&'static str, &'static str, fn(&T) -> V);
 #[derive(Debug)]
 struct SampleCollector(Sample);
 
-/// Renders a sample (OpenMetrics text, ending in `# EOF`).
-pub fn render(sample: &Sample) -> String {
+/// The text formats a scrape can be answered in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics 1.0.0 (`application/openmetrics-text`), ending in `# EOF`.
+    OpenMetrics,
+    /// Prometheus' classic text format 0.0.4 (`text/plain`), which every scraper reads.
+    Classic,
+}
+
+impl Format {
+    /// The `Content-Type` of a reply in this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Format::Classic => "text/plain; version=0.0.4; charset=utf-8",
+        }
+    }
+
+    /// The format for a request's `Accept` header (its values joined by commas; empty
+    /// without one), chosen as Prometheus' Go client library chooses: the acceptable media
+    /// range with the highest `q` wins, the first listed on a tie. OpenMetrics is acceptable
+    /// as `application/openmetrics-text` without a version or with version 1.0.0; the
+    /// classic format as `text/plain` without a version or with version 0.0.4, `text/*` and
+    /// `*/*`. With nothing acceptable (no header, `q=0`, other types or versions): classic.
+    pub fn negotiate(accept: &str) -> Format {
+        let mut best: Option<(f64, Format)> = None;
+        for range in accept.split(',') {
+            let mut parts = range.split(';').map(str::trim);
+            let media = parts.next().unwrap_or("").to_ascii_lowercase();
+            let (mut q, mut version) = (1.0, None);
+            for p in parts {
+                let Some((k, v)) = p.split_once('=') else {
+                    continue;
+                };
+                let v = v.trim().trim_matches('"');
+                match k.trim().to_ascii_lowercase().as_str() {
+                    // Unparsable: not acceptable (as Go's client reads it).
+                    "q" => q = v.parse::<f64>().unwrap_or(0.0),
+                    "version" => version = Some(v.to_string()),
+                    _ => {}
+                }
+            }
+            let version = version.as_deref();
+            let format = match media.as_str() {
+                "application/openmetrics-text" if matches!(version, None | Some("1.0.0")) => {
+                    Format::OpenMetrics
+                }
+                "text/plain" if matches!(version, None | Some("0.0.4")) => Format::Classic,
+                "text/*" | "*/*" => Format::Classic,
+                _ => continue,
+            };
+            if q > 0.0 && !matches!(best, Some((b, _)) if b >= q) {
+                best = Some((q, format));
+            }
+        }
+        best.map_or(Format::Classic, |(_, f)| f)
+    }
+}
+
+/// Renders a sample in `format`.
+pub fn render(sample: &Sample, format: Format) -> String {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(SampleCollector(sample.clone())));
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)
         .expect("writing to a String does not fail");
+    match format {
+        Format::OpenMetrics => out,
+        Format::Classic => to_classic(&out),
+    }
+}
+
+/// The classic text format 0.0.4 of OpenMetrics text as this file encodes it (see the
+/// module header): the sample lines unchanged; `# HELP` and `# TYPE` renamed to the
+/// samples' names (counters `_total`, infos `_info`), info typed as gauge; `# UNIT` and
+/// `# EOF` left out.
+fn to_classic(om: &str) -> String {
+    let types: HashMap<&str, &str> = om
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.split_once(' '))
+        .collect();
+    let name = |family: &str| match types.get(family).copied() {
+        Some("counter") => format!("{family}_total"),
+        Some("info") => format!("{family}_info"),
+        _ => family.to_string(),
+    };
+    let mut out = String::with_capacity(om.len());
+    for line in om.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (family, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            out.push_str(&format!("# HELP {} {help}\n", name(family)));
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (family, kind) = rest.split_once(' ').unwrap_or((rest, ""));
+            let kind = match kind {
+                "info" => "gauge",
+                "unknown" => "untyped",
+                k => k,
+            };
+            out.push_str(&format!("# TYPE {} {kind}\n", name(family)));
+        } else if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
     out
 }
 
@@ -366,7 +477,7 @@ impl Collector for SampleCollector {
                 ("tiercache_cache_set_missing_dirty_bytes", "Dirty data of those devices: their newest data, held only in the cache until they are attached.", U(c.missing_dirty_bytes)),
                 ("tiercache_cache_set_in_use_ratio", "Fraction of the data buckets holding something (bcache's in_use, as 0..1).", F(f64::from(c.in_use_pct) / 100.0)),
                 ("tiercache_cache_set_degraded", "1 while the cache set is degraded (every volume served from its backing device), else 0.", U(u64::from(c.degraded.is_some()))),
-                ("tiercache_cache_set_error_count", "Cache-device failures, decayed by io_error_halflife; the set degrades when it reaches tiercache_cache_set_io_error_limit.", F(c.error_count)),
+                ("tiercache_cache_set_decayed_errors", "Cache-device failures, decayed by io_error_halflife; the set degrades when it reaches tiercache_cache_set_io_error_limit.", F(c.error_count)),
                 ("tiercache_cache_set_io_error_limit", "The io_error_limit setting.", U(u64::from(c.io_error_limit))),
                 ("tiercache_cache_set_read_latency_estimate_seconds", "The engine's recent average cache-device read latency (0: no recent read), compared with congested_read_threshold_us.", F(c.read_latency_us as f64 / 1e6)),
                 ("tiercache_cache_set_write_latency_estimate_seconds", "The engine's recent average cache-device write latency (0: no recent write), compared with congested_write_threshold_us.", F(c.write_latency_us as f64 / 1e6)),
@@ -540,7 +651,7 @@ mod tests {
 
     #[test]
     fn every_metric_is_documented_and_well_formed() {
-        let text = render(&full_sample());
+        let text = render(&full_sample(), Format::OpenMetrics);
         assert!(text.ends_with("# EOF\n"), "{text}");
         let docs = include_str!("../../../../docs/metrics.md");
         let fams = families(&text);
@@ -551,6 +662,15 @@ mod tests {
                 "{name} ({kind}) is not in docs/metrics.md"
             );
             assert!(name.starts_with("tiercache_"), "{name}");
+            // Suffixes Prometheus reserves (promtool's lint): `_total` for counters, `_count`,
+            // `_sum` and `_bucket` for histograms' series.
+            assert_eq!(name.ends_with("_total"), kind == "counter", "{name}");
+            assert!(
+                !["_count", "_sum", "_bucket"]
+                    .iter()
+                    .any(|s| name.ends_with(s)),
+                "{name}"
+            );
             assert!(
                 name.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
                 "{name}"
@@ -576,5 +696,100 @@ mod tests {
         assert!(b[3].contains("le=\"0.00005\""), "{}", b[3]);
         assert!(b[3].ends_with(" 0") && b[4].ends_with(" 1") && b[20].ends_with(" 1"));
         assert!(b[20].contains("le=\"+Inf\""));
+    }
+
+    #[test]
+    fn the_classic_format_has_the_same_samples_under_classic_names() {
+        let om = render(&full_sample(), Format::OpenMetrics);
+        let classic = render(&full_sample(), Format::Classic);
+        let samples = |t: &str| -> Vec<String> {
+            t.lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(String::from)
+                .collect()
+        };
+        assert_eq!(samples(&om), samples(&classic));
+        // Families are named as their samples are, which the OpenMetrics names imply.
+        let typed: Vec<(String, String)> = classic
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .map(|l| {
+                let (n, k) = l.split_once(' ').unwrap();
+                (n.to_string(), k.to_string())
+            })
+            .collect();
+        let expected: Vec<(String, String)> = families(&om)
+            .into_iter()
+            .map(|(n, k)| (n, if k == "info" { "gauge".into() } else { k }))
+            .collect();
+        assert_eq!(typed, expected);
+        assert!(classic.contains("# TYPE tiercache_volume_info gauge\n"));
+        assert!(classic.contains("# TYPE tiercache_volume_requests_total counter\n"));
+        assert!(classic.contains("# HELP tiercache_device_io_bytes_total Bytes moved"));
+        assert!(!classic.contains("# EOF") && !classic.contains("# UNIT"));
+        // Every sample belongs to the family declared last, HELP and TYPE name it alike.
+        let mut family = ("", "");
+        let mut help = "";
+        for l in classic.lines() {
+            if let Some(h) = l.strip_prefix("# HELP ") {
+                help = h.split(' ').next().unwrap();
+            } else if let Some(t) = l.strip_prefix("# TYPE ") {
+                let (n, k) = t.split_once(' ').unwrap();
+                assert_eq!(n, help, "{l}");
+                family = (n, k);
+            } else {
+                let name = l.split(['{', ' ']).next().unwrap();
+                let ok = match family.1 {
+                    "histogram" => ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .any(|s| name == format!("{}{s}", family.0)),
+                    _ => name == family.0,
+                };
+                assert!(ok, "{l} under {family:?}");
+            }
+        }
+        // Help texts need no escaping, which the two formats do differently.
+        for l in om.lines().filter(|l| l.starts_with("# HELP ")) {
+            assert!(!l.contains(['\\', '"']), "{l}");
+        }
+    }
+
+    #[test]
+    fn the_format_is_negotiated_as_prometheus_go_client_does() {
+        let om = |accept: &str| Format::negotiate(accept) == Format::OpenMetrics;
+        // Prometheus 2 and 3 scrape requests.
+        assert!(om(
+            "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+                    version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        ));
+        assert!(om(
+            "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,\
+                    application/openmetrics-text;version=0.0.1;q=0.5,text/plain;\
+                    version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,\
+                    */*;q=0.2"
+        ));
+        assert!(om("application/openmetrics-text"));
+        assert!(om("Application/OpenMetrics-Text; Version=\"1.0.0\""));
+        assert!(om("text/plain;q=0.5, application/openmetrics-text"));
+        // Classic: nothing said, any type, the classic one preferred or listed first, or
+        // OpenMetrics refused or in a version not served.
+        for classic in [
+            "",
+            "*/*",
+            "text/plain",
+            "text/plain;version=0.0.4",
+            "application/json",
+            "text/plain, application/openmetrics-text",
+            "application/openmetrics-text;q=0.5, text/plain",
+            "application/openmetrics-text;q=0",
+            "application/openmetrics-text;q=x",
+            "application/openmetrics-text;version=0.0.1",
+        ] {
+            assert!(!om(classic), "{classic}");
+        }
+        assert_eq!(
+            Format::Classic.content_type(),
+            "text/plain; version=0.0.4; charset=utf-8"
+        );
     }
 }
