@@ -390,7 +390,10 @@ pub(crate) fn decide<C: Copy + Eq + std::hash::Hash>(
                 Load::Quiet(quiet) => (1, usize::MAX, quiet),
                 Load::Busy(in_flight) => (0, usize::MAX - in_flight, Duration::ZERO),
             };
-            Some(((count(&conn.client), preference, std::cmp::Reverse(conn.id)), conn.id))
+            Some((
+                (count(&conn.client), preference, std::cmp::Reverse(conn.id)),
+                conn.id,
+            ))
         })
         .max();
     match victim {
@@ -789,7 +792,10 @@ mod tests {
                 let heaviest = counts.values().copied().max().unwrap_or(0);
                 match decide(client, &self.conns, &self.limits) {
                     Decision::Admit => {
-                        assert!(self.conns.len() < self.limits.connections_max, "seed {seed}");
+                        assert!(
+                            self.conns.len() < self.limits.connections_max,
+                            "seed {seed}"
+                        );
                         assert!(!client_full, "seed {seed}");
                         self.conns.push(ConnView {
                             id: self.next_id,
@@ -819,8 +825,10 @@ mod tests {
                         assert!(theirs >= ours + 2, "seed {seed}: {theirs} vs {ours}");
                         assert_eq!(theirs, heaviest, "seed {seed}: not the heaviest");
                         assert!(
-                            !self.conns.iter().any(|c| self.is_idle(c.load)
-                                && self.count(c.client) >= ours),
+                            !self
+                                .conns
+                                .iter()
+                                .any(|c| self.is_idle(c.load) && self.count(c.client) >= ours),
                             "seed {seed}: displaced while an idle one could go"
                         );
                         // Their quietest connection, if any has nothing in flight.
@@ -855,8 +863,10 @@ mod tests {
                         // The bound: refused only when no client is two ahead.
                         assert!(heaviest <= ours + 1, "seed {seed}: {heaviest} vs {ours}");
                         assert!(
-                            !self.conns.iter().any(|c| self.is_idle(c.load)
-                                && self.count(c.client) >= ours),
+                            !self
+                                .conns
+                                .iter()
+                                .any(|c| self.is_idle(c.load) && self.count(c.client) >= ours),
                             "seed {seed}"
                         );
                         return false;
