@@ -28,9 +28,13 @@
 //!
 //! Owns: the threads and buffers of one connection, its budget account, and the order of
 //! teardown: reading stops (client disconnect, EOF, a protocol violation, a timeout, a failed
-//! reply write, eviction or idle close, or a shutdown kick) and no worker reads again; every
-//! worker finishes the request it holds and writes its reply; when all workers have exited,
-//! the socket is shut down and the export lease released.
+//! reply write, eviction, displacement or idle close, or a shutdown kick) and no worker reads
+//! again; every worker finishes the request it holds and writes its reply; when all workers
+//! have exited, the socket is shut down and the export lease released. When the client has
+//! gone (a reply write failed, or the socket hung up: closed or reset, which `poll` reports —
+//! checked when reading ends and before executing any request of more than
+//! [`REUSE_BYTES_MAX`]), requests read but not yet executed are dropped instead: only those
+//! already inside the export finish, and nobody is answered.
 //!
 //! Invariants: requests in flight ≤ `requests_in_flight_max` and ≤ `workers_per_connection`
 //! (a worker holds one request at a time), and their buffers are budgeted by the server-wide
@@ -42,9 +46,11 @@
 //! write payload larger than `BlockSize::TIERCACHE.max` is never read into memory (the
 //! connection is dropped instead, since the stream cannot be resynchronised without consuming
 //! it). Each worker reuses one I/O buffer, kept between requests only up to
-//! [`REUSE_BYTES_MAX`], so memory outside the budget is bounded by workers × that; read data
-//! and write payloads start at a [`IO_ALIGN`]-aligned address, so an O_DIRECT export needs no
-//! bounce buffer.
+//! [`REUSE_BYTES_MAX`], so memory outside the budget is bounded by workers × that plus the
+//! connection's read buffer; a larger buffer is an anonymous mapping of its own, unmapped as
+//! soon as its reply is written or dropped, so it goes back to the system (not to an allocator
+//! arena) while its bytes are still budgeted. Read data and write payloads start at a
+//! [`IO_ALIGN`]-aligned address, so an O_DIRECT export needs no bounce buffer.
 //!
 //! Deadlines (each enforced per system call, with the socket timeout set to the time left):
 //! the whole handshake within `handshake_timeout`; the rest of a request within
@@ -57,7 +63,8 @@
 //! effect on other connections. Export errors become NBD error replies; a panicking export
 //! becomes an EIO reply for that request (and an error log). A client that does not take a
 //! reply within `reply_timeout` is cut off: the socket is shut down, reading ends, the
-//! remaining replies are dropped and their permits released.
+//! remaining replies are dropped, requests not yet executed are dropped unexecuted, and their
+//! permits released.
 
 use crate::budget::{Account, Permit};
 use crate::export::Lease;

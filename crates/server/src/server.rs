@@ -40,7 +40,8 @@ pub(crate) const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 const MIB: usize = 1024 * 1024;
 
 /// Limits and timeouts of a server. Memory outside `bytes_in_flight_max`: per connection a
-/// 256 KiB read buffer, per worker thread an I/O buffer kept up to 256 KiB between requests.
+/// 256 KiB read buffer, per worker thread an I/O buffer kept up to 256 KiB between requests
+/// (larger buffers are mapped per request and unmapped once answered, and are budgeted).
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Most threads serving one connection (each reads, executes and answers one request at a
