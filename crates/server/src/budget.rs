@@ -156,6 +156,13 @@ pub(crate) struct Permit {
     bytes: usize,
 }
 
+impl Permit {
+    /// The bytes this permit holds.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
 impl Budget {
     pub(crate) fn new(limits: BudgetLimits) -> Arc<Budget> {
         assert!(

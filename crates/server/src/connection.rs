@@ -28,9 +28,13 @@
 //!
 //! Owns: the threads and buffers of one connection, its budget account, and the order of
 //! teardown: reading stops (client disconnect, EOF, a protocol violation, a timeout, a failed
-//! reply write, eviction or idle close, or a shutdown kick) and no worker reads again; every
-//! worker finishes the request it holds and writes its reply; when all workers have exited,
-//! the socket is shut down and the export lease released.
+//! reply write, eviction, displacement or idle close, or a shutdown kick) and no worker reads
+//! again; every worker finishes the request it holds and writes its reply; when all workers
+//! have exited, the socket is shut down and the export lease released. When the client has
+//! gone (a reply write failed, or the socket hung up: closed or reset, which `poll` reports —
+//! checked when reading ends and before executing any request of more than
+//! [`REUSE_BYTES_MAX`]), requests read but not yet executed are dropped instead: only those
+//! already inside the export finish, and nobody is answered.
 //!
 //! Invariants: requests in flight ≤ `requests_in_flight_max` and ≤ `workers_per_connection`
 //! (a worker holds one request at a time), and their buffers are budgeted by the server-wide
@@ -42,9 +46,11 @@
 //! write payload larger than `BlockSize::TIERCACHE.max` is never read into memory (the
 //! connection is dropped instead, since the stream cannot be resynchronised without consuming
 //! it). Each worker reuses one I/O buffer, kept between requests only up to
-//! [`REUSE_BYTES_MAX`], so memory outside the budget is bounded by workers × that; read data
-//! and write payloads start at a [`IO_ALIGN`]-aligned address, so an O_DIRECT export needs no
-//! bounce buffer.
+//! [`REUSE_BYTES_MAX`], so memory outside the budget is bounded by workers × that plus the
+//! connection's read buffer; a larger buffer is an anonymous mapping of its own, unmapped as
+//! soon as its reply is written or dropped, so it goes back to the system (not to an allocator
+//! arena) while its bytes are still budgeted. Read data and write payloads start at a
+//! [`IO_ALIGN`]-aligned address, so an O_DIRECT export needs no bounce buffer.
 //!
 //! Deadlines (each enforced per system call, with the socket timeout set to the time left):
 //! the whole handshake within `handshake_timeout`; the rest of a request within
@@ -57,7 +63,8 @@
 //! effect on other connections. Export errors become NBD error replies; a panicking export
 //! becomes an EIO reply for that request (and an error log). A client that does not take a
 //! reply within `reply_timeout` is cut off: the socket is shut down, reading ends, the
-//! remaining replies are dropped and their permits released.
+//! remaining replies are dropped, requests not yet executed are dropped unexecuted, and their
+//! permits released.
 
 use crate::budget::{Account, Permit};
 use crate::export::Lease;
@@ -74,7 +81,7 @@ use nbd_tls::TlsReader;
 use std::io::{self, BufReader, Read};
 use std::net::Shutdown;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, Scope};
 use std::time::{Duration, Instant};
@@ -246,6 +253,7 @@ fn transmission(
             workers: 1,
         }),
         write: Mutex::new(Ok(())),
+        gone: AtomicBool::new(false),
         stream,
         outgoing,
         account: shared.budget.account(),
@@ -289,6 +297,9 @@ struct Connection<'a> {
     read: Mutex<ReadSide<'a>>,
     /// The first write error; once set, replies are dropped. Held while writing a reply.
     write: Mutex<io::Result<()>>,
+    /// The client is known to have gone (a reply could not be written, or the socket hung up):
+    /// nothing more is read, and requests read but not yet executed are dropped unexecuted.
+    gone: AtomicBool,
     stream: &'a Stream,
     /// How replies reach the socket (in clear or through TLS); used under the write lock.
     outgoing: Outgoing,
@@ -328,6 +339,14 @@ impl<'a> Connection<'a> {
             let Some(next) = self.next_request(&mut read, &mut buf) else {
                 break;
             };
+            if self.client_gone(&next) {
+                // Nobody will read its reply: drop it unexecuted (releasing its budget), and
+                // the next round ends reading.
+                drop(read);
+                buf.shrink();
+                drop(next);
+                continue;
+            }
             if self.keeps_reading(&read, &next) {
                 held = Some(read);
             } else {
@@ -410,13 +429,43 @@ impl<'a> Connection<'a> {
         }
     }
 
-    /// Reads the next request (the caller holds the read lock); `None` once reading has ended.
+    /// Whether the client has gone, so `next` is not worth executing: a reply write failed
+    /// earlier, or (checked with one `poll` for requests moving more than [`REUSE_BYTES_MAX`]
+    /// bytes, where the system call costs nothing next to the copy) the socket hung up.
+    fn client_gone(&self, next: &Next<'_>) -> bool {
+        if self.gone.load(Ordering::Relaxed) {
+            return true;
+        }
+        if next.permit.bytes() > REUSE_BYTES_MAX && self.stream.hung_up() {
+            self.gone.store(true, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+
+    /// Reads the next request (the caller holds the read lock); `None` once reading has ended,
+    /// or once the client has gone (see [`Connection::gone`]).
     fn next_request(&self, read: &mut ReadSide<'a>, buf: &mut IoBuf) -> Option<Next<'a>> {
+        if read.open && self.gone.load(Ordering::Relaxed) {
+            read.open = false;
+        }
         if !read.open {
             return None;
         }
-        match self.read_request(&mut read.reader, buf) {
-            Ok(Some(next)) => Some(next),
+        let outcome = self.read_request(&mut read.reader, buf);
+        if !matches!(outcome, Ok(Some(_))) && self.stream.hung_up() {
+            // EOF or an error because the client closed its socket (not merely its sending
+            // side): the requests other workers have read but not executed are dropped too.
+            self.gone.store(true, Ordering::Relaxed);
+        }
+        match outcome {
+            Ok(Some(next)) => {
+                if !next.in_flight.received() {
+                    // Displaced while this one arrived: it is answered, nothing more is read.
+                    read.open = false;
+                }
+                Some(next)
+            }
             Ok(None) => {
                 read.open = false;
                 None
@@ -530,34 +579,61 @@ impl<'a> Connection<'a> {
             .outgoing
             .write_all(self.stream, deadline, &[head, data])
         {
-            // Stop reading requests too: nobody will see their replies.
+            // Stop reading requests too, and drop those read but not executed: nobody will see
+            // their replies.
+            self.gone.store(true, Ordering::Relaxed);
             self.stream.shutdown(Shutdown::Both);
             *result = Err(timeout_context(err, "writing a reply", reply_timeout));
         }
     }
 }
 
-/// A worker's reusable I/O buffer whose data part starts at an [`IO_ALIGN`]-aligned address.
+/// A worker's I/O buffer whose data part starts at an [`IO_ALIGN`]-aligned address: a heap
+/// buffer of at most [`REUSE_BYTES_MAX`], kept between requests, for small requests; a private
+/// anonymous mapping of exactly the request's pages for larger ones, unmapped by
+/// [`IoBuf::shrink`] once the reply is written. Large buffers bypass the allocator so that
+/// their memory goes back to the system when they are freed: glibc raises its mmap threshold
+/// after such a free and then serves later large allocations from per-thread arenas that it
+/// rarely returns, so freed request buffers stayed resident.
 #[derive(Default)]
-struct IoBuf(Vec<u8>);
+struct IoBuf {
+    small: Vec<u8>,
+    large: Option<Mapping>,
+    /// Whether the last [`IoBuf::slice`] was handed out from `large`.
+    in_large: bool,
+}
 
 impl IoBuf {
     fn start(&self) -> usize {
-        let misalignment = self.0.as_ptr() as usize % IO_ALIGN;
+        let misalignment = self.small.as_ptr() as usize % IO_ALIGN;
         (IO_ALIGN - misalignment) % IO_ALIGN
     }
 
     /// `len` aligned bytes to fill; their contents are unspecified.
     fn slice(&mut self, len: usize) -> &mut [u8] {
+        self.in_large = false;
         if len == 0 {
             return &mut [];
         }
-        if self.0.len() < len + IO_ALIGN {
+        if len > REUSE_BYTES_MAX {
+            if self.large.as_ref().is_some_and(|m| m.len >= len) {
+                self.in_large = true;
+            } else {
+                self.large = None;
+                self.large = Mapping::new(len);
+                self.in_large = self.large.is_some();
+            }
+            // Out of mappings: fall back to the heap (freed again by `shrink`).
+        }
+        if !self.in_large && self.small.len() < len + IO_ALIGN {
             // Replace rather than grow: the old contents need not be kept.
-            self.0 = vec![0; len + IO_ALIGN];
+            self.small = vec![0; len + IO_ALIGN];
         }
         let start = self.start();
-        &mut self.0[start..start + len]
+        match &mut self.large {
+            Some(mapping) if self.in_large => &mut mapping.as_mut_slice()[..len],
+            _ => &mut self.small[start..start + len],
+        }
     }
 
     /// The first `len` bytes last handed out by [`IoBuf::slice`].
@@ -565,15 +641,76 @@ impl IoBuf {
         if len == 0 {
             return &[];
         }
+        if self.in_large {
+            if let Some(mapping) = &self.large {
+                return &mapping.as_slice()[..len];
+            }
+        }
         let start = self.start();
-        &self.0[start..start + len]
+        &self.small[start..start + len]
     }
 
-    /// Frees a buffer too large to keep between requests.
+    /// Frees a buffer too large to keep between requests (a mapping is unmapped at once).
     fn shrink(&mut self) {
-        if self.0.len() > REUSE_BYTES_MAX + IO_ALIGN {
-            self.0 = Vec::new();
+        self.large = None;
+        self.in_large = false;
+        if self.small.len() > REUSE_BYTES_MAX + IO_ALIGN {
+            self.small = Vec::new();
         }
+    }
+}
+
+/// A private anonymous memory mapping, page-aligned; unmapped on drop. Its pages count in the
+/// process's memory only once written.
+struct Mapping {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+impl Mapping {
+    /// `len` zeroed bytes (rounded up to whole pages), or `None` if the system refuses.
+    fn new(len: usize) -> Option<Mapping> {
+        let len = len.div_ceil(IO_ALIGN) * IO_ALIGN;
+        // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches
+        // no existing memory; the result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            log::debug!(
+                "could not map a {len}-byte buffer: {}",
+                io::Error::last_os_error()
+            );
+            return None;
+        }
+        std::ptr::NonNull::new(ptr.cast::<u8>()).map(|ptr| Mapping { ptr, len })
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is a live mapping of `len` readable bytes owned by `self`; the borrow
+        // of `self` keeps it mapped and unaliased by `&mut`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and the exclusive borrow of `self` makes this the only
+        // reference into the mapping.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` and `len` are exactly what `mmap` returned and no slice of the mapping
+        // outlives `self`.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
 

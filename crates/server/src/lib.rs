@@ -29,17 +29,23 @@
 //! - connections: `connections_max` [256] at once, lowered at start so that they fit under the
 //!   descriptor limit (raised to the hard limit first; one descriptor per connection plus 64
 //!   reserved); `connections_per_client_max` [32] per client (peer uid on unix sockets, peer IP
-//!   on TCP). A newcomer beyond either limit takes the place of the longest-idle *idle*
-//!   connection (of that client, for the per-client limit), else it is closed at once. Idle:
-//!   nothing in flight and nothing received for `idle_timeout` [30 s]; idle connections are not
-//!   closed while there is room, except after `idle_close_after` [never];
+//!   on TCP). A newcomer beyond either limit takes the place of an *idle* connection (of that
+//!   client, for the per-client limit); when the server is full and none is idle, of a
+//!   connection of the client holding the most if that holds at least two more than the
+//!   newcomer's (a busy one is drained: its requests in flight are answered first); else it is
+//!   closed at once (the rule and its bound: `table`). Idle: nothing in flight and nothing
+//!   received for `idle_timeout` [30 s]; idle connections are not closed while there is room,
+//!   except after `idle_close_after` [never];
 //! - memory: `bytes_in_flight_max` [256 MiB] of request and reply buffers for all connections
 //!   together — half of it split into a guaranteed share per connection, so small requests are
 //!   never starved, the rest shared by a fair-share rule, so a few connections cannot take it
 //!   all — and `connection_bytes_in_flight_max` [64 MiB] per connection (a single larger legal
 //!   request is still served alone, so nothing deadlocks); `requests_in_flight_max` [64]
 //!   requests per connection. Outside the budget: a 256 KiB read buffer per connection and an
-//!   I/O buffer of at most 256 KiB kept per worker thread;
+//!   I/O buffer of at most 256 KiB kept per worker thread (larger buffers are mapped for one
+//!   request and unmapped once it is answered, so freed memory goes back to the system); a
+//!   client that has gone (failed reply write, hung-up socket) gets none of its queued
+//!   requests executed;
 //!   With TLS, each connection also holds its TLS session (rustls' buffers, up to 64 KiB during
 //!   the handshake, and a 64 KiB ciphertext buffer), and a worker writing a reply holds the
 //!   records of at most 256 KiB of it at a time;

@@ -220,6 +220,22 @@ impl Stream {
         };
     }
 
+    /// Whether the peer has closed the connection for good (or it failed): `poll` reports
+    /// `POLLHUP` or `POLLERR` — both directions shut down, a reset, or a send to a peer that
+    /// closed. A peer that only shut down its sending side (a half-close, after which it may
+    /// still read replies) does not count. One non-blocking system call.
+    pub(crate) fn hung_up(&self) -> bool {
+        let mut poll_fd = libc::pollfd {
+            fd: self.as_raw_fd(),
+            events: 0,
+            revents: 0,
+        };
+        // SAFETY: `poll_fd` is one valid, writable `pollfd` for the duration of the call; the
+        // descriptor is kept open by `self`. A zero timeout never blocks.
+        let ready = unsafe { libc::poll(&mut poll_fd, 1, 0) };
+        ready > 0 && poll_fd.revents & (libc::POLLHUP | libc::POLLERR) != 0
+    }
+
     fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         match self {
             Stream::Unix(s) => s.set_read_timeout(t),

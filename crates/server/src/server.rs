@@ -10,7 +10,9 @@
 //! socket file: the accept thread is woken by shutting the listening socket down. At most the
 //! effective `connections_max` connections (the configured one lowered to fit the descriptor
 //! limit) and `connections_per_client_max` per client are open; a newcomer beyond a limit
-//! takes the place of the longest-idle idle connection, or is closed at once.
+//! takes the place of an idle connection, or when the server is full of busy ones, of a
+//! connection of the client holding the most if that holds two more than the newcomer's
+//! client (see [`crate::table`]); else it is closed at once.
 //!
 //! Fault model: accept errors (e.g. out of descriptors) and refusals are logged at most once
 //! per `ACCEPT_LOG_INTERVAL` with a count; after a resource error the loop pauses for
@@ -22,7 +24,7 @@ use crate::connection;
 use crate::export::ExportRegistry;
 use crate::fd_limit;
 use crate::net::{self, BindAddr, ClientKey, Listener, LocalAddr, Stream};
-use crate::table::{Activity, Table, TableLimits};
+use crate::table::{Activity, Room, Table, TableLimits};
 use crate::unix_socket::{UnixSocketFile, UnixSocketPerms};
 use lograte::Throttled;
 use std::io;
@@ -40,7 +42,8 @@ const MIB: usize = 1024 * 1024;
 const SHUTDOWN_POLL: Duration = Duration::from_millis(10);
 
 /// Limits and timeouts of a server. Memory outside `bytes_in_flight_max`: per connection a
-/// 256 KiB read buffer, per worker thread an I/O buffer kept up to 256 KiB between requests.
+/// 256 KiB read buffer, per worker thread an I/O buffer kept up to 256 KiB between requests
+/// (larger buffers are mapped per request and unmapped once answered, and are budgeted).
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Most threads serving one connection (each reads, executes and answers one request at a
@@ -69,7 +72,9 @@ pub struct ServerConfig {
     pub handshake_timeout: Duration,
     /// A connection with nothing in flight that has received nothing for this long is idle:
     /// it is closed when a newcomer needs its place (at `connections_max`, or at
-    /// `connections_per_client_max` for its client), and only then. Default 30 s.
+    /// `connections_per_client_max` for its client), and only then. When the server is full and
+    /// none is idle, a newcomer still takes the place of a connection of the client holding
+    /// the most, if that holds at least two more than the newcomer's client. Default 30 s.
     pub idle_timeout: Duration,
     /// Closes a connection idle this long even when there is room. Default `None` (never:
     /// NBD clients such as the kernel and qemu keep connections idle for hours).
@@ -158,6 +163,10 @@ pub struct ServerStats {
     pub connections_refused: u64,
     /// Idle connections closed so far to make room for new ones.
     pub connections_evicted: u64,
+    /// Connections that were not idle closed (or drained: their requests in flight answered
+    /// first) so far to make room for a client holding at least two fewer connections than
+    /// theirs, when the server was full.
+    pub connections_displaced: u64,
     /// Connections closed so far for being idle longer than `idle_close_after`.
     pub connections_idle_closed: u64,
     /// Bytes of request and reply buffers held now (the budgeted part of memory).
@@ -333,12 +342,16 @@ fn admit(stream: Stream, client: ClientKey, shared: &Arc<Shared>, logs: &mut Acc
         );
     };
     match table.make_room(client) {
-        Ok(0) => {}
-        Ok(evicted) => {
+        Ok(Room {
+            evicted: 0,
+            displaced: 0,
+        }) => {}
+        Ok(Room { evicted, displaced }) => {
             logs.evictions.log(
                 log::Level::Info,
                 format_args!(
-                    "closed {evicted} idle connection(s) to make room for one from {client}"
+                    "closed {evicted} idle connection(s) and {displaced} of a client holding \
+                     more to make room for one from {client}"
                 ),
             );
         }
@@ -478,6 +491,7 @@ fn stats_of(shared: &Shared) -> ServerStats {
         connections_max: shared.table.limits().connections_max,
         connections_refused: counters.refused.load(Ordering::Relaxed),
         connections_evicted: counters.evicted.load(Ordering::Relaxed),
+        connections_displaced: counters.displaced.load(Ordering::Relaxed),
         connections_idle_closed: counters.idle_closed.load(Ordering::Relaxed),
         bytes_in_flight: shared.budget.bytes_held(),
         bytes_in_flight_peak: shared.budget.bytes_held_peak(),

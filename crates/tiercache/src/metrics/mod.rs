@@ -348,6 +348,8 @@ pub struct ListenerSample {
     pub connections_max: u64,
     pub refused: u64,
     pub evicted: u64,
+    #[serde(default)]
+    pub displaced: u64,
     pub idle_closed: u64,
     pub bytes_in_flight: u64,
     pub workers_extra: u64,
@@ -361,6 +363,7 @@ impl ListenerSample {
             connections_max: s.connections_max as u64,
             refused: s.connections_refused,
             evicted: s.connections_evicted,
+            displaced: s.connections_displaced,
             idle_closed: s.connections_idle_closed,
             bytes_in_flight: s.bytes_in_flight as u64,
             workers_extra: s.workers_extra as u64,

@@ -553,7 +553,7 @@ impl Collector for SampleCollector {
                 (lis(&x.listener), U(get(x)))
             })?;
         }
-        let listener_counters: [Row<super::ListenerSample, u64>; 3] = [
+        let listener_counters: [Row<super::ListenerSample, u64>; 4] = [
             (
                 "tiercache_connections_refused",
                 "Connections closed on arrival (no room, or no thread).",
@@ -563,6 +563,11 @@ impl Collector for SampleCollector {
                 "tiercache_connections_evicted",
                 "Idle connections closed to make room for new ones.",
                 |l| l.evicted,
+            ),
+            (
+                "tiercache_connections_displaced",
+                "Connections (not idle) closed, or drained, to make room for a client holding at least two fewer, when the server was full.",
+                |l| l.displaced,
             ),
             (
                 "tiercache_connections_idle_closed",
@@ -612,6 +617,7 @@ mod tests {
             connections_max: 256,
             refused: 0,
             evicted: 0,
+            displaced: 0,
             idle_closed: 0,
             bytes_in_flight: 0,
             workers_extra: 0,
