@@ -754,7 +754,7 @@ pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> 
 fn open_backings(
     cfg: &ServeConfig,
     metrics: &Metrics,
-) -> Result<(Vec<(String, Arc<dyn BlockDevice>)>, Vec<Pending>)> {
+) -> Result<(Vec<Named>, Vec<Pending>)> {
     // Remote devices are tried at once, so one that does not answer delays the start by one
     // connection timeout, not one per device.
     let opened: Vec<(String, Result<Arc<dyn BlockDevice>>)> = std::thread::scope(|s| {
@@ -788,6 +788,9 @@ fn open_backings(
     }
     Ok((devices, pending))
 }
+
+/// A backing device as named for `serve`, opened.
+type Named = (String, Arc<dyn BlockDevice>);
 
 /// A backing device named for `serve` that did not answer yet: retried until it does.
 #[derive(Clone, Debug)]
@@ -943,7 +946,7 @@ fn running(source: Source, metrics: Arc<Metrics>, pending: Vec<Pending>) -> Arc<
 fn with_set(
     cfg: &ServeConfig,
     set: CacheSet,
-    backings: Vec<(String, Arc<dyn BlockDevice>)>,
+    backings: Vec<Named>,
     pending: Vec<Pending>,
     metrics: Arc<Metrics>,
 ) -> Result<Arc<Running>> {
