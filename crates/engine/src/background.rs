@@ -9,15 +9,13 @@
 
 use crate::guard::{contain, Throttled};
 use crate::policy::WritebackRate;
-use crate::set::Inner;
 use crate::space::make_space;
+use crate::state::Inner;
 use crate::writeback::{current_rate, writeback_pass, WRITEBACK_SHARE_SLEEP_MAX};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Pending journal bytes after which a writer commits at once.
-pub const JOURNAL_BUF_MAX: usize = 256 * 1024;
 const BACKGROUND_PERIOD: Duration = Duration::from_millis(50);
 const WATCHDOG_PERIOD: Duration = Duration::from_millis(100);
 /// Longest wait between writeback passes that keep failing.

@@ -119,7 +119,8 @@ fn metadata_of_a_full_cache_fits_the_budget() {
 /// slots grow on first use only).
 #[test]
 fn a_cached_4k_read_allocates_nothing() {
-    use crate::set::{format_backing, CacheSet, Config, FormatOptions};
+    use crate::set::{format_backing, CacheSet, FormatOptions};
+    use crate::state::Config;
     use crate::types::CacheMode;
     use blockdev::{BlockDevice, MemDevice};
     use std::sync::Arc;

@@ -287,9 +287,9 @@ impl CacheDev {
     }
 
     /// The cache device's cost model estimates now.
-    pub fn cost(&self) -> crate::set::DevCost {
+    pub fn cost(&self) -> crate::cost::DevCost {
         let m = self.cost.lock();
-        crate::set::DevCost {
+        crate::cost::DevCost {
             read: m.estimate(crate::cost::Op::Read),
             write: m.estimate(crate::cost::Op::Write),
         }

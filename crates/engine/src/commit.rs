@@ -20,7 +20,7 @@
 use crate::checkpoint;
 use crate::format::Layout;
 use crate::journal::{encode_record, Ring};
-use crate::set::{Backing, Inner, State};
+use crate::state::{Backing, Inner, State};
 use crate::types::{DevId, Error, IoContext, Result};
 use blockdev::BlockDevice;
 use parking_lot::MutexGuard;

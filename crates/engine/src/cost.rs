@@ -329,6 +329,13 @@ impl CostModel {
     }
 }
 
+/// A device's cost model estimates, for status.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DevCost {
+    pub read: CostEstimate,
+    pub write: CostEstimate,
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -28,7 +28,7 @@ pub const META_BLOCK: u64 = 4096;
 pub const SB_OFFSET: u64 = 4096;
 pub const BACKING_HEADER_OFFSETS: [u64; 2] = [0, 4096];
 pub const BACKING_DATA_OFFSET: u64 = 8192;
-pub const LABEL_BYTES: usize = 64;
+pub use crate::knobs::LABEL_BYTES;
 /// Most backing devices one cache set tracks.
 pub const MAX_DEVS: usize = 256;
 /// Bytes per cached block in a checkpoint body: offset in bucket (4), device (1), backing

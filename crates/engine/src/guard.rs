@@ -15,7 +15,7 @@
 //! Fault model: the panic payload is untrusted text (shown, never parsed); a panic while the
 //! failed flag itself is being set cannot happen (it is a plain mutex assignment).
 
-use crate::set::Inner;
+use crate::state::Inner;
 use crate::types::{Error, Result};
 pub use lograte::Throttled;
 use std::any::Any;

@@ -24,13 +24,12 @@
 //!   checkpoint covers every entry appended before it, pending ones too, so no entry older
 //!   than the drop (an insert of a copy now stale) is replayed after it.
 
+use crate::degraded::{Degraded, HealthReport, Uncertain};
 use crate::format::StaleCopies;
-use crate::set::Inner;
+use crate::state::{Inner, JournalState};
 use crate::types::{DevId, Result};
 use crate::units::BackingBlock;
-use parking_lot::Mutex;
-use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 impl Inner {
     /// Drops the copies of `dev` that `stale` names and makes the drop durable with a
@@ -52,112 +51,6 @@ impl Inner {
         }
         Ok(n)
     }
-}
-
-// ----- the degraded state -----
-
-/// Why and since when the set is degraded.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Degraded {
-    pub reason: String,
-    /// Seconds since the Unix epoch.
-    pub since_unix: u64,
-}
-
-/// The cache device's health as `status` shows it.
-#[derive(Clone, Debug, Default)]
-pub struct HealthReport {
-    /// `Some` while the set serves its volumes from their backing devices.
-    pub degraded: Option<Degraded>,
-    /// Cache-device failures since open (I/O errors, timeouts, checksum mismatches).
-    pub errors_total: u64,
-    /// The decayed failure count compared with `io_error_limit`.
-    pub error_count: f64,
-    pub io_error_limit: u32,
-    /// Recent cache-device latency (µs; 0: no recent sample).
-    pub read_latency_us: u64,
-    pub write_latency_us: u64,
-    /// The cache device's cost model (see `cost`).
-    pub cost: Option<crate::set::DevCost>,
-}
-
-/// The set's health: degraded or not, and the lock that orders entering the state.
-#[derive(Default)]
-pub(crate) struct Health {
-    degraded: AtomicBool,
-    info: Mutex<Option<Degraded>>,
-    /// Serializes entering and leaving the degraded state.
-    transition: Mutex<()>,
-    /// Cache-device failures the watchdog has already compared with the limit.
-    errors_seen: AtomicU64,
-}
-
-/// What a degraded set cannot serve from the backing device alone: ranges that entries not
-/// yet durable left less dirty in memory than on the cache device (a restart or re-admission
-/// could bring an older dirty copy back there, so nothing may be written over them), and
-/// devices with dirty data inserted or dropped by entries not yet durable (their flushes
-/// cannot be honoured by flushing the backing device).
-#[derive(Default, Debug)]
-pub(crate) struct Uncertain {
-    ranges: Vec<(DevId, BackingBlock, BackingBlock)>,
-    unsafe_devs: BTreeSet<DevId>,
-}
-
-impl Uncertain {
-    /// From the journal's entries that are not durable.
-    fn of(j: &crate::set::JournalState) -> Uncertain {
-        let mut u = Uncertain::default();
-        for &(_, dev, b0, b1, dropped) in &j.less_dirty {
-            u.note_less_dirty(dev, b0, b1, dropped);
-        }
-        for (&dev, &epoch) in &j.dirty_insert_epoch {
-            if epoch > j.durable_epoch {
-                u.note_dirty(dev);
-            }
-        }
-        u
-    }
-
-    pub fn note_dirty(&mut self, dev: DevId) {
-        self.unsafe_devs.insert(dev);
-    }
-
-    pub fn note_less_dirty(
-        &mut self,
-        dev: DevId,
-        b0: BackingBlock,
-        b1: BackingBlock,
-        dropped: bool,
-    ) {
-        if dropped {
-            self.unsafe_devs.insert(dev);
-        }
-        if let Some(last) = self.ranges.last_mut() {
-            if last.0 == dev && last.1 <= b1 && b0 <= last.2 {
-                last.1 = last.1.min(b0);
-                last.2 = last.2.max(b1);
-                return;
-            }
-        }
-        self.ranges.push((dev, b0, b1));
-    }
-
-    fn overlaps(&self, dev: DevId, b0: BackingBlock, b1: BackingBlock) -> bool {
-        self.ranges
-            .iter()
-            .any(|&(d, r0, r1)| d == dev && r0 < b1 && b0 < r1)
-    }
-
-    fn is_unsafe(&self, dev: DevId) -> bool {
-        self.unsafe_devs.contains(&dev)
-    }
-}
-
-/// Seconds since the Unix epoch (0 if the clock is before it).
-pub(crate) fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 impl Inner {
@@ -211,12 +104,12 @@ impl Inner {
         }
         {
             let mut st = self.state.lock();
-            st.uncertain = Some(Uncertain::of(&st.journal));
+            st.uncertain = Some(uncertain_of(&st.journal));
             self.health.degraded.store(true, Ordering::Release);
         }
         *self.health.info.lock() = Some(Degraded {
             reason,
-            since_unix: unix_now(),
+            since_unix: crate::clock::unix_now(),
         });
         self.wake_background();
     }
@@ -321,4 +214,18 @@ impl Inner {
             }
         }
     }
+}
+
+/// From the journal's entries that are not durable.
+fn uncertain_of(j: &JournalState) -> Uncertain {
+    let mut u = Uncertain::default();
+    for &(_, dev, b0, b1, dropped) in &j.less_dirty {
+        u.note_less_dirty(dev, b0, b1, dropped);
+    }
+    for (&dev, &epoch) in &j.dirty_insert_epoch {
+        if epoch > j.durable_epoch {
+            u.note_dirty(dev);
+        }
+    }
+    u
 }

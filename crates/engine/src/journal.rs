@@ -52,6 +52,9 @@ use crate::types::{DevId, Error, Result};
 use crate::units::{BackingBlock, Bucket, CacheBlock, Gen};
 use uuid::Uuid;
 
+/// Pending journal bytes after which a writer commits at once.
+pub const JOURNAL_BUF_MAX: usize = 256 * 1024;
+
 pub const JOURNAL_MAGIC: &[u8; 8] = b"TCJRNL01";
 /// Version 2: the two copies side by side. Version 1 (an earlier build of format 2) put them
 /// in two halves of the region; its records are refused by name (see `replay`).

@@ -11,8 +11,10 @@
 //! Fault model: values come from operators and config files (untrusted); labels already on a
 //! device may predate these rules and are re-checked where they are used as names.
 
-use crate::format::LABEL_BYTES;
 use crate::types::{CacheMode, Error, Result};
+
+/// Bytes a label may have (the backing header and superblock give it this much room).
+pub const LABEL_BYTES: usize = 64;
 
 pub const DEFAULT_SEQUENTIAL_CUTOFF: u64 = 4 << 20;
 pub const DEFAULT_WRITEBACK_PERCENT: u32 = 10;

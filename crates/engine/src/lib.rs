@@ -1,18 +1,22 @@
 //! `engine`: the tiercache cache set — a crash-safe cache on a fast device in front of slow
 //! backing devices.
 //!
-//! Layers inside (imports point down; a module uses only those below it, and `Inner`/`State`
-//! from `set`, the shared state every mechanism module works on):
-//! - lifecycle: `set` (format, open and recovery, attach, detach, close), `health` (stale
-//!   copies, the degraded state) and `background` (the threads);
-//! - mechanism: `io` (request paths: `io::read`, `io::write`), `writeback`, `space`
-//!   (allocation, reclaim, GC), `commit` (group commit and checkpoints);
-//! - state and its persistence: `index` (over `slots`, its lock-free readable arrays),
-//!   `alloc` (buckets, pins), `journal`, `checkpoint`, `format`, `readahead`, `rangelock`;
-//! - pure decisions: `policy` (admission, replacement order, miss fill, writeback rate),
-//!   driven alone by its tests;
-//! - leaves: `stats`, `clock`, `codec`, `bitset`, `guard`, `types`, `units` (the numbering
-//!   units: buckets, cache blocks, generations, backing blocks), `knobs`.
+//! Layers inside, bottom first; a module imports only modules below it (checked by
+//! `crates/modgraph`'s test; `cargo run -p modgraph -- crates/engine` prints the graph):
+//! - leaves: `types`, `units` (the numbering units: buckets, cache blocks, generations,
+//!   backing blocks), `clock`, `codec`, `bitset`, `cost` (the online cost model), `seq`
+//!   (stream detection), `admit`, `fillhits`, `readahead`;
+//! - pure decisions and small state: `policy` (admission, replacement order, miss fill,
+//!   writeback rate; driven alone by its tests), `knobs`, `degraded` (the degraded state's
+//!   data), `rangelock`, `slots` (lock-free readable arrays);
+//! - state and its persistence: `index`, `alloc` (buckets, pins), `cachedev` (the cache
+//!   device's timing and failures), `format`, `stats`, `journal`, `wbpool`, `checkpoint`;
+//! - `state`: the shared state every mechanism works on (`Inner`, `State`, `Backing`,
+//!   `Config`);
+//! - mechanism: `guard`, `health` (stale copies, degrading, re-admission), `space`
+//!   (allocation, reclaim, GC), `check`, `commit` (group commit, checkpoints), `writeback`,
+//!   `background` (the threads), `io` (request paths: `io::read`, `io::write`);
+//! - lifecycle: `set` (format, open and recovery, attach, detach, close).
 //!
 //! No sockets, no CLI parsing.
 //!
@@ -34,6 +38,7 @@ pub mod clock;
 mod codec;
 mod commit;
 pub mod cost;
+mod degraded;
 mod fillhits;
 pub mod format;
 pub mod guard;
@@ -49,24 +54,30 @@ mod seq;
 mod set;
 mod slots;
 mod space;
+mod state;
 pub mod stats;
 mod types;
 mod units;
+mod wbpool;
 mod writeback;
 
 pub use check::{check_device, CheckReport};
 pub use checkpoint::{load as load_metadata, Loaded};
-pub use health::{Degraded, HealthReport};
+pub use cost::DevCost;
+pub use degraded::{Degraded, HealthReport};
 pub use io::Volume;
 pub use knobs::{
     Knob, Tunables, DEFAULT_SEQUENTIAL_CUTOFF, DEFAULT_WRITEBACK_DELAY_SECS,
     DEFAULT_WRITEBACK_PERCENT,
 };
 pub use set::{
-    check_format_backing, format_backing, Backing, CacheSet, Config, DevCost, DevKnobs, DevStatus,
-    FormatOptions, MissingVolume, Occupancy, RecoveryReport, WritebackError,
-    DEFAULT_CACHE_IO_TIMEOUT_MS, DEFAULT_CONGESTED_READ_US, DEFAULT_CONGESTED_WRITE_US,
-    DEFAULT_IO_ERROR_HALFLIFE, DEFAULT_IO_ERROR_LIMIT,
+    check_format_backing, format_backing, CacheSet, FormatOptions, MissingVolume, Occupancy,
+    RecoveryReport,
+};
+pub use state::{
+    Backing, Config, DevKnobs, DevStatus, WritebackError, DEFAULT_CACHE_IO_TIMEOUT_MS,
+    DEFAULT_CONGESTED_READ_US, DEFAULT_CONGESTED_WRITE_US, DEFAULT_IO_ERROR_HALFLIFE,
+    DEFAULT_IO_ERROR_LIMIT,
 };
 pub use types::{CacheMode, DevId, Error, Result};
 

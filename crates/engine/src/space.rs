@@ -13,7 +13,7 @@
 
 use crate::alloc::WritePoint;
 use crate::journal::Entry;
-use crate::set::Inner;
+use crate::state::Inner;
 use crate::types::{DevId, Error, IoContext, Result};
 use crate::units::{BackingBlock, Bucket, CacheBlock};
 use blockdev::BlockDevice;
@@ -94,7 +94,7 @@ fn reclaim(inner: &Inner, target: usize, allow_gc: bool) -> Result<usize> {
 }
 
 /// Drops a clean bucket's entries, bumps its generation (journaled) and queues it for reuse.
-fn retire_bucket(inner: &Inner, st: &mut crate::set::State, b: Bucket) {
+fn retire_bucket(inner: &Inner, st: &mut crate::state::State, b: Bucket) {
     let dirty = st.index.drop_bucket(b);
     assert_eq!(dirty, 0, "reclaim must never drop dirty data");
     let now = inner.now_ns();
@@ -219,7 +219,7 @@ pub(crate) fn read_verified(
             .map(|i| st.index.crc(e.cache_block + i))
             .collect()
     };
-    let bad = crate::io::first_bad_block(&data, &crcs, inner.block_size());
+    let bad = first_bad_block(&data, &crcs, inner.block_size());
     match bad {
         None => Ok(Some(data)),
         Some(i) if e.dirty => Err(Error::DataCorrupt(format!(
@@ -237,4 +237,14 @@ pub(crate) fn read_verified(
             Ok(None)
         }
     }
+}
+
+/// The first block of `data` (whole blocks of `bs` bytes) whose crc32c is not its entry in
+/// `crcs`. Call it with no lock held.
+pub(crate) fn first_bad_block(data: &[u8], crcs: &[u32], bs: u64) -> Option<u32> {
+    debug_assert_eq!(data.len() as u64, crcs.len() as u64 * bs);
+    data.chunks_exact(bs as usize)
+        .zip(crcs)
+        .position(|(d, &c)| crc32c::crc32c(d) != c)
+        .map(|i| i as u32)
 }

@@ -26,11 +26,11 @@
 use crate::guard::Throttled;
 use crate::journal::Entry;
 use crate::policy::{writeback_rate, WritebackDecision, WritebackInputs, WritebackRate};
-use crate::set::Inner;
 use crate::space::read_verified;
+use crate::state::Inner;
 use crate::stats::Counters;
 use crate::types::{DevId, Error, IoContext, Result};
-use crate::units::{BackingBlock, Bucket, CacheBlock};
+use crate::units::{BackingBlock, CacheBlock};
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -45,68 +45,6 @@ const WRITEBACK_RUN_BYTES: u64 = 1 << 20;
 const WRITEBACK_SHARE_BYTES: u64 = 64 << 10;
 /// Longest single sleep while paying off a shared batch, so a change of rate is seen soon.
 pub(crate) const WRITEBACK_SHARE_SLEEP_MAX: Duration = Duration::from_millis(100);
-
-/// Dirty blocks collected for writeback, sorted by backing position: a pass takes the next
-/// ones in that order (an elevator sweep over what the pool holds), and an exhausted pool is
-/// refilled from the buckets holding dirty data, in cache order from where the last refill
-/// stopped, and swept from where the previous sweep ended (one direction, wrapping once, as
-/// C-SCAN does), so a refill does not send the head back to the start of the disk. So a pass
-/// costs what it writes back plus, once per `WRITEBACK_POOL_BLOCKS` blocks, a refill that
-/// visits only dirty buckets: never a scan of the whole cache.
-#[derive(Default)]
-pub(crate) struct WritebackPool {
-    pool: Vec<(DevId, BackingBlock, crate::index::Extent)>,
-    pos: usize,
-    cursor: Bucket,
-    /// Where the last block taken ended (the sweep goes on from there).
-    head: Option<(DevId, BackingBlock)>,
-}
-
-/// Most dirty blocks one refill of the writeback pool collects (bounded work under the state
-/// lock, bounded memory: 16K runs at most).
-const WRITEBACK_POOL_BLOCKS: u64 = 16 * 1024;
-
-impl WritebackPool {
-    /// The next runs of at most `budget` blocks in all, of device `only` if given and of
-    /// devices `wanted` accepts, that are still dirty where the pool found them.
-    pub fn next_batch(
-        &mut self,
-        index: &crate::index::Index,
-        budget: u64,
-        only: Option<DevId>,
-        wanted: impl Fn(DevId) -> bool,
-    ) -> Vec<(DevId, BackingBlock, crate::index::Extent)> {
-        let mut out = Vec::new();
-        let mut taken = 0u64;
-        let mut refilled = false;
-        loop {
-            while self.pos < self.pool.len() && taken < budget {
-                let (d, s, e) = self.pool[self.pos];
-                self.pos += 1;
-                if only.is_some_and(|o| o != d)
-                    || !wanted(d)
-                    || !index.dirty_at(d, s, e.len, e.cache_block)
-                {
-                    continue;
-                }
-                out.push((d, s, e));
-                self.head = Some((d, s + u64::from(e.len)));
-                taken += u64::from(e.len);
-            }
-            if taken >= budget || refilled {
-                return out;
-            }
-            self.pool = index.dirty_runs(&mut self.cursor, WRITEBACK_POOL_BLOCKS, only);
-            self.pool.sort_unstable_by_key(|(d, s, _)| (*d, *s));
-            if let Some(head) = self.head {
-                let ahead = self.pool.partition_point(|(d, s, _)| (*d, *s) < head);
-                self.pool.rotate_left(ahead);
-            }
-            self.pos = 0;
-            refilled = true;
-        }
-    }
-}
 
 /// Cache blocks whose buckets a writeback pass pinned; unpinned when dropped.
 struct Pins<'a>(Vec<CacheBlock>, &'a Inner);
@@ -129,7 +67,7 @@ pub fn writeback_batch(inner: &Inner, force: bool, only: Option<DevId>) -> Resul
 }
 
 /// The policy's inputs for one device now.
-fn inputs(inner: &Inner, st: &crate::set::State, b: &crate::set::Backing) -> WritebackInputs {
+fn inputs(inner: &Inner, st: &crate::state::State, b: &crate::state::Backing) -> WritebackInputs {
     let now = inner.now_ns();
     WritebackInputs {
         running: b.writeback_running.load(Ordering::Relaxed),
@@ -156,8 +94,8 @@ fn inputs(inner: &Inner, st: &crate::set::State, b: &crate::set::Backing) -> Wri
 /// and the writeback thread's pacing only read it).
 fn device_rates(
     inner: &Inner,
-    st: &crate::set::State,
-    backings: &[Arc<crate::set::Backing>],
+    st: &crate::state::State,
+    backings: &[Arc<crate::state::Backing>],
     force: bool,
     step: bool,
     only: Option<DevId>,
@@ -181,8 +119,8 @@ fn device_rates(
 /// controller to now.
 fn device_decision(
     inner: &Inner,
-    st: &crate::set::State,
-    b: &crate::set::Backing,
+    st: &crate::state::State,
+    b: &crate::state::Backing,
     step: bool,
 ) -> WritebackDecision {
     let i = inputs(inner, st, b);
@@ -204,7 +142,7 @@ fn strongest(rates: &[(DevId, WritebackRate)]) -> WritebackRate {
 
 /// The writeback decision that applies to one device now, with its controller terms (for
 /// its status; it does not step the controller).
-pub(crate) fn device_rate(inner: &Inner, b: &crate::set::Backing) -> WritebackDecision {
+pub(crate) fn device_rate(inner: &Inner, b: &crate::state::Backing) -> WritebackDecision {
     let st = inner.state.lock();
     device_decision(inner, &st, b, false)
 }
@@ -483,7 +421,7 @@ fn plan_runs(
     runs
 }
 
-fn write_backing(b: &crate::set::Backing, at: u64, buf: &[u8]) -> Result<()> {
+fn write_backing(b: &crate::state::Backing, at: u64, buf: &[u8]) -> Result<()> {
     let abs = b.data_offset() + at;
     let r = b
         .timed(crate::cost::Op::Write, abs, buf.len() as u64, |d| {
@@ -546,41 +484,7 @@ pub fn drain_dirty(inner: &Inner, dev: DevId, progress: &mut dyn FnMut(u64, u64)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::{Extent, Index};
-
-    #[test]
-    fn a_refilled_pool_sweeps_on_from_where_the_last_sweep_ended() {
-        // 16 buckets of 4 blocks; dirty blocks scattered over the backing device, in a cache
-        // order unlike their backing order.
-        let mut ix = Index::new(16, 4);
-        let d = DevId(0);
-        let at = [900u64, 100, 500, 300, 700, 200, 800, 400];
-        for (i, &b) in at.iter().enumerate() {
-            let ext = Extent {
-                len: 1,
-                cache_block: CacheBlock(i as u32 * 4),
-                dirty: true,
-            };
-            ix.insert(d, BackingBlock(b), ext, &[0]);
-        }
-        let mut pool = WritebackPool::default();
-        let blocks = |v: Vec<(DevId, BackingBlock, Extent)>| -> Vec<u64> {
-            v.iter().map(|x| x.1 .0).collect()
-        };
-        // The first pool sweeps up from the lowest block.
-        assert_eq!(
-            blocks(pool.next_batch(&ix, 3, None, |_| true)),
-            [100, 200, 300]
-        );
-        // The pool used up with the sweep ended at 501: the refill (the same blocks, still
-        // dirty) sweeps on from there and wraps to the start once.
-        pool.pos = pool.pool.len();
-        pool.head = Some((d, BackingBlock(501)));
-        assert_eq!(
-            blocks(pool.next_batch(&ix, 8, None, |_| true)),
-            [700, 800, 900, 100, 200, 300, 400, 500]
-        );
-    }
+    use crate::index::Extent;
 
     #[test]
     fn runs_join_neighbours_and_bridge_only_what_the_bridge_allows_up_to_the_bound() {

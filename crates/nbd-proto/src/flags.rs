@@ -126,7 +126,7 @@ impl BlockSize {
             && self.preferred >= 512
             && self.min <= self.preferred
             && self.min <= self.max
-            && self.max % self.min == 0
+            && self.max.is_multiple_of(self.min)
     }
 }
 

@@ -308,7 +308,7 @@ fn decode_chunk(kind: u16, payload: &[u8]) -> Result<Chunk, ProtoError> {
         }
         wire::REPLY_TYPE_BLOCK_STATUS => {
             let context_id = r.u32().ok_or(ProtoError::Malformed("short BLOCK_STATUS"))?;
-            if r.remaining() == 0 || r.remaining() % 8 != 0 {
+            if r.remaining() == 0 || !r.remaining().is_multiple_of(8) {
                 return Err(ProtoError::Malformed("BLOCK_STATUS length not 4 + 8n"));
             }
             let mut extents = Vec::with_capacity(r.remaining() / 8);

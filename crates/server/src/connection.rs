@@ -67,9 +67,9 @@
 //! permits released.
 
 use crate::budget::{Account, Permit};
+use crate::config::Shared;
 use crate::export::Lease;
 use crate::net::{Deadlined, Stream};
-use crate::server::Shared;
 use crate::table::{Activity, InFlight};
 use crate::transport::{Incoming, Outgoing};
 use crate::Export;

@@ -64,6 +64,7 @@
 //! rate. Export I/O errors become error replies mapped by `nbd_proto::NbdErrno::from_io_error`.
 
 mod budget;
+mod config;
 mod connection;
 mod export;
 mod fd_limit;
@@ -73,11 +74,12 @@ mod table;
 mod transport;
 mod unix_socket;
 
+pub use config::ServerConfig;
 pub use export::{Detached, Export, ExportRegistry};
 pub use nbd_proto::ValidRequest;
 pub use nbd_tls::ServerTls;
-pub use net::{peer_cred, tcp_exposure_warning, BindAddr, LocalAddr};
-pub use server::{start, ServerConfig, ServerHandle, ServerStats, StatsView, TlsConfig};
+pub use net::{peer_cred, tcp_exposure_warning, BindAddr, LocalAddr, TlsConfig};
+pub use server::{start, ServerHandle, ServerStats, StatsView};
 pub use unix_socket::{
     bind_unix, check_unix_path, UnixSocketFile, UnixSocketPerms, SOCKET_MODE_DEFAULT,
 };

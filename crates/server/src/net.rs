@@ -52,9 +52,21 @@ impl LocalAddr {
     }
 }
 
+/// How a server offers TLS.
+#[derive(Debug, Clone)]
+pub struct TlsConfig {
+    /// The server's certificate and key, and the CA client certificates must chain to if it
+    /// verifies them.
+    pub credentials: nbd_tls::ServerTls,
+    /// Refuse every option but `NBD_OPT_STARTTLS` and `NBD_OPT_ABORT` until the client has
+    /// upgraded (`NBD_REP_ERR_TLS_REQD`; the spec's FORCEDTLS). Otherwise clients may upgrade
+    /// or stay in clear (SELECTIVETLS without TLS-only exports).
+    pub required: bool,
+}
+
 /// The warning to log when serving TCP on `addr` with `tls`, or `None` for a loopback address
 /// or when TLS is required and client certificates are verified.
-pub fn tcp_exposure_warning(addr: &SocketAddr, tls: Option<&crate::TlsConfig>) -> Option<String> {
+pub fn tcp_exposure_warning(addr: &SocketAddr, tls: Option<&TlsConfig>) -> Option<String> {
     let ip = addr.ip().to_canonical();
     if ip.is_loopback() {
         return None;
@@ -423,7 +435,7 @@ mod tests {
             .unwrap()
         };
         let addr: SocketAddr = "0.0.0.0:10809".parse().unwrap();
-        let tls = |verify, required| crate::TlsConfig {
+        let tls = |verify, required| TlsConfig {
             credentials: load(verify),
             required,
         };

@@ -55,14 +55,37 @@ pub trait Control: Send + Sync + 'static {
     /// Everything the server measures (`crate::metrics::Sample`), for `metrics`.
     fn metrics(&self) -> Result<Value>;
     /// Backing devices named at start that have not answered yet.
-    fn pending(&self) -> Vec<crate::serve::Pending> {
+    fn pending(&self) -> Vec<Pending> {
         Vec::new()
+    }
+}
+
+/// A backing device named for `serve` that did not answer yet: retried until it does.
+#[derive(Clone, Debug)]
+pub struct Pending {
+    pub spec: String,
+    /// Why the last try failed.
+    pub error: String,
+    /// Since when (seconds since the Unix epoch).
+    pub since_unix: u64,
+}
+
+impl Pending {
+    pub fn new(spec: String, error: String) -> Pending {
+        let since_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Pending {
+            spec,
+            error,
+            since_unix,
+        }
     }
 }
 
 /// The backing devices the set knows but does not have (`missing`), and those named at start
 /// that have not answered yet (`pending`), for `status`.
-fn missing_json(set: &CacheSet, pending: &[crate::serve::Pending]) -> (Value, Value) {
+fn missing_json(set: &CacheSet, pending: &[Pending]) -> (Value, Value) {
     let missing = set
         .missing()
         .iter()

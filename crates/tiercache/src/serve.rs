@@ -23,7 +23,7 @@
 //! it), every backing device is served directly instead (see `without_cache` for what makes
 //! that safe); admin commands that need the cache set then fail with a message saying why.
 
-use crate::admin::{self, Control};
+use crate::admin::{self, Control, Pending};
 use crate::devices::Access;
 use crate::export::VolumeExport;
 use crate::metrics::{http::MetricsServer, Metrics};
@@ -554,7 +554,12 @@ fn listen_all(
             .collect(),
     );
     // Before the admin socket appears, so the address is known once it does.
-    let metrics_http = match crate::metrics::start_http(cfg.metrics.as_deref(), running) {
+    let sampled = running.clone();
+    let metrics_http = match crate::metrics::start_http(
+        cfg.metrics.as_deref(),
+        &running.metrics,
+        Arc::new(move || sampled.sample()),
+    ) {
         Ok(m) => m,
         Err(e) => {
             handles.into_iter().for_each(server::ServerHandle::shutdown);
@@ -751,10 +756,7 @@ pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> 
 /// Opens the backing devices named in `cfg`, as `(spec, device)`. A remote (NBD) device that
 /// does not answer is left pending, to be attached when it does; any other failure stops the
 /// start.
-fn open_backings(
-    cfg: &ServeConfig,
-    metrics: &Metrics,
-) -> Result<(Vec<Named>, Vec<Pending>)> {
+fn open_backings(cfg: &ServeConfig, metrics: &Metrics) -> Result<(Vec<Named>, Vec<Pending>)> {
     // Remote devices are tried at once, so one that does not answer delays the start by one
     // connection timeout, not one per device.
     let opened: Vec<(String, Result<Arc<dyn BlockDevice>>)> = std::thread::scope(|s| {
@@ -791,29 +793,6 @@ fn open_backings(
 
 /// A backing device as named for `serve`, opened.
 type Named = (String, Arc<dyn BlockDevice>);
-
-/// A backing device named for `serve` that did not answer yet: retried until it does.
-#[derive(Clone, Debug)]
-pub struct Pending {
-    pub spec: String,
-    /// Why the last try failed.
-    pub error: String,
-    /// Since when (seconds since the Unix epoch).
-    pub since_unix: u64,
-}
-
-impl Pending {
-    fn new(spec: String, error: String) -> Pending {
-        let since_unix = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        Pending {
-            spec,
-            error,
-            since_unix,
-        }
-    }
-}
 
 /// Longest wait between two tries of a pending backing device.
 const PENDING_RETRY_MAX: Duration = Duration::from_secs(30);

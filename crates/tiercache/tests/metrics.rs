@@ -471,7 +471,7 @@ fn a_metrics_port_in_use_stops_the_start() {
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
-        err.contains(&format!("binding the metrics address 127.0.0.1:{port}")),
+        err.contains(&format!("metrics on 127.0.0.1:{port}")) && err.contains("in use"),
         "{err}"
     );
     // A bad address is refused before any device is opened.

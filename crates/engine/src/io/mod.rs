@@ -20,11 +20,10 @@ mod read;
 mod write;
 
 use crate::policy::WriteRoute as Route;
-pub(crate) use read::first_bad_block;
 
 use crate::knobs::Knob;
 use crate::policy::is_sequential_bypass;
-use crate::set::{Backing, DevKnobs, DevStatus, Inner};
+use crate::state::{Backing, DevKnobs, DevStatus, Inner};
 use crate::stats::Counters;
 use crate::types::{CacheMode, Error, IoContext, Result};
 use crate::units::BackingBlock;
@@ -165,7 +164,7 @@ impl Volume {
         crate::guard::contain(&self.inner, "resize", || {
             let b = &self.backing;
             let old = self.size_bytes();
-            let new = crate::set::grown_data_size(&*b.dev, old)?;
+            let new = crate::state::grown_data_size(&*b.dev, old)?;
             if new == old {
                 return Ok(old);
             }

@@ -24,7 +24,7 @@ use crate::alloc::WritePoint;
 use crate::cachedev::Kind;
 use crate::index::{Seg, Segs};
 use crate::readahead;
-use crate::set::Promotion;
+use crate::state::Promotion;
 use crate::stats::Counters;
 use crate::types::{CacheMode, Error, Result};
 use crate::units::BackingBlock;
@@ -61,16 +61,6 @@ type Crcs = smallvec::SmallVec<[u32; 16]>;
 /// The miss fill around a request `[b0, b1)`: the ranges `[p0, b0)` before it and `[b1, s1)`
 /// after it, as `((p0, b0), (b1, s1))`.
 type BlockRanges = ((BackingBlock, BackingBlock), (BackingBlock, BackingBlock));
-
-/// The first block of `data` (whole blocks of `bs` bytes) whose crc32c is not its entry in
-/// `crcs`. Call it with no lock held.
-pub(crate) fn first_bad_block(data: &[u8], crcs: &[u32], bs: u64) -> Option<u32> {
-    debug_assert_eq!(data.len() as u64, crcs.len() as u64 * bs);
-    data.chunks_exact(bs as usize)
-        .zip(crcs)
-        .position(|(d, &c)| crc32c::crc32c(d) != c)
-        .map(|i| i as u32)
-}
 
 /// How a read treats the cache.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -626,7 +616,7 @@ impl Volume {
             self.drop_copy(block, e);
             return Ok(false);
         }
-        let Some(i) = first_bad_block(out, crcs, inner.block_size()) else {
+        let Some(i) = crate::space::first_bad_block(out, crcs, inner.block_size()) else {
             return Ok(true);
         };
         let what = format!(

@@ -84,7 +84,7 @@ impl Volume {
             drop(st);
             drop(grant);
             done += u64::from(n);
-            if pending > crate::background::JOURNAL_BUF_MAX {
+            if pending > crate::journal::JOURNAL_BUF_MAX {
                 inner.commit_to(u64::MAX)?;
             }
         }

@@ -565,7 +565,7 @@ impl GateExport {
     }
 
     fn check_aligned(&self, ptr: *const u8, len: usize) {
-        if len >= 4096 && ptr as usize % 4096 != 0 {
+        if len >= 4096 && !(ptr as usize).is_multiple_of(4096) {
             self.misaligned.store(true, Ordering::SeqCst);
         }
     }

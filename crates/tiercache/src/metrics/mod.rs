@@ -34,21 +34,21 @@ use std::time::Instant;
 use uuid::Uuid;
 use volume::{SeriesSample, VolumeMetrics};
 
-/// Serves `/metrics` on `addr` (`serve --metrics`; none without it) from `running`'s
-/// samples, and records where for the admin request `metrics`.
+/// Serves `/metrics` on `addr` (`serve --metrics`; none without it) from the samples
+/// `sample` takes, and records in `metrics` where, for the admin request `metrics`.
 pub fn start_http(
     addr: Option<&str>,
-    running: &Arc<crate::serve::Running>,
+    metrics: &Metrics,
+    sample: Arc<dyn Fn() -> Sample + Send + Sync>,
 ) -> anyhow::Result<Option<http::MetricsServer>> {
     let Some(addr) = addr else {
         return Ok(None);
     };
-    let r = running.clone();
     let srv = http::MetricsServer::start(
         http::parse_addr(addr)?,
-        Arc::new(move |format| prom::render(&r.sample(), format)),
+        Arc::new(move |format| prom::render(&sample(), format)),
     )?;
-    running.metrics.set_http_addr(srv.addr());
+    metrics.set_http_addr(srv.addr());
     log::info!("metrics at http://{}/metrics", srv.addr());
     Ok(Some(srv))
 }
