@@ -36,6 +36,8 @@ mod commit;
 pub mod cost;
 mod fillhits;
 pub mod format;
+/// Fuzz entry points for the on-disk decoders (`fuzz/`, `tests/no_panic.rs`).
+pub mod fuzzing;
 pub mod guard;
 mod health;
 mod index;
