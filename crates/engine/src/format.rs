@@ -543,7 +543,10 @@ impl BackingHeader {
             None => StaleCopies::None,
             Some(c) => StaleCopies::from_code(c).ok_or(format!("unknown stale-copies code {c}"))?,
         };
-        if data_offset != BACKING_DATA_OFFSET || data_size % 512 != 0 {
+        if data_offset != BACKING_DATA_OFFSET
+            || data_size % 512 != 0
+            || data_offset.checked_add(data_size).is_none()
+        {
             return Err(format!("bad data offset {data_offset} or size {data_size}"));
         }
         Ok(BackingHeader {
@@ -587,7 +590,11 @@ impl BackingHeader {
             }
         }
         match best {
-            Some(h) if h.data_offset + h.data_size > dev.size_bytes() => {
+            Some(h)
+                if h.data_offset
+                    .checked_add(h.data_size)
+                    .is_none_or(|end| end > dev.size_bytes()) =>
+            {
                 Err(Error::Corrupt(format!(
                     "backing header says {} data bytes but the device has {}",
                     h.data_size,
@@ -723,6 +730,29 @@ mod tests {
             };
             assert!(Superblock::decode(&sb.encode()).is_err());
         }
+    }
+
+    /// A backing header whose data end overflows a `u64` (found by fuzzing
+    /// `engine_backing_header`): refused, not a panic (debug) or a wrapped sum that passes the
+    /// size check (release) and serves a device of 2^64 bytes.
+    #[test]
+    fn backing_header_with_wrapping_data_end_is_refused() {
+        let dev = MemDevice::new(1 << 20);
+        let mut h = BackingHeader {
+            seq: 0,
+            dev_uuid: Uuid::new_v4(),
+            set_uuid: Uuid::nil(),
+            data_offset: BACKING_DATA_OFFSET,
+            data_size: u64::MAX - 511,
+            mode: CacheMode::Writeback,
+            state: BackingState::Clean,
+            label: String::new(),
+            tunables: Tunables::default(),
+            stale: StaleCopies::None,
+        };
+        assert!(BackingHeader::decode(&h.encode()).is_err());
+        h.write(&dev).unwrap();
+        assert!(BackingHeader::read(&dev).is_err());
     }
 
     #[test]

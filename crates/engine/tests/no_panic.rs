@@ -109,3 +109,16 @@ fn regression_checkpoint_device_id_out_of_range() {
     input.extend_from_slice(&seed[3 + split..]);
     fuzzing::checkpoint(&input);
 }
+
+/// Found by cargo fuzz on `engine_backing_header`: a framed header claiming nearly 2^64 data
+/// bytes (`BackingHeader::read` added the data offset unchecked).
+#[test]
+fn regression_backing_header_data_end_overflow() {
+    let input = hex(concat!(
+        "06a0a0a0a0a0a0a0a0a0a0a0a0a0a0a0a05e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e002000000000000000",
+        "e0ffffffffffff00000000000000000000e0ffffffffffff000000000000000000000000000000000000",
+        "000000000000000000000000000000000000000000000000000000000000000000000000000000000000",
+        "00000000000000000000000000",
+    ));
+    fuzzing::backing_header(&input);
+}
