@@ -793,22 +793,18 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
                 // A fourth record after the three of the base image.
                 patch(5, 3 + 8 * 2, &b.records[1]),
                 // Copy 0 of the last record damaged: copy 1 is used.
-                patch(0, (l_journal_byte(b, 0) + 100) as u16, &[0xff]),
+                patch(0, raw_where(b.layout.journal_off + 100), &[0xff]),
                 // A byte of the checkpoint header changed behind a valid checksum.
-                patch(
-                    1,
-                    ((b.layout.ckpt_offsets[1] + 32 + 16) / 4) as u16,
-                    &[0x07],
-                ),
+                patch(1, raw_where(b.layout.ckpt_offsets[1] + 32 + 16), &[0x07]),
             ]
         }
         _ => Vec::new(),
     }
 }
 
-/// The `where` of a raw patch (op 0) at byte `offset` of the journal region.
-fn l_journal_byte(b: &Base, offset: u64) -> u64 {
-    (b.layout.journal_off + offset) / 4
+/// The `where` of a raw patch (`recovery` op 0 or 1) at byte `offset` of the device.
+fn raw_where(offset: u64) -> u16 {
+    (offset / 4) as u16
 }
 
 #[cfg(test)]
