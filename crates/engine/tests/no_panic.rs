@@ -33,7 +33,7 @@ fn tail() -> impl Strategy<Value = Vec<u8>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1000))]
+    #![proptest_config(ProptestConfig::with_cases(2000))]
 
     #[test]
     fn decoders_never_panic_on_noise(data in noise()) {
