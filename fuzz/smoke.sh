@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Runs every nbd-proto fuzz target for a few seconds (default 10; FUZZ_SECONDS overrides).
-# Uses cargo-fuzz (libFuzzer, coverage-guided) when it works on this toolchain, through
+# Runs every fuzz target for a few seconds: the nbd-proto targets FUZZ_SECONDS each (default
+# 10), the engine's on-disk decoder targets ENGINE_FUZZ_SECONDS each (default 5). Uses
+# cargo-fuzz (libFuzzer, coverage-guided) when it works on this toolchain, through
 # RUSTC_BOOTSTRAP=1 on stable; otherwise, or with FUZZ_FALLBACK=1, the stable fallback runner
 # that feeds random inputs to the same entry points. Exits non-zero on any crash.
 set -euo pipefail
 cd "$(dirname "$0")"
 seconds="${FUZZ_SECONDS:-10}"
-targets=(server_handshake client_handshake request_decoder reply_decoder)
+engine_seconds="${ENGINE_FUZZ_SECONDS:-5}"
+targets=(server_handshake client_handshake request_decoder reply_decoder
+    engine_superblock engine_backing_header engine_checkpoint engine_journal engine_recovery)
+# Seconds and max input length of a target.
+budget() { if [[ $1 == engine_* ]]; then echo "$engine_seconds"; else echo "$seconds"; fi; }
+max_len() { if [[ $1 == engine_* ]]; then echo 16384; else echo 4096; fi; }
 
 use_cargo_fuzz=0
 if [[ "${FUZZ_FALLBACK:-0}" != 1 ]] && cargo fuzz --version >/dev/null 2>&1; then
@@ -21,16 +27,19 @@ fi
 
 if [[ $use_cargo_fuzz == 1 ]]; then
     for t in "${targets[@]}"; do
-        echo "== cargo fuzz run $t (${seconds}s)"
+        echo "== cargo fuzz run $t ($(budget "$t")s)"
         mkdir -p "corpus/$t"
-        RUSTC_BOOTSTRAP=1 cargo fuzz run -O "$t" "corpus/$t" -- \
-            -max_total_time="$seconds" -max_len=4096 -print_final_stats=1 2>&1 | tail -n 5
+        # New inputs go to corpus/ (not tracked); seeds/ holds the tracked starting points.
+        dirs=("corpus/$t")
+        [[ -d "seeds/$t" ]] && dirs+=("seeds/$t")
+        RUSTC_BOOTSTRAP=1 cargo fuzz run -O "$t" "${dirs[@]}" -- \
+            -max_total_time="$(budget "$t")" -max_len="$(max_len "$t")" -print_final_stats=1 2>&1 | tail -n 5
     done
 else
     cargo build --release --bin fallback
     for t in "${targets[@]}"; do
-        echo "== fallback $t (${seconds}s)"
-        ./target/release/fallback "$t" "$seconds"
+        echo "== fallback $t ($(budget "$t")s)"
+        ./target/release/fallback "$t" "$(budget "$t")"
     done
 fi
 echo "fuzz smoke: all targets ran without a crash"

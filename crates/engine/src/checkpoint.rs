@@ -232,6 +232,13 @@ pub fn load(cache: &dyn BlockDevice) -> Result<Loaded> {
     let mut devs = BTreeMap::new();
     for _ in 0..ndevs {
         let d = DevId(r.u32().ok_or_else(short)?);
+        if d.0 >= MAX_DEVS as u32 {
+            return Err(corrupt(format!(
+                "{}: device id {} out of range",
+                where_(),
+                d.0
+            )));
+        }
         devs.insert(d, Uuid::from_bytes(r.array().ok_or_else(short)?));
     }
     let mut gens: Vec<Gen> = (r.take(nbuckets as usize).ok_or_else(short)?.iter())
@@ -296,7 +303,7 @@ pub fn load(cache: &dyn BlockDevice) -> Result<Loaded> {
 }
 
 /// Applies one body chunk: live buckets with their generation and blocks.
-fn load_chunk(
+pub(crate) fn load_chunk(
     l: &Layout,
     payload: &[u8],
     devs: &BTreeMap<DevId, Uuid>,

@@ -196,14 +196,28 @@ impl Layout {
         if !aligned || self.sb_offsets[0] != SB_OFFSET {
             return bad("misaligned region");
         }
-        let data_end = self.data_off + u64::from(self.nbuckets) * u64::from(self.bucket_size);
+        // Region ends in checked arithmetic: every field comes from disk, and a sum that
+        // wrapped would pass the comparisons below with a region past the end of the device.
+        let ends = (|| {
+            Some([
+                self.ckpt_offsets[0].checked_add(self.ckpt_len)?,
+                self.ckpt_offsets[1].checked_add(self.ckpt_len)?,
+                self.journal_off.checked_add(self.journal_len)?,
+                self.data_off
+                    .checked_add(u64::from(self.nbuckets) * u64::from(self.bucket_size))?,
+                self.sb_offsets[1].checked_add(META_BLOCK)?,
+            ])
+        })();
+        let Some([ckpt0_end, ckpt1_end, journal_end, data_end, sb1_end]) = ends else {
+            return bad("regions overlap or exceed the device");
+        };
         let ordered = SB_OFFSET + META_BLOCK <= self.ckpt_offsets[0]
-            && self.ckpt_offsets[0] + self.ckpt_len <= self.ckpt_offsets[1]
-            && self.ckpt_offsets[1] + self.ckpt_len <= self.journal_off
-            && self.journal_off + self.journal_len <= self.data_off
+            && ckpt0_end <= self.ckpt_offsets[1]
+            && ckpt1_end <= self.journal_off
+            && journal_end <= self.data_off
             && self.data_off.is_multiple_of(u64::from(self.block_size))
             && data_end <= self.sb_offsets[1]
-            && self.sb_offsets[1] + META_BLOCK <= self.device_size;
+            && sb1_end <= self.device_size;
         if !ordered
             || self.journal_len < 16 * META_BLOCK
             || !self.journal_len.is_multiple_of(2 * META_BLOCK)
@@ -529,7 +543,10 @@ impl BackingHeader {
             None => StaleCopies::None,
             Some(c) => StaleCopies::from_code(c).ok_or(format!("unknown stale-copies code {c}"))?,
         };
-        if data_offset != BACKING_DATA_OFFSET || data_size % 512 != 0 {
+        if data_offset != BACKING_DATA_OFFSET
+            || data_size % 512 != 0
+            || data_offset.checked_add(data_size).is_none()
+        {
             return Err(format!("bad data offset {data_offset} or size {data_size}"));
         }
         Ok(BackingHeader {
@@ -573,7 +590,11 @@ impl BackingHeader {
             }
         }
         match best {
-            Some(h) if h.data_offset + h.data_size > dev.size_bytes() => {
+            Some(h)
+                if h.data_offset
+                    .checked_add(h.data_size)
+                    .is_none_or(|end| end > dev.size_bytes()) =>
+            {
                 Err(Error::Corrupt(format!(
                     "backing header says {} data bytes but the device has {}",
                     h.data_size,
@@ -679,6 +700,59 @@ mod tests {
         let (got, notes) = Superblock::read(&dev).unwrap();
         assert_eq!(got, sb);
         assert_eq!(notes.len(), 1);
+    }
+
+    /// Region ends that overflow a `u64` (found by fuzzing `engine_superblock`): refused, not
+    /// a panic (debug) or a wrapped sum that passes the checks and lets `checkpoint::load`
+    /// allocate the wrapped length (release).
+    #[test]
+    fn layout_with_wrapping_region_ends_is_refused() {
+        let good = Layout::compute(32 << 20, 4096, 64 * 1024).unwrap();
+        let mut data = good.clone();
+        data.data_off = u64::MAX - 4095;
+        let mut journal = good.clone();
+        journal.journal_len = 0u64.wrapping_sub(round_up(journal.journal_off, 2 * META_BLOCK));
+        let mut ckpt = good.clone();
+        ckpt.ckpt_len = 0u64.wrapping_sub(ckpt.ckpt_offsets[1]);
+        let mut sb1 = good.clone();
+        sb1.sb_offsets[1] = u64::MAX - 4095;
+        for bad in [data, journal, ckpt, sb1] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+            let sb = Superblock {
+                seq: 1,
+                set_uuid: Uuid::nil(),
+                dev_uuid: Uuid::nil(),
+                layout: bad,
+                ckpt_slot: 0,
+                ckpt_seq: 1,
+                created_unix: 0,
+                label: String::new(),
+            };
+            assert!(Superblock::decode(&sb.encode()).is_err());
+        }
+    }
+
+    /// A backing header whose data end overflows a `u64` (found by fuzzing
+    /// `engine_backing_header`): refused, not a panic (debug) or a wrapped sum that passes the
+    /// size check (release) and serves a device of 2^64 bytes.
+    #[test]
+    fn backing_header_with_wrapping_data_end_is_refused() {
+        let dev = MemDevice::new(1 << 20);
+        let mut h = BackingHeader {
+            seq: 0,
+            dev_uuid: Uuid::new_v4(),
+            set_uuid: Uuid::nil(),
+            data_offset: BACKING_DATA_OFFSET,
+            data_size: u64::MAX - 511,
+            mode: CacheMode::Writeback,
+            state: BackingState::Clean,
+            label: String::new(),
+            tunables: Tunables::default(),
+            stale: StaleCopies::None,
+        };
+        assert!(BackingHeader::decode(&h.encode()).is_err());
+        h.write(&dev).unwrap();
+        assert!(BackingHeader::read(&dev).is_err());
     }
 
     #[test]

@@ -41,6 +41,8 @@ pub mod cost;
 mod degraded;
 mod fillhits;
 pub mod format;
+/// Fuzz entry points for the on-disk decoders (`fuzz/`, `tests/no_panic.rs`).
+pub mod fuzzing;
 pub mod guard;
 mod health;
 mod index;

@@ -1,9 +1,12 @@
 //! Stable-toolchain fallback for the fuzz targets: feeds random and mutated inputs to the same
-//! `nbd_proto::fuzzing` entry points for a time budget. Not coverage-guided; it exists so that
-//! CI exercises every decoder even where libFuzzer cannot be built.
+//! `nbd_proto::fuzzing` and `engine::fuzzing` entry points for a time budget. Not
+//! coverage-guided; it exists so that CI exercises every decoder even where libFuzzer cannot
+//! be built.
 //!
 //! Usage: fallback TARGET SECONDS [SEED]. Prints the seed; a panic aborts with a non-zero exit
 //! and the input is printed in hex for a regression test.
+//! `fallback write-seeds DIR` writes the engine targets' seeds (`engine::fuzzing::seeds`) to
+//! `DIR/TARGET/seed-N`, which is how `fuzz/seeds/` was made.
 
 use std::time::{Duration, Instant};
 
@@ -19,12 +22,17 @@ impl XorShift {
         self.0
     }
     fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        (self.next() % n.max(1) as u64) as usize
     }
 }
 
 /// Valid-looking prefixes so that random tails reach deep states.
-fn seeds() -> Vec<Vec<u8>> {
+fn seeds(target: &str) -> Vec<Vec<u8>> {
+    if target.starts_with("engine_") {
+        let mut s = engine::fuzzing::seeds(target);
+        s.push(Vec::new());
+        return s;
+    }
     use nbd_proto::wire;
     let mut client = vec![0u8];
     client.extend_from_slice(&3u32.to_be_bytes());
@@ -54,6 +62,10 @@ fn seeds() -> Vec<Vec<u8>> {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    if let (Some("write-seeds"), Some(dir)) = (args.get(1).map(String::as_str), args.get(2)) {
+        write_seeds(std::path::Path::new(dir));
+        return;
+    }
     let (Some(target), Some(seconds)) = (args.get(1), args.get(2)) else {
         eprintln!("usage: fallback TARGET SECONDS [SEED]");
         std::process::exit(2);
@@ -63,6 +75,9 @@ fn main() {
         "client_handshake" => nbd_proto::fuzzing::client_handshake,
         "request_decoder" => nbd_proto::fuzzing::requests,
         "reply_decoder" => nbd_proto::fuzzing::replies,
+        other if engine::fuzzing::target(other).is_some() => {
+            engine::fuzzing::target(other).expect("checked")
+        }
         other => {
             eprintln!("unknown target {other}");
             std::process::exit(2);
@@ -80,7 +95,7 @@ fn main() {
         });
     println!("fallback fuzzing {target} for {seconds}s, seed {seed}");
     let mut rng = XorShift(seed);
-    let seeds = seeds();
+    let seeds = seeds(target);
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let mut runs = 0u64;
     let mut input = Vec::with_capacity(INPUT_BYTES_MAX);
@@ -106,4 +121,15 @@ fn main() {
         runs += 1;
     }
     println!("{target}: {runs} runs, no crash");
+}
+
+fn write_seeds(dir: &std::path::Path) {
+    for t in engine::fuzzing::TARGETS {
+        let d = dir.join(t);
+        std::fs::create_dir_all(&d).expect("creating the seed directory");
+        let seeds = engine::fuzzing::seeds(t);
+        for (i, s) in seeds.iter().filter(|s| !s.is_empty()).enumerate() {
+            std::fs::write(d.join(format!("seed-{i}")), s).expect("writing a seed");
+        }
+    }
 }
