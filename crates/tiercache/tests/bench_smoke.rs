@@ -16,6 +16,8 @@ use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
 
+/// Whether `tool` is on the PATH, quietly: the callers decide (and say) what a missing one
+/// means.
 fn have(tool: &str) -> bool {
     Command::new("sh")
         .arg("-c")
@@ -24,12 +26,7 @@ fn have(tool: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-}
+use test_support::is_root;
 
 /// Runs `tiercache bench --scale tiny ARGS --out OUT`; returns results.json and results.md.
 fn bench(out: &Path, args: &[&str]) -> (Value, String) {
@@ -107,7 +104,7 @@ fn bench_rejects_bad_options() {
 
 #[test]
 fn bench_tiny_writes_well_formed_results() {
-    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let ci = test_support::ci();
     let root = is_root();
     assert!(root || !ci, "CI runs as root; W3 and +memlimit must run");
     let fs_tools = ["nbdfuse", "losetup", "mkfs.ext4", "mount", "fusermount3"];
@@ -276,7 +273,7 @@ fn bench_tiny_writes_well_formed_results() {
 
 #[test]
 fn bench_hits_tiny_fills_both_tables() {
-    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let ci = test_support::ci();
     for tool in ["fio", "nbdkit"] {
         if !have(tool) {
             assert!(!ci, "{tool} is required under CI=true");

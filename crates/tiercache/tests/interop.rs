@@ -294,13 +294,7 @@ fn ext4_over_nbdfuse_survives_kill_9() {
     f.stop();
 }
 
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| stdout(&o).trim() == "0")
-        .unwrap_or(false)
-}
+use test_support::is_root;
 
 #[test]
 fn kill_9_after_flush_loses_nothing() {

@@ -557,10 +557,7 @@ impl Drop for Loop {
     }
 }
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
+use test_support::is_root;
 
 #[test]
 fn block_devices_are_compared_by_device_number_and_claimed_exclusively() {

@@ -122,11 +122,7 @@ fn the_systemd_unit_is_valid_and_runs_serve_as_a_notify_service() {
         .output()
         .is_ok_and(|o| o.status.success());
     if !have_analyze {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "systemd-analyze is required under CI=true"
-        );
-        eprintln!("SKIP: systemd-analyze is not installed; checked the keys only");
+        test_support::unavailable("systemd-analyze (the keys alone were checked)");
         return;
     }
     let dir = tempfile::tempdir().unwrap();

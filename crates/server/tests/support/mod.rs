@@ -187,24 +187,9 @@ impl Drop for TestServer {
     }
 }
 
-/// True if `program` runs; else fails under `CI=true` or prints a notice.
+/// True if `program` runs; else fails under `CI=true` or prints a skip.
 pub fn require(program: &str, probe_args: &[&str]) -> bool {
-    let ok = Command::new(program)
-        .args(probe_args)
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !ok {
-        missing(program);
-    }
-    ok
-}
-
-fn missing(what: &str) {
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("required tool {what} is missing (CI=true)");
-    }
-    eprintln!("NOTICE: {what} not available, skipping this test");
+    test_support::runs(program, probe_args)
 }
 
 /// A python interpreter that can `import nbd` (python3-libnbd), if any.
@@ -219,7 +204,7 @@ pub fn python_with_nbd() -> Option<String> {
             return Some(candidate.to_string());
         }
     }
-    missing("python3 with the nbd module (python3-libnbd)");
+    test_support::unavailable("python3 with the nbd module (python3-libnbd)");
     None
 }
 

@@ -7,26 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// Whether this is a CI run (`CI=true`), where a missing tool fails instead of skipping.
-pub fn ci() -> bool {
-    std::env::var("CI").as_deref() == Ok("true")
-}
-
-pub fn have(tool: &str) -> bool {
-    let found = Command::new("sh")
-        .arg("-c")
-        .arg(format!("command -v {tool}"))
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !found {
-        if ci() {
-            panic!("{tool} is required in CI but is not installed");
-        }
-        eprintln!("SKIP: {tool} is not installed");
-    }
-    found
-}
+#[allow(unused_imports)] // each test binary uses a different subset
+pub use test_support::{ci, have, is_root};
 
 pub fn tc() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tiercache"));
