@@ -2,8 +2,10 @@
 """Measures a tiercache server's RSS under connections that pipeline 32 MiB reads and never
 read the replies, and whether the server keeps working after they close.
 
-usage: never_reading.py TIERCACHE_BINARY [CONNECTIONS] [EXTRA SERVE ARGS...]"""
-import os, socket, struct, subprocess, sys, tempfile, threading, time
+usage: never-reading-rss.py TIERCACHE_BINARY [CONNECTIONS] [EXTRA SERVE ARGS...]
+With NR_SPREAD=1 the reads go to 32 MiB regions all over the 512 MiB device (misses, which the
+cache fills), else all to offset 0 (hits after the first)."""
+import os, random, socket, struct, subprocess, sys, tempfile, threading, time
 
 binary = sys.argv[1]
 conns = int(sys.argv[2]) if len(sys.argv) > 2 else 8
@@ -47,11 +49,14 @@ def handshake():
         info += s.recv(10 - len(info))
     return s
 
+spread = os.environ.get("NR_SPREAD") == "1"
+
 def flood(s):
     s.settimeout(3)
     try:
         for cookie in range(64):
-            s.sendall(struct.pack(">IHHQQI", 0x25609513, 0, 0, cookie, 0, 32 << 20))
+            offset = random.randrange(16) * (32 << 20) if spread else 0
+            s.sendall(struct.pack(">IHHQQI", 0x25609513, 0, 0, cookie, offset, 32 << 20))
     except OSError:
         pass
 

@@ -509,9 +509,13 @@ impl<'a> Connection<'a> {
                 format!("write payload of {payload_bytes} bytes exceeds the maximum"),
             ));
         }
+        // A read's permit covers its reply and what the export may copy to carry it out.
         let reply_bytes = match request.command {
-            nbd_proto::Command::Read => request.length.min(PAYLOAD_BYTES_MAX),
-            _ => 0,
+            nbd_proto::Command::Read => {
+                let len = u64::from(request.length.min(PAYLOAD_BYTES_MAX));
+                len + (self.export.read_working_bytes(len)).min(u64::from(PAYLOAD_BYTES_MAX))
+            }
+            _ => 0u64,
         };
         let permit = self
             .account

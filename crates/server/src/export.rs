@@ -45,6 +45,13 @@ pub trait Export: Send + Sync + 'static {
     fn is_quick(&self, _request: &ValidRequest) -> bool {
         false
     }
+    /// Memory a read of `length` bytes may hold while it runs beyond its reply buffer (a copy
+    /// the export makes, such as a cache's miss fill). The server takes it from the request
+    /// budget (`bytes_in_flight_max`) with the reply, so the budget bounds what requests in
+    /// flight hold, not just the server's own buffers.
+    fn read_working_bytes(&self, _length: u64) -> u64 {
+        0
+    }
     fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()>;
     fn flush(&self) -> io::Result<()>;

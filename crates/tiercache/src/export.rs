@@ -60,6 +60,11 @@ impl server::Export for VolumeExport {
             _ => false,
         }
     }
+    /// A read that misses may bring its data and the miss fill around it through one buffer
+    /// of the engine's before it is copied into the reply and into the cache.
+    fn read_working_bytes(&self, length: u64) -> u64 {
+        length + engine::policy::MISS_FILL_MAX_BYTES * 2
+    }
     fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let n = buf.len() as u64;
         self.timed(Op::Read, n, || self.vol.read(offset, buf))
