@@ -26,7 +26,6 @@ use crate::format::{
 };
 use crate::journal::{Entry, Ring};
 use crate::knobs::Tunables;
-use crate::policy::SeqDetector;
 use crate::rangelock::RangeLocks;
 use crate::state::{grown_data_size, Backing, Config, Inner, JournalState, State};
 use crate::stats::{Counters, History, Snapshot};
@@ -507,7 +506,7 @@ impl CacheSet {
             writeback_running: AtomicBool::new(t.writeback_running),
             detaching: AtomicBool::new(false),
             cache_users: AtomicU64::new(0),
-            seq: Mutex::new(SeqDetector::default()),
+            policy: crate::policy::VolumePolicy::new(dev_rotational),
             counters: Counters::default(),
             history: History::default(),
             backing_written: AtomicBool::new(false),
@@ -517,12 +516,8 @@ impl CacheSet {
             readahead: Mutex::default(),
             flush_failures: AtomicU64::new(0),
             writeback_error: Mutex::new(None),
-            cost: Mutex::new(crate::cost::CostModel::new(dev_rotational)),
             io_epoch: std::time::Instant::now(),
             last_done_ns: AtomicU64::new(0),
-            misses: AtomicU64::new(0),
-            fill_hits: crate::fillhits::FillHits::default(),
-            writeback_pi: Mutex::new(crate::policy::WritebackPi::default()),
         });
         if dirty > 0 {
             backing.set_state(BackingState::Dirty)?;

@@ -24,7 +24,6 @@ use crate::cost::DevCost;
 use crate::format::{BackingHeader, BackingState, Layout, Superblock, BACKING_DATA_OFFSET};
 use crate::index::Index;
 use crate::journal::{Entry, Ring};
-use crate::policy::SeqDetector;
 use crate::rangelock::RangeLocks;
 use crate::stats::{Counters, History, Windows};
 use crate::types::{CacheMode, DevId, Error, IoContext, Result};
@@ -287,7 +286,10 @@ pub struct Backing {
     pub(crate) detaching: AtomicBool,
     /// Requests under way that may put this device's data into the cache (`io::CacheUse`).
     pub(crate) cache_users: AtomicU64,
-    pub(crate) seq: Mutex<SeqDetector>,
+    /// The volume's policy: stream detection, the device's cost model (fed by every data read
+    /// and write the engine sends it, clients' and writeback's; see `cost`), the fills'
+    /// measured benefit, the writeback controller (see `policy::VolumePolicy`).
+    pub(crate) policy: crate::policy::VolumePolicy,
     pub(crate) counters: Counters,
     pub(crate) history: History,
     /// Something was written to the backing device since its last flush.
@@ -307,20 +309,10 @@ pub struct Backing {
     /// dropped its cache), so whoever needs its writes durable checks this did not move.
     pub(crate) flush_failures: AtomicU64,
     pub(crate) writeback_error: Mutex<Option<WritebackError>>,
-    /// The device's cost model, fed by every data read and write the engine sends it
-    /// (clients' and writeback's; see `cost`). A leaf lock: nothing is locked under it.
-    pub(crate) cost: Mutex<crate::cost::CostModel>,
     /// The clock of the device's completions (`timed`), and the latest completion on it in
     /// ns of that clock: what `cost::service_ns` needs to leave queueing out of the samples.
     pub(crate) io_epoch: std::time::Instant,
     pub(crate) last_done_ns: AtomicU64,
-    /// Read misses so far (the miss fill's exploration alternates on it).
-    pub(crate) misses: AtomicU64,
-    /// How many of the blocks miss fills brought in were read later (the fill's benefit).
-    pub(crate) fill_hits: crate::fillhits::FillHits,
-    /// The writeback rate controller (see `policy::WritebackPi`): stepped by writeback
-    /// passes, read by status. A leaf lock.
-    pub(crate) writeback_pi: Mutex<crate::policy::WritebackPi>,
 }
 
 impl Backing {
@@ -388,18 +380,14 @@ impl Backing {
         let prev = self.last_done_ns.fetch_max(done, Ordering::Relaxed);
         if r.is_ok() {
             let ns = crate::cost::service_ns(issued, done, prev);
-            self.cost.lock().observe(op, offset, len, ns);
+            self.policy.observe_io(op, offset, len, ns);
         }
         r
     }
 
     /// The current read and write estimates of the device's cost model.
     pub fn cost(&self) -> DevCost {
-        let m = self.cost.lock();
-        DevCost {
-            read: m.estimate(crate::cost::Op::Read),
-            write: m.estimate(crate::cost::Op::Write),
-        }
+        self.policy.cost()
     }
 
     pub(crate) fn flush_counted(&self) -> std::io::Result<()> {

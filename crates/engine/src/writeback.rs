@@ -25,7 +25,7 @@
 
 use crate::guard::Throttled;
 use crate::journal::Entry;
-use crate::policy::{writeback_rate, WritebackDecision, WritebackInputs, WritebackRate};
+use crate::policy::{WritebackDecision, WritebackInputs, WritebackRate};
 use crate::space::read_verified;
 use crate::state::Inner;
 use crate::stats::Counters;
@@ -124,12 +124,7 @@ fn device_decision(
     step: bool,
 ) -> WritebackDecision {
     let i = inputs(inner, st, b);
-    let mut pi = b.writeback_pi.lock();
-    if step {
-        pi.step(&i, inner.now_ns())
-    } else {
-        writeback_rate(&i, &pi)
-    }
+    b.policy.writeback(&i, inner.now_ns(), step)
 }
 
 fn strongest(rates: &[(DevId, WritebackRate)]) -> WritebackRate {
@@ -190,7 +185,7 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
     let write_costs: Vec<(DevId, crate::cost::CostEstimate)> = backings
         .iter()
         .filter(|b| only.is_none_or(|d| d == b.id))
-        .map(|b| (b.id, b.cost.lock().estimate(crate::cost::Op::Write)))
+        .map(|b| (b.id, b.policy.estimate(crate::cost::Op::Write)))
         .collect();
     let (rates, collected, runs) = {
         let mut st = inner.state.lock();

@@ -22,7 +22,6 @@ mod write;
 use crate::policy::WriteRoute as Route;
 
 use crate::knobs::Knob;
-use crate::policy::is_sequential_bypass;
 use crate::state::{Backing, DevKnobs, DevStatus, Inner};
 use crate::stats::Counters;
 use crate::types::{CacheMode, Error, IoContext, Result};
@@ -245,7 +244,7 @@ impl Volume {
             writeback_error: b.writeback_error.lock().clone(),
             stats: b.history.windows(now, &snap),
             cost: b.cost(),
-            fill_read_share: b.fill_hits.ratio(),
+            fill_read_share: b.policy.fill_read_share(),
         }
     }
 
@@ -300,8 +299,7 @@ impl Volume {
                 crate::cachedev::Kind::Read => crate::cost::Op::Read,
                 _ => crate::cost::Op::Write,
             };
-            let e = self.backing.cost.lock().estimate(op);
-            (e.fixed_ns + e.seek_ns + e.per_byte_ns.unwrap_or(0.0) * len as f64) as u64
+            self.backing.policy.expected_ns(op, len)
         });
         if congested {
             Counters::add(&self.backing.counters.congested, 1);
@@ -313,7 +311,7 @@ impl Volume {
     /// continues.
     fn note_io(&self, offset: u64, len: u64) -> crate::policy::Seen {
         let now = self.inner.now_ns();
-        let seen = self.backing.seq.lock().observe_stream(offset, len, now);
+        let seen = self.backing.policy.observe_request(offset, len, now);
         if seen.bytes >= crate::policy::WRITEBACK_STREAM_BYTES {
             self.backing
                 .client_stream_ns
@@ -325,8 +323,7 @@ impl Volume {
     /// Whether a stream that reaches the disk out of order costs it a seek per request (see
     /// `policy::near_requests_seek`).
     fn reordering_costs_seeks(&self) -> bool {
-        let est = self.backing.cost.lock().estimate(crate::cost::Op::Write);
-        crate::policy::near_requests_seek(&est)
+        self.backing.policy.reordering_costs_seeks()
     }
 
     /// Whether other streams past the cutoff run at the same time as the one a request just
@@ -335,14 +332,13 @@ impl Volume {
         let cutoff = self.backing.sequential_cutoff.load(Ordering::Relaxed);
         let now = self.inner.now_ns();
         self.backing
-            .seq
-            .lock()
-            .concurrent(cutoff, now, crate::policy::STREAM_OVERLAP_NS)
+            .policy
+            .concurrent_streams(cutoff, now, crate::policy::STREAM_OVERLAP_NS)
             > 1
     }
 
     fn seq_bypass(&self, stream_bytes: u64) -> bool {
-        is_sequential_bypass(
+        self.backing.policy.sequential_bypass(
             stream_bytes,
             self.backing.sequential_cutoff.load(Ordering::Relaxed),
         )

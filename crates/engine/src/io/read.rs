@@ -215,8 +215,10 @@ impl Volume {
                     let earlier = st.ghost.record(crate::admit::Ghost::key(dev.0, b0.0));
                     let full = st.buckets.free_count() + st.buckets.pending_count()
                         < 2 * inner.reserve_buckets;
-                    let fill_share = self.backing.fill_hits.ratio();
-                    if !crate::policy::admit_miss(inner.config.admission, full, earlier, fill_share)
+                    if !self
+                        .backing
+                        .policy
+                        .admit_miss(inner.config.admission, full, earlier)
                     {
                         (miss, bypass, refused) = (false, true, true);
                         why = Some(crate::policy::Bypass::Admission);
@@ -255,9 +257,7 @@ impl Volume {
         let hit = segs.iter().all(|s| s.ext.is_some());
         if !prefetch {
             for s in segs.iter().filter(|s| s.ext.is_some()) {
-                self.backing
-                    .fill_hits
-                    .note_read(s.block.0, s.block.0 + s.len);
+                self.backing.policy.note_read(s.block.0, s.block.0 + s.len);
             }
         }
         // Uncached blocks next to a miss come along, in offset order; a request that is one
@@ -297,12 +297,7 @@ impl Volume {
             let mut hole_segs = segs.iter().filter(|s| s.ext.is_none());
             let span = match (hole_segs.next(), hole_segs.next_back()) {
                 (Some(first), Some(last))
-                    if promo.is_some()
-                        && crate::policy::span_holes(
-                            &self.backing.cost.lock().estimate(crate::cost::Op::Read),
-                            hole_count,
-                            gap_bytes,
-                        ) =>
+                    if promo.is_some() && self.backing.policy.span_holes(hole_count, gap_bytes) =>
                 {
                     let from = if p1 > p0 { p0 } else { first.block }.offset(bs);
                     let to = if s1 > s0 { s1 } else { last.block + last.len }
@@ -375,8 +370,8 @@ impl Volume {
         }
         if let Some(id) = promo {
             let ((p0, _), (s0, s1)) = around;
-            self.backing.fill_hits.note_filled(p0.0, b0.0);
-            self.backing.fill_hits.note_filled(s0.0, s1.0);
+            self.backing.policy.note_filled(p0.0, b0.0);
+            self.backing.policy.note_filled(s0.0, s1.0);
             self.promote(id, fills, (b0, b1));
         }
         Ok(())
@@ -443,18 +438,10 @@ impl Volume {
         b1: BackingBlock,
     ) -> BlockRanges {
         let bs = self.inner.block_size();
-        let miss_no = self
+        let window = self
             .backing
-            .misses
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let est = self.backing.cost.lock().estimate(crate::cost::Op::Read);
-        let window = crate::policy::miss_fill_window(
-            &est,
-            &self.inner.cache.fill_costs(),
-            self.backing.fill_hits.ratio(),
-            bs,
-            miss_no,
-        );
+            .policy
+            .fill_window(&self.inner.cache.fill_costs(), bs);
         if window <= 1 {
             return ((b0, b0), (b1, b1));
         }

@@ -18,10 +18,12 @@ mod admission;
 mod fill;
 mod replacement;
 mod route;
+mod volume;
 mod writeback;
 
 pub use admission::*;
 pub use fill::*;
 pub use replacement::*;
 pub use route::*;
+pub use volume::VolumePolicy;
 pub use writeback::*;
