@@ -141,3 +141,15 @@ no_errors() {
     e=$(metric tiercache_volume_requests_total 'result="error"')
     [ "$e" = 0 ] || die "$e requests failed"
 }
+
+# ublk_wait N: waits for /dev/ublkbN.
+ublk_wait() {
+    i=0
+    until [ -b "/dev/ublkb$1" ]; do
+        i=$((i + 1)); [ $i -lt 100 ] || { tail -20 /tmp/serve.log; die "/dev/ublkb$1 did not appear"; }
+        sleep 0.1
+    done
+}
+
+# kernel_io_errors: how many I/O errors the kernel logged so far.
+kernel_io_errors() { dmesg | grep -c -i 'I/O error' || true; }

@@ -138,6 +138,15 @@ pub struct ServeConfig {
     /// Serve Prometheus metrics over HTTP at `/metrics` on this address ("127.0.0.1:9563",
     /// or a port alone for 127.0.0.1; default: none). See docs/metrics.md.
     pub metrics: Option<String>,
+    /// Also serve each volume as a block device of this host, `/dev/ublkbN` (the kernel's
+    /// ublk driver; N counts the volumes in name order from `ublk_first_id`), recovering the
+    /// devices a server that died left (default false).
+    #[serde(default)]
+    pub ublk: bool,
+    /// Hardware queues of each ublk device, one thread each (default 2; 1 to 32).
+    pub ublk_queues: Option<u16>,
+    /// The N of the first volume's `/dev/ublkbN` (default 0).
+    pub ublk_first_id: Option<u32>,
 }
 
 /// Whether the TCP listener offers TLS: the NBD spec's NOTLS, SELECTIVETLS and FORCEDTLS.
@@ -751,10 +760,7 @@ pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> 
 /// Opens the backing devices named in `cfg`, as `(spec, device)`. A remote (NBD) device that
 /// does not answer is left pending, to be attached when it does; any other failure stops the
 /// start.
-fn open_backings(
-    cfg: &ServeConfig,
-    metrics: &Metrics,
-) -> Result<(Vec<Named>, Vec<Pending>)> {
+fn open_backings(cfg: &ServeConfig, metrics: &Metrics) -> Result<(Vec<Named>, Vec<Pending>)> {
     // Remote devices are tried at once, so one that does not answer delays the start by one
     // connection timeout, not one per device.
     let opened: Vec<(String, Result<Arc<dyn BlockDevice>>)> = std::thread::scope(|s| {
@@ -1032,10 +1038,20 @@ fn run(
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, signals.clone()).context("installing signal handlers")?;
     }
+    let ublk = match crate::ublk::start_all(cfg, &running) {
+        Ok(u) => u,
+        Err(e) => {
+            if let Err(close) = running.close() {
+                log::error!("{close:#}");
+            }
+            return Err(e);
+        }
+    };
     let (handles, admin_file, metrics_http) = match listen_all(cfg, &running) {
         Ok(l) => l,
         Err(e) => {
             // Nothing was served: close the set cleanly so the next start needs no recovery.
+            crate::ublk::stop_all(ublk);
             if let Err(close) = running.close() {
                 log::error!("{close:#}");
             }
@@ -1081,6 +1097,7 @@ fn run(
              closed without a reply"
         );
     }
+    crate::ublk::stop_all(ublk);
     if let Some(m) = metrics_http {
         m.shutdown();
     }
