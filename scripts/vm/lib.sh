@@ -80,11 +80,12 @@ fs_check() {
 }
 
 # make_files DIR N TAG: N files of 4 KiB to 1 MiB of random data, each fsync'd; their
-# sha256 sums are appended to $SUMS (relative to $MNT) once the fsync returned.
+# sha256 sums are appended to $SUMS (relative to $MNT) once the fsync returned. It stops early
+# once /tmp/stop-writer exists.
 make_files() {
     mkdir -p "$1"
     n=0
-    while [ $n -lt "$2" ]; do
+    while [ $n -lt "$2" ] && [ ! -e /tmp/stop-writer ]; do
         kib=$(( ($(od -An -N2 -tu2 /dev/urandom) % 256 + 1) * 4 ))
         f="$1/$3-$n"
         dd if=/dev/urandom of="$f" bs=1024 count=$kib conv=fsync 2> /dev/null
@@ -113,7 +114,7 @@ cleanup() {
     umount "$MNT" 2> /dev/null || true
     [ -e /sys/block/nbd0/pid ] && nbd-client -d /dev/nbd0 > /dev/null 2>&1
     if [ -f /tmp/serve.pid ]; then kill -9 "$(cat /tmp/serve.pid)" 2> /dev/null; rm -f /tmp/serve.pid; fi
-    rm -f "$SUMS" /tmp/serve.log "$SOCK" "$ADMIN"
+    rm -f "$SUMS" /tmp/serve.log "$SOCK" "$ADMIN" /tmp/stop-writer
     sleep 0.2
     true
 }

@@ -74,7 +74,7 @@ if [ "$need_install" = 1 ]; then
             apt-get install -y -qq --no-install-recommends qemu-system-data seabios ipxe-qemu \
                 libcapstone4 libfdt1 libpmem1 libvdeplug2 libslirp0 librdmacm1 libibverbs1 libbpf1 \
                 libaio1 liburing2 libnuma1 libpixman-1-0 libjpeg62-turbo libpng16-16 libsasl2-2 \
-                libseccomp2 libfuse3-3 >/dev/null
+                libseccomp2 libfuse3-3 libglib2.0-0 libgnutls30 libgmp10 libudev1 libzstd1 >/dev/null
             mkdir -p "$cache/qemu-deb"
             (cd "$cache/qemu-deb" && rm -f ./*.deb && apt-get download -qq qemu-system-x86 qemu-system-common 2>/dev/null)
             rm -rf "$cache/qemu"
@@ -213,7 +213,7 @@ echo "==== vm results (${secs}s, qemu exit $qrc)"
 grep -E '^VMTEST (PASS|FAIL) ' "$work/clean.log" || true
 rc=0
 for s in "${scenarios[@]}"; do
-    if ! grep -qE "^VMTEST (PASS|FAIL) $s( |$)" "$work/clean.log"; then
+    if ! grep -qE "^VMTEST (PASS|FAIL) $s( |:|$)" "$work/clean.log"; then
         echo "VMTEST FAIL $s: no result (the guest stopped or hung before it ended)"; rc=1
     fi
 done

@@ -9,7 +9,7 @@ errors0=$(kernel_io_errors)
 mkfs.ext4 -q -F /dev/ublkb0
 mount /dev/ublkb0 "$MNT"
 make_files "$MNT/before" 20 b
-( make_files "$MNT/during" 100000 d; echo "writer stopped" ) &
+( make_files "$MNT/during" 100000 d ) &
 writer=$!
 sleep 6
 say "kill -9 of the server during writes ($(wc -l < "$SUMS") files fsync'd)"
@@ -25,7 +25,8 @@ kill -0 $writer 2> /dev/null || die "the writer stopped: an fsync or write faile
 n2=$(wc -l < "$SUMS")
 say "files fsync'd: $n1 at the kill, $n2 after the recovery"
 [ "$n2" -gt "$n1" ] || die "no file was written after the recovery"
-kill $writer; wait $writer 2> /dev/null || true
+touch /tmp/stop-writer
+wait $writer || die "the writer failed"
 errors1=$(kernel_io_errors)
 [ "$errors1" = "$errors0" ] || die "the kernel logged I/O errors"
 umount "$MNT"
