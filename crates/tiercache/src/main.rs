@@ -17,6 +17,7 @@ mod metrics;
 mod notify;
 mod serve;
 mod top;
+mod ublk;
 use tiercache_units as units;
 mod without_cache;
 mod writeback_meter;
@@ -216,6 +217,17 @@ enum Cmd {
         /// 127.0.0.1) or ADDRESS:PORT (see docs/metrics.md).
         #[arg(long)]
         metrics: Option<String>,
+        /// Also serve each volume as a block device of this host, /dev/ublkbN (Linux's ublk
+        /// driver, 6.5+; root): N counts the volumes in name order from --ublk-first-id. A
+        /// device left by a server that died is taken over (user recovery).
+        #[arg(long)]
+        ublk: bool,
+        /// Hardware queues of each ublk device, one thread each (1 to 32).
+        #[arg(long, default_value_t = 2, requires = "ublk")]
+        ublk_queues: u16,
+        /// The N of the first volume's /dev/ublkbN.
+        #[arg(long, default_value_t = 0, requires = "ublk")]
+        ublk_first_id: u32,
         #[command(flatten)]
         limits: ServeLimits,
         #[command(flatten)]
@@ -251,7 +263,8 @@ enum Cmd {
         /// io_error_limit, ..., congested_write_threshold_us, admission = "ghost",
         /// replacement = "lru", tls = "require", tls_cert,
         /// tls_key, tls_verify_peer = true, tls_ca, without_cache_if_missing = true,
-        /// without_cache_discard_dirty = true, allow_missing = true), plus per-volume knobs in [volumes.NAME] tables
+        /// without_cache_discard_dirty = true, allow_missing = true, ublk = true, ublk_queues,
+        /// ublk_first_id), plus per-volume knobs in [volumes.NAME] tables
         /// (see README).
         #[arg(long, conflicts_with_all = [
             "cache", "backing", "socket", "tcp", "admin", "socket_mode", "socket_owner",
@@ -261,7 +274,7 @@ enum Cmd {
             "congested_write_threshold_us", "admission", "replacement",
             "without_cache_if_missing", "allow_missing",
             "without_cache_discard_dirty", "tls", "tls_cert", "tls_key", "tls_verify_peer",
-            "tls_ca", "metrics",
+            "tls_ca", "metrics", "ublk",
         ])]
         config: Option<PathBuf>,
     },
@@ -909,6 +922,9 @@ fn main() -> ExitCode {
             tcp,
             admin,
             metrics,
+            ublk,
+            ublk_queues,
+            ublk_first_id,
             limits,
             health,
             tls,
@@ -951,6 +967,9 @@ fn main() -> ExitCode {
                     tls_verify_peer: tls.tls_verify_peer,
                     tls_ca: tls.tls_ca,
                     metrics,
+                    ublk,
+                    ublk_queues: Some(ublk_queues),
+                    ublk_first_id: Some(ublk_first_id),
                 },
             };
             serve::serve(&cfg, |_| {})

@@ -138,6 +138,15 @@ pub struct ServeConfig {
     /// Serve Prometheus metrics over HTTP at `/metrics` on this address ("127.0.0.1:9563",
     /// or a port alone for 127.0.0.1; default: none). See docs/metrics.md.
     pub metrics: Option<String>,
+    /// Also serve each volume as a block device of this host, `/dev/ublkbN` (the kernel's
+    /// ublk driver; N counts the volumes in name order from `ublk_first_id`), recovering the
+    /// devices a server that died left (default false).
+    #[serde(default)]
+    pub ublk: bool,
+    /// Hardware queues of each ublk device, one thread each (default 2; 1 to 32).
+    pub ublk_queues: Option<u16>,
+    /// The N of the first volume's `/dev/ublkbN` (default 0).
+    pub ublk_first_id: Option<u32>,
 }
 
 /// Whether the TCP listener offers TLS: the NBD spec's NOTLS, SELECTIVETLS and FORCEDTLS.
@@ -1011,10 +1020,29 @@ fn run(
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, signals.clone()).context("installing signal handlers")?;
     }
+    let ublk = if cfg.ublk {
+        crate::ublk::start_all(
+            &running.exports,
+            cfg.ublk_queues.unwrap_or(2),
+            cfg.ublk_first_id.unwrap_or(0),
+        )
+    } else {
+        Ok(Vec::new())
+    };
+    let ublk = match ublk {
+        Ok(u) => u,
+        Err(e) => {
+            if let Err(close) = running.close() {
+                log::error!("{close:#}");
+            }
+            return Err(e);
+        }
+    };
     let (handles, admin_file, metrics_http) = match listen_all(cfg, &running) {
         Ok(l) => l,
         Err(e) => {
             // Nothing was served: close the set cleanly so the next start needs no recovery.
+            crate::ublk::stop_all(ublk);
             if let Err(close) = running.close() {
                 log::error!("{close:#}");
             }
@@ -1060,6 +1088,7 @@ fn run(
              closed without a reply"
         );
     }
+    crate::ublk::stop_all(ublk);
     if let Some(m) = metrics_http {
         m.shutdown();
     }

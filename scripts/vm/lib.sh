@@ -1,0 +1,156 @@
+# Helpers for the guest's scenarios (sourced by /init before each one; scenarios run under
+# sh -e, so any failing command fails the scenario). vda is the backing device, vdb the cache.
+SOCK=/run/tiercache.sock
+ADMIN=$SOCK.admin
+BACKING=/dev/vda
+CACHE=/dev/vdb
+MNT=/mnt
+SUMS=/tmp/sums
+
+say() { echo "-- [$(cut -d" " -f1 /proc/uptime)] $*"; }
+die() { echo "FAILED: $*"; exit 1; }
+
+# tiercache's admin commands against the server of this scenario.
+tc() { tiercache "$@" --admin "$ADMIN"; }
+
+# Formats vda (backing, export "data") and vdb (cache); extra arguments go to make.
+tc_make() { tiercache make --force --backing "$BACKING" --cache "$CACHE" --label data "$@" > /dev/null; }
+
+# Starts tiercache serve in the background (pid in /tmp/serve.pid, log in /tmp/serve.log) and
+# waits until its admin socket answers. Extra arguments go to serve.
+tc_serve() {
+    tiercache serve --cache "$CACHE" --backing "$BACKING" --socket "$SOCK" --metrics 9563 "$@" \
+        >> /tmp/serve.log 2>&1 &
+    echo $! > /tmp/serve.pid
+    i=0
+    until tiercache status --admin "$ADMIN" > /dev/null 2>&1; do
+        i=$((i + 1))
+        [ $i -lt 600 ] || { cat /tmp/serve.log; die "serve did not start"; }
+        kill -0 "$(cat /tmp/serve.pid)" 2> /dev/null || { cat /tmp/serve.log; die "serve exited"; }
+        sleep 0.2
+    done
+}
+
+# Stops the server cleanly (SIGTERM) and waits for it; fails if it does not exit 0.
+tc_stop() {
+    pid=$(cat /tmp/serve.pid)
+    kill -TERM "$pid"
+    wait "$pid" || { tail -20 /tmp/serve.log; die "serve exited $? after SIGTERM"; }
+    rm -f /tmp/serve.pid
+}
+
+# kill -9 of the server, reaped.
+tc_kill9() {
+    pid=$(cat /tmp/serve.pid)
+    kill -9 "$pid"
+    wait "$pid" 2> /dev/null || true
+    rm -f /tmp/serve.pid
+}
+
+# nbd_up [nbd-client options]: connects /dev/nbd0 to export "data" and waits for its size.
+nbd_up() {
+    nbd-client -unix "$SOCK" /dev/nbd0 -name data "$@"
+    i=0
+    until [ "$(cat /sys/block/nbd0/size)" != 0 ]; do
+        i=$((i + 1)); [ $i -lt 100 ] || die "/dev/nbd0 has no size"; sleep 0.1
+    done
+}
+nbd_down() { nbd-client -d /dev/nbd0 > /dev/null; }
+
+# metric NAME_PREFIX LABEL_FILTER: the sum of the matching Prometheus samples of the server.
+metric() {
+    wget -qO- http://127.0.0.1:9563/metrics | grep "^$1" | grep -- "$2" \
+        | awk '{s += $NF} END {printf "%d\n", s}'
+}
+
+fs_mkfs() {
+    case "$1" in
+        ext4) mkfs.ext4 -q -F "$2" ;;
+        xfs) mkfs.xfs -q -f "$2" ;;
+        *) die "unknown filesystem $1" ;;
+    esac
+}
+
+# fs_check FS DEV: the filesystem's own checker, read-only; fails on any problem.
+fs_check() {
+    case "$1" in
+        ext4) e2fsck -fn "$2" ;;
+        xfs) xfs_repair -n "$2" ;;
+    esac || die "$1 checker found problems on $2"
+}
+
+# make_files DIR N TAG: N files of 4 KiB to 1 MiB of random data, each fsync'd; their
+# sha256 sums are appended to $SUMS (relative to $MNT) once the fsync returned. It stops early
+# once /tmp/stop-writer exists.
+make_files() {
+    mkdir -p "$1"
+    n=0
+    while [ $n -lt "$2" ] && [ ! -e /tmp/stop-writer ]; do
+        kib=$(( ($(od -An -N2 -tu2 /dev/urandom) % 256 + 1) * 4 ))
+        f="$1/$3-$n"
+        dd if=/dev/urandom of="$f" bs=1024 count=$kib conv=fsync 2> /dev/null
+        (cd "$MNT" && sha256sum "${f#$MNT/}") >> "$SUMS"
+        n=$((n + 1))
+    done
+}
+
+verify_files() {
+    (cd "$MNT" && sha256sum -c -s "$SUMS") || die "files differ from what was written"
+    say "$(wc -l < "$SUMS") files intact"
+}
+
+# fio_verify DIR [extra fio options]: random writes at queue depth 16 through O_DIRECT on files,
+# fsync'd, then every block read back and checked.
+fio_verify() {
+    dir="$1"; shift
+    fio --name=verify --directory="$dir" --rw=randwrite --bs=4k --size=16m --numjobs=2 \
+        --ioengine=libaio --iodepth=16 --direct=1 --fsync=64 --end_fsync=1 \
+        --verify=crc32c --verify_fatal=1 --do_verify=1 --group_reporting "$@" \
+        --output-format=terse > /tmp/fio.out || { cat /tmp/fio.out; die "fio verify failed"; }
+}
+
+# Everything a scenario may have left: a mount, an NBD connection, a server.
+cleanup() {
+    umount "$MNT" 2> /dev/null || true
+    [ -e /sys/block/nbd0/pid ] && nbd-client -d /dev/nbd0 > /dev/null 2>&1
+    if [ -f /tmp/serve.pid ]; then kill -9 "$(cat /tmp/serve.pid)" 2> /dev/null; rm -f /tmp/serve.pid; fi
+    rm -f "$SUMS" /tmp/serve.log "$SOCK" "$ADMIN" /tmp/stop-writer
+    sleep 0.2
+    true
+}
+
+# fs_roundtrip FS DEV: mkfs, mount, fio with verify, a tree of fsync'd files, unmount, the
+# checker, mount again and read every file back.
+fs_roundtrip() {
+    say "$1 on $2: mkfs, mount, fio verify"
+    fs_mkfs "$1" "$2"
+    mount "$2" "$MNT"
+    fio_verify "$MNT"
+    say "$1: fsync'd files"
+    make_files "$MNT/tree" 40 a
+    rm -f "$MNT"/verify.*
+    umount "$MNT"
+    say "$1: checker after unmount"
+    fs_check "$1" "$2"
+    mount "$2" "$MNT"
+    verify_files
+    umount "$MNT"
+}
+
+# No client request of the server failed.
+no_errors() {
+    e=$(metric tiercache_volume_requests_total 'result="error"')
+    [ "$e" = 0 ] || die "$e requests failed"
+}
+
+# ublk_wait N: waits for /dev/ublkbN.
+ublk_wait() {
+    i=0
+    until [ -b "/dev/ublkb$1" ]; do
+        i=$((i + 1)); [ $i -lt 100 ] || { tail -20 /tmp/serve.log; die "/dev/ublkb$1 did not appear"; }
+        sleep 0.1
+    done
+}
+
+# kernel_io_errors: how many I/O errors the kernel logged so far.
+kernel_io_errors() { dmesg | grep -c -i 'I/O error' || true; }
