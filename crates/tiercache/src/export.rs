@@ -33,6 +33,9 @@ impl VolumeExport {
     }
 }
 
+/// Reads above this size have the engine's copy of their data budgeted with them.
+const LARGE_READ_BYTES: u64 = 1 << 20;
+
 impl server::Export for VolumeExport {
     fn name(&self) -> String {
         self.name.clone()
@@ -60,10 +63,17 @@ impl server::Export for VolumeExport {
             _ => false,
         }
     }
-    /// A read that misses may bring its data and the miss fill around it through one buffer
-    /// of the engine's before it is copied into the reply and into the cache.
+    /// A read that misses may bring its data (and the miss fill around it) through one buffer
+    /// of the engine's before it is copied into the reply and into the cache. Counted for
+    /// large reads only: a small read's copy (at most `LARGE_READ_BYTES` and the fill window)
+    /// is bounded by the worker threads that can hold one, and counting it would take every
+    /// small read beyond its connection's guaranteed share of the budget.
     fn read_working_bytes(&self, length: u64) -> u64 {
-        length + engine::policy::MISS_FILL_MAX_BYTES * 2
+        if length > LARGE_READ_BYTES {
+            length + engine::policy::MISS_FILL_MAX_BYTES * 2
+        } else {
+            0
+        }
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let n = buf.len() as u64;
