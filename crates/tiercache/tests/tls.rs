@@ -488,3 +488,39 @@ fn tls_settings_are_checked_at_start() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("tls_ca"), "{err}");
 }
+
+/// A client that connects by IP address (libnbd sends it as the TLS server name, which TLS
+/// does not allow) is served, and the server's log says nothing about it at its default level
+/// (rustls warned of every such client).
+#[test]
+fn a_client_that_connects_by_ip_address_leaves_no_warning() {
+    if !have("nbdinfo") {
+        return;
+    }
+    let certs = tempfile::tempdir().unwrap();
+    let pki = Pki::make(certs.path()).unwrap();
+    let mut f = Fixture::new(16, 16, false);
+    let port = free_port();
+    let log = f.path("serve.log");
+    let mut cmd = f.serve_cmd();
+    cmd.env_remove("RUST_LOG")
+        .args(["--tcp", &port.to_string()])
+        .args(mode_args("require", &pki))
+        .stderr(std::fs::File::create(&log).unwrap());
+    f.start_cmd(cmd);
+    let o = nbdinfo(&format!(
+        "nbds://127.0.0.1:{port}/data?tls-certificates={}",
+        pki.dir.display()
+    ));
+    assert!(
+        o.status.success(),
+        "nbdinfo by IP address: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    f.stop();
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged.contains("serving on") && !logged.contains("WARN"),
+        "the server's log: {logged}"
+    );
+}
