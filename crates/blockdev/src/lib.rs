@@ -25,6 +25,7 @@ use std::io;
 
 pub mod fault;
 mod file;
+pub mod hooked;
 pub mod latency;
 mod mem;
 mod nbd;

@@ -4,6 +4,7 @@
 
 mod common;
 
+use blockdev::hooked::{Hooked, Hooks};
 use blockdev::{BlockDevice, MemDevice};
 use common::*;
 use engine::{CacheMode, CacheSet, Config, FormatOptions};
@@ -169,22 +170,25 @@ fn sequential_streams_bypass_past_the_cutoff_even_interleaved() {
     assert_eq!(t.cache_bypass_misses, 24);
 }
 
-/// A backing device whose reads can be held at a barrier, to put a write inside a miss.
-#[derive(Debug)]
 /// A device that stops its next read (or write, with `write_gate`) at a barrier twice: once
 /// to let the test in, once until the test is done.
-struct GatedDevice {
-    inner: MemDevice,
+#[derive(Debug, Default)]
+struct Gates {
     gate: std::sync::Mutex<Option<Arc<Barrier>>>,
     write_gate: std::sync::Mutex<Option<Arc<Barrier>>>,
 }
 
-fn gated(bytes: usize) -> Arc<GatedDevice> {
-    Arc::new(GatedDevice {
-        inner: MemDevice::new(bytes as u64),
-        gate: std::sync::Mutex::new(None),
-        write_gate: std::sync::Mutex::new(None),
-    })
+impl Hooks for Gates {
+    fn after_read(&self, _: u64, _: usize) {
+        pass_gate(&self.gate);
+    }
+    fn after_write(&self, _: u64, _: usize) {
+        pass_gate(&self.write_gate);
+    }
+}
+
+fn gated(bytes: usize) -> Arc<Hooked<Gates>> {
+    Arc::new(Hooked::new(bytes as u64, "gated", Gates::default()))
 }
 
 fn pass_gate(gate: &std::sync::Mutex<Option<Arc<Barrier>>>) {
@@ -192,31 +196,6 @@ fn pass_gate(gate: &std::sync::Mutex<Option<Arc<Barrier>>>) {
     if let Some(g) = gate {
         g.wait();
         g.wait();
-    }
-}
-
-impl BlockDevice for GatedDevice {
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        let r = self.inner.read_at(buf, offset);
-        pass_gate(&self.gate);
-        r
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        let r = self.inner.write_at(buf, offset);
-        pass_gate(&self.write_gate);
-        r
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.inner.discard(offset, len)
-    }
-    fn describe(&self) -> String {
-        "gated".into()
     }
 }
 
@@ -257,7 +236,7 @@ fn a_miss_inside_a_promotion_in_flight_waits_for_it_instead_of_reading_again() {
     let backing = gated(1 << 20);
     let (_set, vol) = open_on_mem_cache(backing.clone(), CacheMode::Writethrough);
     let d = data(6, 0, 16384);
-    backing.inner.write_at(&d, 8192).unwrap();
+    backing.inner().write_at(&d, 8192).unwrap();
     let barrier = Arc::new(Barrier::new(2));
     *backing.gate.lock().unwrap() = Some(barrier.clone());
     let read = |offset: u64, len: usize| {
@@ -431,51 +410,29 @@ fn works_on_file_devices_with_direct_io() {
 }
 
 /// Counts flushes that reach a device.
-#[derive(Debug)]
-struct FlushCounter {
-    inner: MemDevice,
-    flushes: std::sync::atomic::AtomicU64,
+#[derive(Debug, Default)]
+struct Flushes(std::sync::atomic::AtomicU64);
+
+impl Hooks for Flushes {
+    fn before_flush(&self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
-impl FlushCounter {
-    fn new(bytes: u64) -> Arc<FlushCounter> {
-        Arc::new(FlushCounter {
-            inner: MemDevice::new(bytes),
-            flushes: Default::default(),
-        })
-    }
-
+impl Flushes {
     fn count(&self) -> u64 {
-        self.flushes.load(std::sync::atomic::Ordering::SeqCst)
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
-impl BlockDevice for FlushCounter {
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        self.inner.write_at(buf, offset)
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        self.flushes
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.inner.discard(offset, len)
-    }
-    fn describe(&self) -> String {
-        "counter".into()
-    }
+/// A memory device that counts its flushes.
+fn flush_counter(bytes: u64) -> Arc<Hooked<Flushes>> {
+    Arc::new(Hooked::new(bytes, "counter", Flushes::default()))
 }
 
 #[test]
 fn deferred_flush_reaches_the_backing_device_only_when_it_was_written() {
-    let backing = FlushCounter::new(1 << 20);
+    let backing = flush_counter(1 << 20);
     let (_set, vol) = open_on_mem_cache(backing.clone(), CacheMode::Writeback);
     let flushes = || backing.count();
     vol.write(0, &data(1, 0, 4096), false).unwrap(); // marks the header dirty (flushed once)
@@ -505,7 +462,7 @@ fn deferred_flush_reaches_the_backing_device_only_when_it_was_written() {
 
 #[test]
 fn writes_around_dirty_data_flush_the_slow_device_once_per_commit_not_per_write() {
-    let backing = FlushCounter::new(1 << 20);
+    let backing = flush_counter(1 << 20);
     let (_set, vol) = open_on_mem_cache(backing.clone(), CacheMode::Writeback);
     let flushes = || backing.count();
     for i in 0..10u64 {
@@ -796,52 +753,26 @@ fn a_stream_over_dirty_data_at_the_dirty_limit_stays_on_the_disk() {
 }
 
 /// A device that records the offset and length of every read.
-#[derive(Debug)]
-struct RecordingDevice {
-    inner: MemDevice,
+#[derive(Debug, Default)]
+struct Reads {
     reads: std::sync::Mutex<Vec<(u64, usize)>>,
-    rotational: bool,
 }
 
-impl RecordingDevice {
-    fn new(bytes: u64, rotational: bool) -> Arc<RecordingDevice> {
-        Arc::new(RecordingDevice {
-            inner: MemDevice::new(bytes),
-            reads: std::sync::Mutex::new(Vec::new()),
-            rotational,
-        })
+impl Hooks for Reads {
+    fn after_read(&self, offset: u64, len: usize) {
+        self.reads.lock().unwrap().push((offset, len));
     }
 }
 
-impl BlockDevice for RecordingDevice {
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        self.reads.lock().unwrap().push((offset, buf.len()));
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
-        self.inner.write_at(buf, offset)
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.inner.discard(offset, len)
-    }
-    fn is_rotational(&self) -> bool {
-        self.rotational
-    }
-    fn describe(&self) -> String {
-        "recording".into()
-    }
+/// A memory device that records its reads.
+fn recording(bytes: u64, rotational: bool) -> Arc<Hooked<Reads>> {
+    Arc::new(Hooked::new(bytes, "recording", Reads::default()).rotational(rotational))
 }
 
 #[test]
 fn readahead_reads_back_to_back_windows_through_scattered_cached_blocks() {
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(8 << 20));
-    let backing = RecordingDevice::new((2 << 20) + 8192, false);
+    let backing = recording((2 << 20) + 8192, false);
     let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads());
     // Every third block dirty in the cache, written backwards (no sequential stream).
     for b in (0..512u64).rev().filter(|b| b % 3 == 0) {
@@ -877,9 +808,9 @@ fn readahead_reads_back_to_back_windows_through_scattered_cached_blocks() {
 #[test]
 fn a_miss_with_holes_between_cached_blocks_is_one_backing_read_on_a_disk() {
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(8 << 20));
-    let backing = RecordingDevice::new((2 << 20) + 8192, true);
+    let backing = recording((2 << 20) + 8192, true);
     let old = data(1, 0, 128 << 10);
-    backing.inner.write_at(&old, 8192).unwrap();
+    backing.inner().write_at(&old, 8192).unwrap();
     let (_set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writeback, no_threads());
     vol.set_sequential_cutoff(0).unwrap();
     // Every third block of the first 128 KiB dirty in the cache, written backwards.
@@ -938,36 +869,21 @@ fn detach_racing_writeback_passes_completes() {
 /// A cache device that counts the journal records written to it (writes inside the journal
 /// region, set once the layout is known) and makes every flush take a while, so flushes
 /// from many threads overlap.
-#[derive(Debug)]
-struct SlowFlushDevice {
-    inner: MemDevice,
+#[derive(Debug, Default)]
+struct SlowFlushes {
     journal: std::sync::Mutex<std::ops::Range<u64>>,
     records: std::sync::atomic::AtomicU64,
 }
 
-impl BlockDevice for SlowFlushDevice {
-    fn size_bytes(&self) -> u64 {
-        self.inner.size_bytes()
-    }
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        self.inner.read_at(buf, offset)
-    }
-    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()> {
+impl Hooks for SlowFlushes {
+    fn before_write(&self, offset: u64, _: usize) {
         if self.journal.lock().unwrap().contains(&offset) {
             self.records
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
-        self.inner.write_at(buf, offset)
     }
-    fn flush(&self) -> std::io::Result<()> {
+    fn before_flush(&self) {
         std::thread::sleep(std::time::Duration::from_millis(2));
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.inner.discard(offset, len)
-    }
-    fn describe(&self) -> String {
-        "slow flush".into()
     }
 }
 
@@ -976,11 +892,7 @@ impl BlockDevice for SlowFlushDevice {
 #[test]
 fn concurrent_flushes_share_a_commit_and_wait_for_at_most_two() {
     use std::sync::atomic::Ordering::SeqCst;
-    let cache = Arc::new(SlowFlushDevice {
-        inner: MemDevice::new(128 << 20),
-        journal: std::sync::Mutex::new(0..0),
-        records: Default::default(),
-    });
+    let cache = Arc::new(Hooked::new(128 << 20, "slow flush", SlowFlushes::default()));
     let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((64 << 20) + 8192));
     let (set, vol) = format_and_open(cache.clone(), backing, CacheMode::Writeback, no_threads());
     let l = set.layout().clone();
