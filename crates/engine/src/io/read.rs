@@ -257,7 +257,7 @@ impl Volume {
         let hit = segs.iter().all(|s| s.ext.is_some());
         if !prefetch {
             for s in segs.iter().filter(|s| s.ext.is_some()) {
-                self.backing.policy.note_read(s.block.0, s.block.0 + s.len);
+                self.backing.policy.note_read(s.block, s.block + s.len);
             }
         }
         // Uncached blocks next to a miss come along, in offset order; a request that is one
@@ -370,8 +370,8 @@ impl Volume {
         }
         if let Some(id) = promo {
             let ((p0, _), (s0, s1)) = around;
-            self.backing.policy.note_filled(p0.0, b0.0);
-            self.backing.policy.note_filled(s0.0, s1.0);
+            self.backing.policy.note_filled(p0, b0);
+            self.backing.policy.note_filled(s0, s1);
             self.promote(id, fills, (b0, b1));
         }
         Ok(())

@@ -16,6 +16,7 @@ use super::{
 };
 use crate::cost::{CostEstimate, CostModel, DevCost, Op};
 use crate::fillhits::FillHits;
+use crate::units::BackingBlock;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -57,13 +58,13 @@ impl VolumePolicy {
     }
 
     /// Cached blocks `[b0, b1)` were read (a filled block read later counts for the fill).
-    pub fn note_read(&self, b0: u64, b1: u64) {
-        self.fill_hits.note_read(b0, b1);
+    pub fn note_read(&self, b0: BackingBlock, b1: BackingBlock) {
+        self.fill_hits.note_read(b0.0, b1.0);
     }
 
     /// A miss fill brought blocks `[b0, b1)` in.
-    pub fn note_filled(&self, b0: u64, b1: u64) {
-        self.fill_hits.note_filled(b0, b1);
+    pub fn note_filled(&self, b0: BackingBlock, b1: BackingBlock) {
+        self.fill_hits.note_filled(b0.0, b1.0);
     }
 
     // ----- decisions -----
