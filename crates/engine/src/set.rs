@@ -506,7 +506,10 @@ impl CacheSet {
             writeback_running: AtomicBool::new(t.writeback_running),
             detaching: AtomicBool::new(false),
             cache_users: AtomicU64::new(0),
-            policy: crate::policy::VolumePolicy::new(dev_rotational),
+            policy: crate::policy::VolumePolicy::new(
+                dev_rotational,
+                inner.config.decisions.clone(),
+            ),
             counters: Counters::default(),
             history: History::default(),
             backing_written: AtomicBool::new(false),

@@ -80,6 +80,9 @@ pub struct Config {
     pub admission: crate::policy::Admission,
     /// Which clean bucket a full cache gives up (`policy::Replacement`).
     pub replacement: crate::policy::Replacement,
+    /// The decisions every volume's policy takes ([`crate::policy::Measured`]; tests may
+    /// script their own to check what the mechanism does with each answer).
+    pub decisions: Arc<dyn crate::policy::Decisions>,
 }
 
 impl Default for Config {
@@ -98,6 +101,7 @@ impl Default for Config {
             congested_write_threshold_us: DEFAULT_CONGESTED_WRITE_US,
             admission: Default::default(),
             replacement: Default::default(),
+            decisions: Arc::new(crate::policy::Measured),
         }
     }
 }

@@ -1209,3 +1209,76 @@ fn a_full_cache_keeps_its_hot_set_through_a_scan_and_admits_what_misses_twice() 
     );
     assert_eq!(third, 2);
 }
+
+/// Decisions a test scripts: admit every miss or none, fill a fixed window, never span.
+#[derive(Debug)]
+struct Scripted {
+    admit: bool,
+    window: u64,
+}
+
+impl engine::policy::Decisions for Scripted {
+    fn sequential_bypass(&self, _: u64, _: u64) -> bool {
+        false
+    }
+    fn admit_miss(&self, _: engine::policy::Admission, _: bool, _: u8, _: Option<f64>) -> bool {
+        self.admit
+    }
+    fn fill_window(
+        &self,
+        _: &engine::cost::CostEstimate,
+        _: &engine::policy::CacheCosts,
+        _: Option<f64>,
+        _: u64,
+        _: u64,
+    ) -> u64 {
+        self.window
+    }
+    fn span_holes(&self, _: &engine::cost::CostEstimate, _: u64, _: u64) -> bool {
+        false
+    }
+}
+
+/// The mechanism carries out what the policy decides, and decides nothing itself: scripted to
+/// refuse every miss, nothing is cached however often a block is read; scripted to fill 16
+/// blocks, one 4 KiB miss is one 64 KiB backing read, and all 16 blocks are cached.
+#[test]
+fn the_engine_carries_out_a_scripted_policy() {
+    let open = |admit, window| {
+        let backing = recording(1 << 20, false);
+        let config = Config {
+            decisions: Arc::new(Scripted { admit, window }),
+            ..no_threads()
+        };
+        let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(8 << 20));
+        let (set, vol) = format_and_open(cache, backing.clone(), CacheMode::Writethrough, config);
+        (set, vol, backing)
+    };
+    let mut buf = vec![0u8; 4096];
+    let (_set, vol, _backing) = open(false, 16);
+    for _ in 0..3 {
+        vol.read(5 * 4096, &mut buf).unwrap();
+    }
+    let s = vol.status();
+    assert_eq!(s.cached_bytes, 0, "a refused miss was cached");
+    assert_eq!(
+        (s.stats.total.cache_misses, s.stats.total.cache_hits),
+        (3, 0)
+    );
+    let (_set, vol, backing) = open(true, 16);
+    backing.reads.lock().unwrap().clear();
+    vol.read(5 * 4096, &mut buf).unwrap();
+    let reads = backing.reads.lock().unwrap().clone();
+    assert_eq!(
+        reads,
+        vec![(8192, 64 << 10)],
+        "one backing read of the 16-block window (after the 8 KiB header)"
+    );
+    assert_eq!(vol.status().cached_bytes, 64 << 10);
+    vol.read(15 * 4096, &mut buf).unwrap();
+    assert_eq!(
+        vol.status().stats.total.cache_hits,
+        1,
+        "a filled block hits"
+    );
+}

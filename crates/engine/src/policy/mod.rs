@@ -25,5 +25,5 @@ pub use admission::*;
 pub use fill::*;
 pub use replacement::*;
 pub use route::*;
-pub use volume::VolumePolicy;
+pub use volume::{Decisions, Measured, VolumePolicy};
 pub use writeback::*;

@@ -19,9 +19,72 @@ use crate::fillhits::FillHits;
 use crate::units::BackingBlock;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// The decisions a volume's policy takes from its state: the engine's are [`Measured`] (the
+/// pure functions of the other policy files); a test can drive the engine with decisions of
+/// its own (`Config::decisions`) to check what the mechanism does with each answer.
+pub trait Decisions: Send + Sync + 'static {
+    /// Whether a request continuing a stream of `stream_bytes` goes around the cache.
+    fn sequential_bypass(&self, stream_bytes: u64, cutoff: u64) -> bool;
+    /// Whether a read miss is promoted into the cache (see `admit_miss`).
+    fn admit_miss(
+        &self,
+        admission: Admission,
+        full: bool,
+        earlier: u8,
+        fill_share: Option<f64>,
+    ) -> bool;
+    /// The miss-fill window in blocks (see `miss_fill_window`).
+    fn fill_window(
+        &self,
+        backing: &CostEstimate,
+        cache: &CacheCosts,
+        fill_share: Option<f64>,
+        block_size: u64,
+        miss_no: u64,
+    ) -> u64;
+    /// Whether a miss with `holes` uncached runs is read in one backing read (see
+    /// `span_holes`).
+    fn span_holes(&self, backing: &CostEstimate, holes: u64, gap_bytes: u64) -> bool;
+}
+
+/// The engine's decisions: by measurement (the cost models, the fills' benefit) and bcache's
+/// rules where no measurement decides.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Measured;
+
+impl Decisions for Measured {
+    fn sequential_bypass(&self, stream_bytes: u64, cutoff: u64) -> bool {
+        is_sequential_bypass(stream_bytes, cutoff)
+    }
+    fn admit_miss(
+        &self,
+        admission: Admission,
+        full: bool,
+        earlier: u8,
+        fill_share: Option<f64>,
+    ) -> bool {
+        admit_miss(admission, full, earlier, fill_share)
+    }
+    fn fill_window(
+        &self,
+        backing: &CostEstimate,
+        cache: &CacheCosts,
+        fill_share: Option<f64>,
+        block_size: u64,
+        miss_no: u64,
+    ) -> u64 {
+        miss_fill_window(backing, cache, fill_share, block_size, miss_no)
+    }
+    fn span_holes(&self, backing: &CostEstimate, holes: u64, gap_bytes: u64) -> bool {
+        span_holes(backing, holes, gap_bytes)
+    }
+}
 
 /// The policy of one volume (see the module comment).
 pub struct VolumePolicy {
+    decisions: Arc<dyn Decisions>,
     seq: Mutex<SeqDetector>,
     cost: Mutex<CostModel>,
     /// Read misses so far (the miss fill's exploration alternates on it).
@@ -35,8 +98,9 @@ pub struct VolumePolicy {
 impl VolumePolicy {
     /// A fresh policy for a backing device that says whether it is rotational (the cost
     /// model's prior until it has measured the device).
-    pub fn new(rotational: bool) -> VolumePolicy {
+    pub fn new(rotational: bool, decisions: Arc<dyn Decisions>) -> VolumePolicy {
         VolumePolicy {
+            decisions,
             seq: Mutex::new(SeqDetector::default()),
             cost: Mutex::new(CostModel::new(rotational)),
             misses: AtomicU64::new(0),
@@ -72,7 +136,7 @@ impl VolumePolicy {
     /// Whether a request continuing a stream of `stream_bytes` goes around the cache by the
     /// sequential cutoff.
     pub fn sequential_bypass(&self, stream_bytes: u64, cutoff: u64) -> bool {
-        is_sequential_bypass(stream_bytes, cutoff)
+        self.decisions.sequential_bypass(stream_bytes, cutoff)
     }
 
     /// How many streams past `cutoff` ran within `window_ns` before `now_ns`.
@@ -88,20 +152,23 @@ impl VolumePolicy {
     /// Whether a read miss is promoted into a cache that is `full`, for a block that missed
     /// `earlier` times before (the set's ghost history).
     pub fn admit_miss(&self, admission: Admission, full: bool, earlier: u8) -> bool {
-        admit_miss(admission, full, earlier, self.fill_hits.ratio())
+        self.decisions
+            .admit_miss(admission, full, earlier, self.fill_hits.ratio())
     }
 
     /// The miss-fill window for the next miss, in blocks (1: no fill); counts the miss.
     pub fn fill_window(&self, cache: &CacheCosts, block_size: u64) -> u64 {
         let miss_no = self.misses.fetch_add(1, Ordering::Relaxed);
         let est = self.estimate(Op::Read);
-        miss_fill_window(&est, cache, self.fill_hits.ratio(), block_size, miss_no)
+        self.decisions
+            .fill_window(&est, cache, self.fill_hits.ratio(), block_size, miss_no)
     }
 
     /// Whether a miss with `holes` uncached runs is read in one backing read over the
     /// `gap_bytes` of cached blocks between them.
     pub fn span_holes(&self, holes: u64, gap_bytes: u64) -> bool {
-        span_holes(&self.estimate(Op::Read), holes, gap_bytes)
+        self.decisions
+            .span_holes(&self.estimate(Op::Read), holes, gap_bytes)
     }
 
     /// What the backing device is expected to take for a request of `len` bytes (ns).
