@@ -5,7 +5,8 @@
 //! until steady ([`steady`]).
 //!
 //! Owns: process orchestration of the benchmarks (servers, fio, cgroups, W3's filesystem) and
-//! their reports. It links none of tiercache's internals: it runs the `tiercache` binary
+//! their reports. The command line is `cli`'s, the catalogue of workloads and their steps
+//! `catalogue`'s. It links none of tiercache's internals: it runs the `tiercache` binary
 //! (`emulate`, `make`, `serve`) named by the [`Tiercache`] the binary hands to [`run`], and
 //! speaks the admin protocol through the client lent with it.
 //!
@@ -21,7 +22,9 @@
 //! `--workloads hits` runs [`hits`] (cached reads and passthrough writes against nbdkit's file
 //! plugin and fio on the file itself), on its own.
 
+mod catalogue;
 mod cgroup;
+mod cli;
 mod fio;
 mod fs;
 mod hits;
@@ -32,409 +35,17 @@ mod scale;
 mod steady;
 
 use anyhow::{bail, Context, Result};
+pub use catalogue::WORKLOADS;
+use catalogue::*;
 use cgroup::Limiter;
+pub use cli::{BenchArgs, Scale};
 pub use procs::Tiercache;
-use procs::{Running, Sizes, CONFIGS, MEMLIMIT, MEMLIMIT_CONFIGS, NONROT, NONROT_CONFIGS};
+use procs::{Running, Sizes, MEMLIMIT};
 use report::{Row, Series};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Scale {
-    /// Seconds per configuration (CI smoke).
-    Tiny,
-    /// Under 12 minutes on 2 cores.
-    Quick,
-    /// Long runs on a bigger disk.
-    Full,
-}
-
-/// Options of `tiercache bench`.
-#[derive(clap::Args)]
-pub struct BenchArgs {
-    /// How big and long: tiny (smoke), quick (minutes), full (long).
-    #[arg(long, value_enum, default_value = "quick")]
-    scale: Scale,
-    /// Workloads to run, comma separated (W1..W7; default all), or `scale` alone: the engine
-    /// at real size (the --scale-* options; writes scale.md and scale.json), or `hits` alone:
-    /// cached reads and passthrough writes against nbdkit and fio on the file (sized by
-    /// --scale; writes hits.md and hits.json).
-    #[arg(long, value_delimiter = ',')]
-    workloads: Vec<String>,
-    /// Configurations, comma separated, each run on every selected workload (default: hdd,
-    /// ssd, tiercache-writethrough, tiercache-writeback, tiercache-writearound, nbdkit-cache,
-    /// plus tiercache-writeback+memlimit and nbdkit-cache+memlimit on W1, W5 and W6, and hdd,
-    /// tiercache-writethrough, tiercache-writeback and nbdkit-cache +nonrot on W1 and W5).
-    /// NAME+memlimit runs NAME with every server process in a memory cgroup; NAME+nonrot runs
-    /// it over the emulated disk started with --rotational false (compared with hdd+nonrot).
-    #[arg(long, value_delimiter = ',')]
-    configs: Vec<String>,
-    /// An extra argument for every `tiercache serve` of the tiercache-* configurations, to
-    /// compare settings (repeat it: --serve-arg=--replacement=fifo
-    /// --serve-arg=--admission=all).
-    #[arg(long = "serve-arg", value_name = "ARG", allow_hyphen_values = true)]
-    serve_args: Vec<String>,
-    /// An extra argument for every `tiercache make` of the tiercache-* configurations (repeat
-    /// it: --make-arg=--bucket-size=64K).
-    #[arg(long = "make-arg", value_name = "ARG", allow_hyphen_values = true)]
-    make_args: Vec<String>,
-    /// Memory limit in MiB, page cache included, of each server process of a +memlimit
-    /// configuration (default: half the cache size, at least 64 MiB; 0 leaves them out).
-    #[arg(long = "mem-limit", value_name = "MiB")]
-    mem_limit: Option<u64>,
-    /// Longest W6 runs waiting for a steady state, in seconds (default: the scale's; 40 s at
-    /// quick, where the 128 MiB caches fill in about 25 s).
-    #[arg(long = "w6-cap", value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(4..=3600))]
-    w6_cap: Option<u64>,
-    /// W6's steady window, in intervals (default: the scale's; 4 at quick). A longer window
-    /// with --w6-warm-min measures a later, steadier state than quick's.
-    #[arg(long = "w6-intervals", value_name = "N", value_parser = clap::value_parser!(u64).range(1..=600))]
-    w6_intervals: Option<u64>,
-    /// Seconds before which no W6 window of a configuration with a cache starts (default: the
-    /// scale's; 25 s at quick).
-    #[arg(long = "w6-warm-min", value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(0..=3600))]
-    w6_warm_min: Option<u64>,
-    /// Directory for results.md, results.json, plots and scratch devices.
-    #[arg(long, default_value = "bench-results")]
-    out: PathBuf,
-    #[command(flatten)]
-    scale_workload: scale::ScaleArgs,
-}
-
-/// Sizes and durations of one scale.
-#[derive(Clone, Copy, Debug, serde::Serialize)]
-struct Params {
-    disk_bytes: u64,
-    cache_bytes: u64,
-    /// Length of a time-based step.
-    runtime_s: u64,
-    /// Length of a time-based step of a `+nonrot` configuration (shorter at quick, to keep
-    /// quick short; its ratios are over `hdd+nonrot`, which runs as long).
-    nonrot_runtime_s: u64,
-    /// fio jobs of W3 and of W4's sync writes.
-    jobs: u32,
-    /// fio jobs of W4's 64k mostly-sequential writes.
-    seek_jobs: u32,
-    /// Cap on W4's size-based sync-write step.
-    w4_cap_s: u64,
-    /// Dirty data W7 drains.
-    drain_bytes: u64,
-    /// Memory limit of each server process of a `+memlimit` configuration (None: off).
-    mem_limit_bytes: Option<u64>,
-    /// How W6 runs until steady.
-    w6: steady::Rule,
-}
-
-fn params(scale: Scale) -> Params {
-    match scale {
-        Scale::Tiny => Params {
-            disk_bytes: 64 << 20,
-            cache_bytes: 8 << 20,
-            runtime_s: 1,
-            nonrot_runtime_s: 1,
-            jobs: 2,
-            seek_jobs: 2,
-            w4_cap_s: 2,
-            drain_bytes: 1 << 20,
-            mem_limit_bytes: None,
-            w6: steady::Rule {
-                interval_s: 1,
-                intervals: 2,
-                iops_tolerance: 0.5,
-                hit_tolerance_pct: 20.0,
-                in_use_tolerance_pct: 20.0,
-                warm_min_s: 0,
-                cap_s: 4,
-            },
-        },
-        Scale::Quick => Params {
-            disk_bytes: 1 << 30,
-            cache_bytes: 128 << 20,
-            runtime_s: 2,
-            nonrot_runtime_s: 1,
-            jobs: 4,
-            seek_jobs: 4,
-            w4_cap_s: 10,
-            drain_bytes: 8 << 20,
-            mem_limit_bytes: None,
-            w6: steady::Rule {
-                interval_s: 1,
-                intervals: 4,
-                iops_tolerance: 0.20,
-                hit_tolerance_pct: 2.0,
-                in_use_tolerance_pct: 2.0,
-                warm_min_s: 25,
-                cap_s: 40,
-            },
-        },
-        Scale::Full => Params {
-            disk_bytes: 8 << 30,
-            cache_bytes: 1 << 30,
-            runtime_s: 60,
-            nonrot_runtime_s: 60,
-            jobs: 16,
-            seek_jobs: 15,
-            w4_cap_s: 900,
-            drain_bytes: 512 << 20,
-            mem_limit_bytes: None,
-            w6: steady::Rule {
-                interval_s: 10,
-                intervals: 6,
-                iops_tolerance: 0.05,
-                hit_tolerance_pct: 1.0,
-                in_use_tolerance_pct: 2.0,
-                warm_min_s: 240,
-                cap_s: 1800,
-            },
-        },
-    }
-}
-
-/// One fio run of a workload.
-struct Step {
-    name: String,
-    args: Vec<String>,
-    /// Record the IOPS / dirty / occupancy time series of this step.
-    plot: bool,
-    /// Run in intervals until steady ([`steady`]; `args` bound it to the rule's cap): a
-    /// warm-up row and a steady row instead of one.
-    until_steady: Option<steady::Rule>,
-}
-
-impl Step {
-    /// fio jobs the step runs (`--numjobs`, else 1).
-    fn jobs(&self) -> u32 {
-        self.args
-            .iter()
-            .find_map(|a| a.strip_prefix("--numjobs=")?.parse().ok())
-            .unwrap_or(1)
-    }
-}
-
-/// fio's option for a flush after every write. With the `nbd` engine it is how a step asks for
-/// O_SYNC / O_DSYNC writes: the engine ignores `--sync` (O_DSYNC is an open(2) flag; it sends
-/// no FUA) and rejects `--fdatasync`.
-const FLUSH_EVERY_WRITE: &str = "--fsync=1";
-
-pub const WORKLOADS: [(&str, &str); 7] = [
-    (
-        "W1",
-        "4 KiB psync (QD1) read-seq, read-random, write-seq, write-random; run twice: cold, warm",
-    ),
-    (
-        "W2",
-        "IOzone-style record sizes, QD1: sequential write/read, random read/write by record size",
-    ),
-    (
-        "W3",
-        "ext4 over nbdfuse + loop: fio psync randwrite 4k direct=1, many jobs, on files in it",
-    ),
-    (
-        "W4",
-        "4 KiB sync random writes (a flush after each) until 70 % of the cache is written, over time; 64 KiB writes with 1 % random seeks, plain and O_DSYNC (a flush after each)",
-    ),
-    (
-        "W5",
-        "4 KiB libaio-style iodepth 8: randread, randwrite, read, write; sequential_cutoff=0",
-    ),
-    (
-        "W6",
-        "zipf:1.2 random 70/30 read/write over the whole disk, cache at 1/8 of it: warm-up, then steady state",
-    ),
-    (
-        "W7",
-        "fill the cache with random 4 KiB dirty data, then time the drain to the disk",
-    ),
-];
-
-/// Workloads whose reads can be served from RAM, where the `+memlimit` variants run by default.
-const MEMLIMIT_WORKLOADS: [&str; 3] = ["W1", "W5", "W6"];
-
-/// Seek-bound workloads, also run by default over the disk that does not report itself
-/// rotational (the `+nonrot` variants).
-const NONROT_WORKLOADS: [&str; 2] = ["W1", "W5"];
-
-/// The configurations W7 compares: the drain against raw random writes.
-const W7_CONFIGS: [&str; 2] = ["hdd", "tiercache-writeback"];
-
-/// The configurations W6 compares: the disks, and the two write-back caches (nbdkit's filter
-/// runs `cache=writeback`; writethrough and writearound rows would compare unlike things, and
-/// each cached configuration runs until its cache is full, which costs time at every scale).
-const W6_CONFIGS: [&str; 4] = ["hdd", "ssd", "tiercache-writeback", "nbdkit-cache"];
-
-fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
-    let tiny = scale == Scale::Tiny;
-    let span = format!("--size={}", p.disk_bytes);
-    let timed_for = |name: String, runtime_s: u64, extra: &[&str]| Step {
-        name,
-        args: ["--time_based", &format!("--runtime={runtime_s}")]
-            .iter()
-            .chain(extra)
-            .map(|s| s.to_string())
-            .collect(),
-        plot: false,
-        until_steady: None,
-    };
-    let timed = |name: String, extra: &[&str]| timed_for(name, p.runtime_s, extra);
-    match w {
-        "W1" => {
-            let size = format!("--size={}", (p.disk_bytes / 16).min(100 << 20));
-            let all = [
-                ("read-seq", "read"),
-                ("read-random", "randread"),
-                ("write-seq", "write"),
-                ("write-random", "randwrite"),
-            ];
-            let take = if tiny { 2 } else { 4 };
-            let mut out = Vec::new();
-            for pass in ["cold", "warm"] {
-                for (n, rw) in all.iter().take(take) {
-                    out.push(timed(
-                        format!("{n} ({pass})"),
-                        &["--bs=4k", "--iodepth=1", &format!("--rw={rw}"), &size],
-                    ));
-                }
-            }
-            out
-        }
-        "W2" => {
-            let sizes: &[&str] = match scale {
-                Scale::Tiny => &["8k"],
-                Scale::Quick => &["8k", "128k"],
-                Scale::Full => &["8k", "32k", "64k", "128k", "512k"],
-            };
-            // IOzone's order: write, read, then random read and random write.
-            sizes
-                .iter()
-                .flat_map(|bs| {
-                    ["write", "read", "randread", "randwrite"].map(|rw| {
-                        timed(
-                            format!("{rw} {bs}"),
-                            &[
-                                &format!("--bs={bs}"),
-                                &format!("--rw={rw}"),
-                                "--iodepth=1",
-                                &span,
-                            ],
-                        )
-                    })
-                })
-                .collect()
-        }
-        "W3" => {
-            // Files fill about half of the filesystem; the field's run is 20 s.
-            let per_job = (p.disk_bytes / 2 / u64::from(p.jobs)) & !((1 << 20) - 1);
-            vec![timed_for(
-                "randwrite 4k on ext4".into(),
-                p.runtime_s.min(20),
-                &[
-                    "--bs=4k",
-                    "--rw=randwrite",
-                    "--direct=1",
-                    &format!("--numjobs={}", p.jobs),
-                    &format!("--size={per_job}"),
-                ],
-            )]
-        }
-        "W4" => {
-            // Sync writes until 70 % of the cache has been written (over all jobs), capped in
-            // time for the configurations that cannot get there.
-            let per_job = p.cache_bytes * 7 / 10 / u64::from(p.jobs);
-            let sync = Step {
-                name: "sync randwrite 4k to 70 % of cache".into(),
-                args: vec![
-                    "--bs=4k".into(),
-                    "--rw=randwrite".into(),
-                    FLUSH_EVERY_WRITE.into(),
-                    "--iodepth=1".into(),
-                    format!("--numjobs={}", p.jobs),
-                    span.clone(),
-                    format!("--io_size={per_job}"),
-                    format!("--runtime={}", p.w4_cap_s),
-                ],
-                plot: true,
-                until_steady: None,
-            };
-            // Each job streams through its own region (1 MiB kept clear of the export's end,
-            // which is smaller than the disk by tiercache's header).
-            let region = ((p.disk_bytes - (1 << 20)) / u64::from(p.seek_jobs)) & !0xffff;
-            let seeks = |name: &str, extra: &[&str]| {
-                let mut s = timed(
-                    name.into(),
-                    &[
-                        "--bs=64k",
-                        "--rw=randwrite",
-                        "--percentage_random=1",
-                        "--iodepth=1",
-                        &format!("--numjobs={}", p.seek_jobs),
-                        &format!("--size={region}"),
-                        &format!("--offset_increment={region}"),
-                    ],
-                );
-                s.args.extend(extra.iter().map(|a| a.to_string()));
-                s
-            };
-            // The second as the field report ran it: every write O_DSYNC.
-            vec![
-                sync,
-                seeks("64k write 1 % random", &[]),
-                seeks("64k write 1 % random O_DSYNC", &[FLUSH_EVERY_WRITE]),
-            ]
-        }
-        "W5" => {
-            let take = if tiny { 1 } else { 4 };
-            ["randread", "randwrite", "read", "write"]
-                .iter()
-                .take(take)
-                .map(|rw| {
-                    timed(
-                        rw.to_string(),
-                        &["--bs=4k", "--iodepth=8", &format!("--rw={rw}"), &span],
-                    )
-                })
-                .collect()
-        }
-        "W6" => {
-            let mut s = timed_for(
-                "zipf:1.2 randrw 70/30".into(),
-                p.w6.cap_s,
-                &[
-                    "--bs=4k",
-                    "--rw=randrw",
-                    "--rwmixread=70",
-                    "--random_distribution=zipf:1.2",
-                    "--iodepth=4",
-                    &span,
-                ],
-            );
-            s.plot = true;
-            s.until_steady = Some(p.w6);
-            vec![s]
-        }
-        _ => Vec::new(),
-    }
-}
-
-/// The configurations a workload runs on when `--configs` is not given.
-fn default_configs(w: &str, memlimit: bool) -> Vec<String> {
-    let mut v = Vec::new();
-    for c in CONFIGS {
-        if (w == "W7" && !W7_CONFIGS.contains(&c)) || (w == "W6" && !W6_CONFIGS.contains(&c)) {
-            continue;
-        }
-        v.push(c.to_string());
-        if memlimit && MEMLIMIT_WORKLOADS.contains(&w) && MEMLIMIT_CONFIGS.contains(&c) {
-            v.push(format!("{c}{MEMLIMIT}"));
-        }
-    }
-    if NONROT_WORKLOADS.contains(&w) {
-        v.extend(NONROT_CONFIGS.map(|c| format!("{c}{NONROT}")));
-    }
-    v
-}
 
 /// Adds `n` to the notices unless it is there already.
 fn notice(notices: &mut Vec<String>, n: String) {
@@ -925,6 +536,7 @@ fn w7(running: &Running, c: &str, p: &Params) -> Result<Row> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::procs::{CONFIGS, NONROT, NONROT_CONFIGS};
 
     fn arg<'a>(s: &'a Step, key: &str) -> Option<&'a str> {
         s.args.iter().find_map(|a| a.strip_prefix(key))
