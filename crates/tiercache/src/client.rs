@@ -393,6 +393,14 @@ pub fn detach(a: &Admin, device: &str) -> Result<()> {
 }
 
 pub fn attach(a: &Admin, path: &Path) -> Result<()> {
+    // The server opens the path from its own working directory (/ under systemd): a relative
+    // path is made absolute here, where the operator typed it. An NBD URI is sent as it is.
+    let spec = path.to_string_lossy();
+    let path = if path.is_relative() && !blockdev::is_nbd_uri(&spec) {
+        std::env::current_dir()?.join(path)
+    } else {
+        path.to_path_buf()
+    };
     let r = request(
         &a.socket,
         &json!({"cmd": "attach", "path": path.to_string_lossy()}),

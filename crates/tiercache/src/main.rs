@@ -104,35 +104,40 @@ struct ServeHealth {
     /// --io-error-halflife, at which the cache set is degraded (0: the first failure).
     /// Below it, a failed cache read of clean data is served from the backing device and a
     /// failed cache write in writethrough or writearound goes on without the cache.
-    #[arg(long, default_value_t = engine::DEFAULT_IO_ERROR_LIMIT)]
-    io_error_limit: u32,
-    /// Cache-device I/Os after which the failure count halves (0: it never decays).
-    #[arg(long, default_value_t = engine::DEFAULT_IO_ERROR_HALFLIFE)]
-    io_error_halflife: u64,
+    /// [default: 8]
+    #[arg(long)]
+    io_error_limit: Option<u32>,
+    /// Cache-device I/Os after which the failure count halves (0: it never decays) [default:
+    /// 100000].
+    #[arg(long)]
+    io_error_halflife: Option<u64>,
     /// Milliseconds after which a cache-device I/O counts as failed; one still in flight after
-    /// this degrades the cache set (a hung device). 0: no limit; else 100 to 3600000.
-    #[arg(long, default_value_t = engine::DEFAULT_CACHE_IO_TIMEOUT_MS)]
-    cache_io_timeout_ms: u64,
+    /// this degrades the cache set (a hung device). 0: no limit; else 100 to 3600000
+    /// [default: 30000].
+    #[arg(long)]
+    cache_io_timeout_ms: Option<u64>,
     /// While the cache device's reads take longer than this on average (microseconds), clean
     /// reads are served by the backing device instead (dirty data is still read from the
-    /// cache). 0: never; at most 10000000.
-    #[arg(long, default_value_t = engine::DEFAULT_CONGESTED_READ_US)]
-    congested_read_threshold_us: u64,
+    /// cache). 0: never; at most 10000000 [default: 2000].
+    #[arg(long)]
+    congested_read_threshold_us: Option<u64>,
     /// While the cache device's writes take longer than this on average (microseconds),
     /// writes in writethrough and writearound go to the backing device alone (writeback writes
-    /// still go to the cache). 0: never; at most 10000000.
-    #[arg(long, default_value_t = engine::DEFAULT_CONGESTED_WRITE_US)]
-    congested_write_threshold_us: u64,
+    /// still go to the cache). 0: never; at most 10000000 [default: 20000].
+    #[arg(long)]
+    congested_write_threshold_us: Option<u64>,
     /// Which read misses a full cache admits: ghost (only blocks that also missed recently,
     /// so one-time reads and scans do not evict what is used again) or all (every miss,
     /// bcache's rule). While the cache has room every miss is admitted, and so are misses of
-    /// sequential streams and of devices whose miss fills are measured to be read soon.
-    #[arg(long, default_value = "ghost", value_parser = ["ghost", "all"])]
-    admission: String,
+    /// sequential streams and of devices whose miss fills are measured to be read soon
+    /// [default: ghost].
+    #[arg(long, value_parser = ["ghost", "all"])]
+    admission: Option<String>,
     /// Which clean data a full cache gives up, by bucket: lru (least recently read or
-    /// written), fifo (written longest ago) or random (bcache's cache_replacement_policy).
-    #[arg(long, default_value = "lru", value_parser = ["lru", "fifo", "random"])]
-    replacement: String,
+    /// written), fifo (written longest ago) or random (bcache's cache_replacement_policy)
+    /// [default: lru].
+    #[arg(long, value_parser = ["lru", "fifo", "random"])]
+    replacement: Option<String>,
 }
 
 /// TLS for TCP clients (NBD's STARTTLS). The unix socket always serves in clear.
@@ -144,17 +149,17 @@ struct ServeTls {
     #[arg(long, value_enum, value_name = "MODE")]
     tls: Option<serve::TlsMode>,
     /// The server's certificate for TLS (PEM, leaf first; needs --tcp).
-    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    #[arg(long, value_name = "FILE")]
     tls_cert: Option<PathBuf>,
     /// The private key of --tls-cert (PEM).
-    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    #[arg(long, value_name = "FILE")]
     tls_key: Option<PathBuf>,
     /// Admit only TLS clients with a certificate issued by --tls-ca.
-    #[arg(long, requires = "tls_ca")]
+    #[arg(long)]
     tls_verify_peer: bool,
     /// CA certificate(s) (PEM) that client certificates must chain to (with
     /// --tls-verify-peer).
-    #[arg(long, value_name = "FILE", requires = "tls_verify_peer")]
+    #[arg(long, value_name = "FILE")]
     tls_ca: Option<PathBuf>,
 }
 
@@ -197,8 +202,8 @@ enum Cmd {
     /// cache is saved, exit status 0. Under systemd (`Type=notify`, $NOTIFY_SOCKET) it reports
     /// READY=1 once every socket listens. See contrib/systemd for a unit and a config.
     Serve {
-        /// Cache device (as formatted by `make`).
-        #[arg(long, required_unless_present = "config")]
+        /// Cache device (as formatted by `make`); required unless --config names one.
+        #[arg(long)]
         cache: Option<PathBuf>,
         /// Backing device(s) to attach and serve.
         #[arg(long)]
@@ -247,22 +252,16 @@ enum Cmd {
         #[arg(long)]
         allow_missing: bool,
         /// Read settings from a TOML file: the keys are the long options above with '_' for
-        /// '-' (cache, backing, socket, tcp, admin, socket_mode, ..., request_memory,
+        /// '-' (cache, backing = [...], socket, tcp, admin, socket_mode, ..., request_memory,
         /// io_error_limit, ..., congested_write_threshold_us, admission = "ghost",
-        /// replacement = "lru", tls = "require", tls_cert,
-        /// tls_key, tls_verify_peer = true, tls_ca, without_cache_if_missing = true,
-        /// without_cache_discard_dirty = true, allow_missing = true), plus per-volume knobs in [volumes.NAME] tables
-        /// (see README).
-        #[arg(long, conflicts_with_all = [
-            "cache", "backing", "socket", "tcp", "admin", "socket_mode", "socket_owner",
-            "socket_group", "idle_timeout", "idle_close_after", "max_connections",
-            "max_connections_per_client", "request_memory", "shutdown_timeout", "io_error_limit",
-            "io_error_halflife", "cache_io_timeout_ms", "congested_read_threshold_us",
-            "congested_write_threshold_us", "admission", "replacement",
-            "without_cache_if_missing", "allow_missing",
-            "without_cache_discard_dirty", "tls", "tls_cert", "tls_key", "tls_verify_peer",
-            "tls_ca", "metrics",
-        ])]
+        /// replacement = "lru", tls = "require", tls_cert, tls_key, tls_verify_peer = true,
+        /// tls_ca, metrics, without_cache_if_missing = true, without_cache_discard_dirty =
+        /// true, allow_missing = true), plus per-volume knobs in [volumes.NAME] tables (see
+        /// README). An option also given on the command line overrides the file's key
+        /// (--backing replaces the file's whole list; a switch such as --allow-missing turns
+        /// the key on), so an operator can change one setting for one start without editing
+        /// the file.
+        #[arg(long)]
         config: Option<PathBuf>,
     },
     /// Quickstart: make slow and fast file-backed devices, serve them, show the cache working.
@@ -430,13 +429,18 @@ enum Cmd {
         no_wait: bool,
     },
     /// Format a cache device and backing device(s) and attach them (like make-bcache).
+    ///
+    /// Without --cache, only the backing device(s) are formatted (like `make-bcache -B`):
+    /// they belong to no cache set yet, and `tiercache attach PATH` takes each into a running
+    /// server's set (after which `serve --backing PATH` names it at every start).
     Make {
         /// Slow device, image or NBD URI to cache (repeat for several backing devices).
         #[arg(long, required = true)]
         backing: Vec<PathBuf>,
-        /// Fast device or file that holds the cache.
+        /// Fast device or file that holds the cache. Without it the backing device(s) are
+        /// formatted alone, for `tiercache attach` to a running set.
         #[arg(long)]
-        cache: PathBuf,
+        cache: Option<PathBuf>,
         /// Bucket size: the unit of allocation and reclaim on the cache device.
         #[arg(long, default_value = "512k", value_parser = parse_size)]
         bucket_size: u64,
@@ -504,7 +508,7 @@ enum EmulateKind {
 
 fn make(
     backing: &[PathBuf],
-    cache: &Path,
+    cache: Option<&Path>,
     bucket_size: u64,
     block_size: u64,
     writeback: bool,
@@ -523,6 +527,9 @@ fn make(
         .iter()
         .map(|p| p.to_string_lossy().into_owned())
         .collect();
+    let Some(cache) = cache else {
+        return make_backing_alone(backing, &specs, block_size, writeback, label, force);
+    };
     devices::ensure_distinct(cache, &specs)?;
     let cache_dev = devices::open_path(cache, Access::Write)?;
     let backing_devs = specs
@@ -534,15 +541,7 @@ fn make(
     } else {
         CacheMode::Writethrough
     };
-    let labels: Vec<String> = (0..backing.len())
-        .map(|i| {
-            if backing.len() > 1 && !label.is_empty() {
-                format!("{label}-{i}")
-            } else {
-                label.to_string()
-            }
-        })
-        .collect();
+    let labels = labels_of(backing.len(), label);
     // Check everything before writing anything: a `make` that fails has changed nothing.
     CacheSet::check_format(&*cache_dev, &opts, force)
         .with_context(|| format!("{}", cache.display()))?;
@@ -555,13 +554,19 @@ fn make(
     for ((p, d), l) in backing.iter().zip(&backing_devs).zip(&labels) {
         engine::format_backing(&**d, l, mode, force).with_context(|| format!("{}", p.display()))?;
     }
-    let (set, _) = CacheSet::open(
+    // Opening the set just formatted logs the engine's "recovered" line at INFO, which is no
+    // news to someone who ran `make`: only warnings are shown meanwhile.
+    let level = log::max_level();
+    log::set_max_level(log::LevelFilter::Warn.min(level));
+    let opened = CacheSet::open(
         cache_dev,
         Config {
             background: false,
             ..Config::default()
         },
-    )?;
+    );
+    log::set_max_level(level);
+    let (set, _) = opened?;
     let mut made = Vec::new();
     for (p, d) in backing.iter().zip(backing_devs) {
         let vol = set
@@ -590,6 +595,64 @@ fn make(
     }))
 }
 
+/// The label of each of `n` backing devices formatted together: `label`, or `label-N` when
+/// there are several.
+fn labels_of(n: usize, label: &str) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            if n > 1 && !label.is_empty() {
+                format!("{label}-{i}")
+            } else {
+                label.to_string()
+            }
+        })
+        .collect()
+}
+
+/// `make --backing X` without `--cache` (make-bcache -B): backing headers that name no cache
+/// set, for `attach` into a running one. Checks every device before writing any.
+fn make_backing_alone(
+    backing: &[PathBuf],
+    specs: &[String],
+    block_size: u64,
+    writeback: bool,
+    label: &str,
+    force: bool,
+) -> Result<Value> {
+    for (i, s) in specs.iter().enumerate() {
+        if specs[..i].contains(s) {
+            bail!("{s} is named twice");
+        }
+    }
+    let devs = specs
+        .iter()
+        .map(|s| devices::open_spec(s, Access::Write))
+        .collect::<Result<Vec<_>>>()?;
+    let labels = labels_of(backing.len(), label);
+    for ((p, d), l) in backing.iter().zip(&devs).zip(&labels) {
+        engine::check_format_backing(&**d, l, force, block_size)
+            .with_context(|| format!("{}", p.display()))?;
+    }
+    let mode = if writeback {
+        CacheMode::Writeback
+    } else {
+        CacheMode::Writethrough
+    };
+    let mut made = Vec::new();
+    for ((p, d), l) in backing.iter().zip(&devs).zip(&labels) {
+        let h = engine::format_backing(&**d, l, mode, force)
+            .with_context(|| format!("{}", p.display()))?;
+        made.push(json!({
+            "path": p,
+            "uuid": h.dev_uuid.to_string(),
+            "export": if h.label.is_empty() { h.dev_uuid.to_string() } else { h.label.clone() },
+            "size_bytes": h.data_size,
+            "cache_mode": mode.name(),
+        }));
+    }
+    Ok(json!({"cache": null, "backing": made}))
+}
+
 /// What `make` made, as JSON or as a line per device.
 fn print_made(made: &Value, as_json: bool) -> Result<()> {
     if as_json {
@@ -608,6 +671,13 @@ fn print_made(made: &Value, as_json: bool) -> Result<()> {
         );
     }
     let c = &made["cache"];
+    if c.is_null() {
+        println!(
+            "not attached to a cache set: `tiercache attach PATH` takes a device into a \
+             running server's set"
+        );
+        return Ok(());
+    }
     println!(
         "cache {}: set {} {} buckets of {} ({} of cache space), block size {}",
         t(c, "path"),
@@ -868,7 +938,7 @@ fn main() -> ExitCode {
         } => done(
             make(
                 &backing,
-                &cache,
+                cache.as_deref(),
                 bucket_size,
                 block_size,
                 writeback,
@@ -903,42 +973,46 @@ fn main() -> ExitCode {
             allow_missing,
             config,
         } => (|| {
-            let cfg = match config {
-                Some(f) => serve::ServeConfig::from_file(&f)?,
-                None => serve::ServeConfig {
-                    cache: cache.expect("clap requires --cache"),
-                    backing,
-                    socket,
-                    tcp,
-                    admin,
-                    socket_mode: limits.socket_mode,
-                    socket_owner: limits.socket_owner,
-                    socket_group: limits.socket_group,
-                    idle_timeout: limits.idle_timeout,
-                    idle_close_after: limits.idle_close_after,
-                    max_connections: limits.max_connections,
-                    max_connections_per_client: limits.max_connections_per_client,
-                    request_memory: limits.request_memory,
-                    shutdown_timeout: limits.shutdown_timeout,
-                    io_error_limit: Some(health.io_error_limit),
-                    io_error_halflife: Some(health.io_error_halflife),
-                    cache_io_timeout_ms: Some(health.cache_io_timeout_ms),
-                    congested_read_threshold_us: Some(health.congested_read_threshold_us),
-                    congested_write_threshold_us: Some(health.congested_write_threshold_us),
-                    admission: Some(health.admission),
-                    replacement: Some(health.replacement),
-                    volumes: Default::default(),
-                    without_cache_if_missing,
-                    without_cache_discard_dirty,
-                    allow_missing,
-                    tls: tls.tls,
-                    tls_cert: tls.tls_cert,
-                    tls_key: tls.tls_key,
-                    tls_verify_peer: tls.tls_verify_peer,
-                    tls_ca: tls.tls_ca,
-                    metrics,
-                },
+            let flags = serve::ServeConfig {
+                cache: cache.unwrap_or_default(),
+                backing,
+                socket,
+                tcp,
+                admin,
+                socket_mode: limits.socket_mode,
+                socket_owner: limits.socket_owner,
+                socket_group: limits.socket_group,
+                idle_timeout: limits.idle_timeout,
+                idle_close_after: limits.idle_close_after,
+                max_connections: limits.max_connections,
+                max_connections_per_client: limits.max_connections_per_client,
+                request_memory: limits.request_memory,
+                shutdown_timeout: limits.shutdown_timeout,
+                io_error_limit: health.io_error_limit,
+                io_error_halflife: health.io_error_halflife,
+                cache_io_timeout_ms: health.cache_io_timeout_ms,
+                congested_read_threshold_us: health.congested_read_threshold_us,
+                congested_write_threshold_us: health.congested_write_threshold_us,
+                admission: health.admission,
+                replacement: health.replacement,
+                volumes: Default::default(),
+                without_cache_if_missing,
+                without_cache_discard_dirty,
+                allow_missing,
+                tls: tls.tls,
+                tls_cert: tls.tls_cert,
+                tls_key: tls.tls_key,
+                tls_verify_peer: tls.tls_verify_peer,
+                tls_ca: tls.tls_ca,
+                metrics,
             };
+            let cfg = match config {
+                Some(f) => serve::ServeConfig::from_file(&f)?.overridden_by(flags),
+                None => flags,
+            };
+            if cfg.cache.as_os_str().is_empty() {
+                bail!("no cache device: give --cache DEVICE, or `cache = \"DEVICE\"` in --config FILE");
+            }
             serve::serve(&cfg, |_| {})
         })()
         .map(|_| ExitCode::SUCCESS),
