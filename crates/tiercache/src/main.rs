@@ -332,13 +332,21 @@ enum Cmd {
         #[command(flatten)]
         admin: AdminArgs,
     },
-    /// A live view of a running server, refreshed every second: per volume, reads and writes
-    /// per second by hit/miss/bypass and their MiB/s, hit ratio, latency percentiles, dirty
-    /// data and its trend, writeback; the cache's occupancy and health (q quits).
+    /// A live view of a running server in 80x24, refreshed every second (q quits).
+    ///
+    /// Per volume: reads per second as `stats` counts them (R hit: cache_hits, R miss:
+    /// cache_misses, R byp: cache_bypass_hits + cache_bypass_misses), writes per second by
+    /// where they went (W wb: the cache alone, W wt: both devices, W byp: the backing device
+    /// alone), their MiB/s, the hit ratio over the interval (HIT%, as `stats` computes it),
+    /// latency percentiles; dirty data, its change per second over the interval and a
+    /// sparkline of the last refreshes; writeback as `status` names it (idle: nothing dirty)
+    /// with the bytes written back per second; cached data and the volume's state. Above
+    /// them the cache device's occupancy and health. Sizes are in KiB/MiB/GiB (K, M, G).
     Top {
         #[command(flatten)]
         admin: AdminArgs,
-        /// Print the view once as plain text, from two samples an interval apart, and exit.
+        /// Print the view once, from two samples an interval apart, and exit (with --json:
+        /// the counts over the interval as well as the rates).
         #[arg(long)]
         once: bool,
         /// Seconds between samples (0.1 to 60).
@@ -1073,9 +1081,12 @@ fn main() -> ExitCode {
                 bail!("--interval must be between 0.1 and 60 seconds");
             }
             let interval = std::time::Duration::from_secs_f64(interval);
+            if admin.json && !once {
+                bail!("--json needs --once (the live view is for a terminal)");
+            }
             let socket = admin.target()?.socket;
             if once {
-                top::once(&socket, interval)
+                top::once(&socket, interval, admin.json)
             } else {
                 top::live(&socket, interval)
             }
