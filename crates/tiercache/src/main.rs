@@ -363,37 +363,65 @@ enum Cmd {
         bytes: bool,
     },
     /// Print the knobs of a device (all of them, or the value of one, as `set` accepts it).
+    #[command(after_long_help = KNOB_TABLE)]
     Get {
         #[command(flatten)]
         admin: AdminArgs,
-        /// Export name or uuid.
+        /// The volume: its export name (label) or uuid, as `status` lists it.
+        #[arg(value_name = "VOLUME")]
         device: String,
-        /// cache_mode, sequential_cutoff, writeback_percent, writeback_delay,
-        /// writeback_running or label.
+        /// The knob to print (all of them without it).
+        #[arg(value_parser = engine::Knob::NAMES)]
         knob: Option<String>,
     },
-    /// Change a knob of a device live: cache_mode, sequential_cutoff, writeback_percent,
-    /// writeback_delay, writeback_running, label.
+    /// Change a knob of a device live; it is checked, applied and saved in the backing
+    /// device's header at once (see the table below).
+    #[command(after_long_help = KNOB_TABLE)]
     Set {
         #[command(flatten)]
         admin: AdminArgs,
-        /// Export name or uuid.
+        /// The volume: its export name (label) or uuid, as `status` lists it.
+        #[arg(value_name = "VOLUME")]
         device: String,
+        /// The knob to change: cache_mode, sequential_cutoff, writeback_percent,
+        /// writeback_delay, writeback_running or label (values and defaults below).
+        #[arg(value_parser = engine::Knob::NAMES)]
         knob: String,
         /// The new value (sizes take suffixes: 8M; booleans 1/0, on/off, true/false).
         #[arg(allow_hyphen_values = true)]
         value: String,
     },
-    /// Write back all dirty data of a device, then remove it from the cache set.
+    /// Reset a volume's statistics (bcache's clear_stats): `stats` and `status` count from
+    /// now on, in every window (total, five_minute, hour, day). The Prometheus counters of
+    /// `serve --metrics` are not reset (counters only grow; rates from them are unaffected).
+    ClearStats {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// The volume: its export name (label) or uuid, as `status` lists it.
+        #[arg(value_name = "VOLUME")]
+        device: String,
+    },
+    /// Write back all dirty data of a device, then remove it from the cache set (its
+    /// backing device then holds all its data and can be used alone or attached again).
     Detach {
         #[command(flatten)]
         admin: AdminArgs,
+        /// The volume: its export name (label) or uuid, as `status` lists it.
+        #[arg(value_name = "VOLUME")]
         device: String,
     },
     /// Attach a formatted backing device to the running cache set and export it.
+    ///
+    /// The device is one formatted by `make` (alone, without --cache, or with this set's
+    /// cache device), one detached from this set, or one this set lists as missing. A device
+    /// whose header names another cache set is refused. Name it in `serve --backing` (or the
+    /// config file) too, so that it is served after a restart.
     Attach {
         #[command(flatten)]
         admin: AdminArgs,
+        /// The backing device: a block device, an image file or an NBD URI, as `make
+        /// --backing` took it (a relative path is taken from the current directory).
+        #[arg(value_name = "BACKING", value_hint = clap::ValueHint::AnyPath)]
         path: PathBuf,
     },
     /// Take in a backing device that grew (a bigger image file, an extended LV): its header
@@ -470,8 +498,11 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Print the superblock of a cache device or the header of a backing device.
+    /// Print the superblock of a cache device or the header of a backing device (without
+    /// locking it: it works beside a running server).
     Show {
+        /// A cache or backing device: a block device, an image file or an NBD URI.
+        #[arg(value_name = "DEVICE", value_hint = clap::ValueHint::AnyPath)]
         path: PathBuf,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -480,6 +511,9 @@ enum Cmd {
     /// Verify all metadata of a device (and with --data, every cached block's checksum).
     /// Exit status: 0 healthy, 1 damaged but usable, 2 unusable.
     Check {
+        /// A cache or backing device not in use by a server (it is locked while checked): a
+        /// block device, an image file or an NBD URI.
+        #[arg(value_name = "DEVICE", value_hint = clap::ValueHint::AnyPath)]
         path: PathBuf,
         /// Also read every cached block and verify its checksum.
         #[arg(long)]
@@ -496,6 +530,26 @@ enum Cmd {
         what: GenerateCmd,
     },
 }
+
+/// The knobs `get` prints and `set` changes, for their long help and man pages.
+const KNOB_TABLE: &str = "\
+Knobs (bcache's names; the config file's [volumes.NAME] tables set them at every start):
+
+  KNOB               VALUES                                      DEFAULT
+  cache_mode         writethrough, writeback, writearound, none  writethrough (make
+                     (none: the cache is not used)               --writeback: writeback)
+  sequential_cutoff  a size, 0 to 1G: sequential streams past    4M
+                     it bypass the cache (0: never)
+  writeback_percent  0 to 100: the dirty data writeback aims     10
+                     for, in percent of the cache device
+  writeback_delay    seconds, 0 to 86400: how long new dirty     30
+                     data waits before it is written back
+  writeback_running  1/0, on/off, true/false, yes/no: off        on
+                     pauses writeback (detach still writes back)
+  label              the export name: 1 to 64 bytes of           as `make --label` set it
+                     A-Z a-z 0-9 . _ -, not a uuid               (empty: the uuid)
+
+Sizes take suffixes (8M, 512k). A value out of range is refused and changes nothing.";
 
 #[derive(Subcommand)]
 enum GenerateCmd {
@@ -1102,6 +1156,9 @@ fn main() -> ExitCode {
                 .target()
                 .and_then(|a| client::set(&a, &device, &knob, &value)),
         ),
+        Cmd::ClearStats { admin, device } => {
+            done(admin.target().and_then(|a| client::clear_stats(&a, &device)))
+        }
         Cmd::Detach { admin, device } => {
             done(admin.target().and_then(|a| client::detach(&a, &device)))
         }
@@ -1122,6 +1179,74 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("tiercache: {e:#}");
             ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The knob table and the defaults in `--help` say what the engine does.
+    #[test]
+    fn the_help_states_the_engines_defaults() {
+        for k in engine::Knob::NAMES {
+            assert!(KNOB_TABLE.contains(&format!("\n  {k} ")), "{k} missing");
+        }
+        let row = |k: &str| {
+            KNOB_TABLE
+                .lines()
+                .find(|l| l.starts_with(&format!("  {k} ")))
+                .unwrap()
+                .to_string()
+        };
+        let d = engine::knobs::Tunables::default();
+        assert!(row("sequential_cutoff").ends_with(&format!(" {}M", d.sequential_cutoff >> 20)));
+        assert!(row("writeback_percent").ends_with(&format!(" {}", d.writeback_percent)));
+        assert!(row("writeback_delay").ends_with(&format!(" {}", d.writeback_delay_secs)));
+        assert!(row("writeback_running").ends_with(if d.writeback_running {
+            " on"
+        } else {
+            " off"
+        }));
+        assert!(KNOB_TABLE.contains(&format!("1 to {} bytes", engine::format::LABEL_BYTES)));
+        let mut serve = Cli::command();
+        let help = serve
+            .find_subcommand_mut("serve")
+            .unwrap()
+            .render_long_help()
+            .to_string()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        for (opt, default) in [
+            ("io-error-limit", engine::DEFAULT_IO_ERROR_LIMIT.to_string()),
+            (
+                "io-error-halflife",
+                engine::DEFAULT_IO_ERROR_HALFLIFE.to_string(),
+            ),
+            (
+                "cache-io-timeout-ms",
+                engine::DEFAULT_CACHE_IO_TIMEOUT_MS.to_string(),
+            ),
+            (
+                "congested-read-threshold-us",
+                engine::DEFAULT_CONGESTED_READ_US.to_string(),
+            ),
+            (
+                "congested-write-threshold-us",
+                engine::DEFAULT_CONGESTED_WRITE_US.to_string(),
+            ),
+        ] {
+            let at = help.find(&format!("--{opt} <")).unwrap();
+            let next = help[at + 2..]
+                .find(" --")
+                .map_or(help.len(), |n| at + 2 + n);
+            assert!(
+                help[at..next].contains(&format!("[default: {default}]")),
+                "{opt}: {}",
+                &help[at..next]
+            );
         }
     }
 }

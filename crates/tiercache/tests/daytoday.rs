@@ -308,3 +308,108 @@ extern "C" {
     #[link_name = "kill"]
     fn libc_kill(pid: i32, sig: i32) -> i32;
 }
+
+#[test]
+fn clear_stats_resets_what_stats_count_for_one_volume() {
+    if !have("qemu-io") {
+        return;
+    }
+    let mut f = Fixture::new(32, 16, false);
+    f.start();
+    let uri = f.uri();
+    qemu_io(&uri, &["read 0 1M", "read 0 1M"]);
+    let stats = |f: &Fixture| json_of(&f.tc_admin(&["stats", "--json", "--bytes"]));
+    let before = stats(&f);
+    let dev = &before["devices"][0];
+    assert!(
+        dev["stats_total"]["cache_misses"].as_u64().unwrap() > 0,
+        "{dev}"
+    );
+    assert!(
+        dev["stats_five_minute"]["cache_hits"].as_u64().unwrap() > 0,
+        "{dev}"
+    );
+    let o = f.tc_admin(&["clear-stats", "data"]);
+    assert!(
+        stdout(&o).contains("data: statistics cleared"),
+        "{}",
+        stdout(&o)
+    );
+    let after = stats(&f);
+    for w in ["total", "five_minute", "hour", "day"] {
+        let s = &after["devices"][0][format!("stats_{w}")];
+        for (k, v) in s.as_object().unwrap() {
+            assert_eq!(v.as_u64(), Some(0), "{w}.{k} after clear-stats: {s}");
+        }
+    }
+    // Counting goes on from there: one more 1 MiB read of cached data.
+    qemu_io(&uri, &["read 0 1M"]);
+    let again = stats(&f);
+    for w in ["total", "five_minute"] {
+        let s = &again["devices"][0][format!("stats_{w}")];
+        assert!(s["cache_hits"].as_u64().unwrap() > 0, "{s}");
+        assert_eq!(s["cache_misses"], 0, "{s}");
+        assert_eq!(s["cache_read_bytes"], 1 << 20, "{s}");
+        assert_eq!(s["cache_hit_ratio"], 100, "{s}");
+    }
+    // An unknown volume is an error naming the ones there are.
+    let o = f.admin_cmd(&["clear-stats", "nosuch"]).output().unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("devices: data"), "{}", stderr(&o));
+    f.stop();
+}
+
+#[test]
+fn help_man_pages_and_completions_document_knobs_and_arguments() {
+    let help = stdout(&run(tc().args(["set", "--help"])));
+    for want in [
+        "<VOLUME>",
+        "<KNOB>",
+        "The knob to change",
+        "[possible values: cache_mode, sequential_cutoff",
+        "KNOB               VALUES",
+        "writeback_delay    seconds, 0 to 86400",
+    ] {
+        assert!(help.contains(want), "set --help lacks {want:?}:\n{help}");
+    }
+    let o = tc().args(["set", "data", "nosuch", "1"]).output().unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("possible values"), "{}", stderr(&o));
+    for cmd in ["show", "check", "attach", "detach", "clear-stats", "get"] {
+        let help = stdout(&run(tc().args([cmd, "--help"])));
+        let args: Vec<&str> = help
+            .lines()
+            .skip_while(|l| !l.starts_with("Arguments:"))
+            .skip(1)
+            .take_while(|l| !l.is_empty())
+            .collect();
+        assert!(!args.is_empty(), "{cmd} --help lists no arguments:\n{help}");
+        // "  <DEVICE>  A cache or ..." or "  <DEVICE>" with its description on the next lines.
+        let is_arg = |l: &str| l.trim_start().starts_with('<') || l.trim_start().starts_with('[');
+        for (n, a) in args.iter().enumerate().filter(|(_, l)| is_arg(l)) {
+            let described = a.split_whitespace().count() > 1
+                || args.get(n + 1).is_some_and(|next| !is_arg(next));
+            assert!(
+                described,
+                "{cmd}: argument without a description: {a}\n{help}"
+            );
+        }
+    }
+    let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+    run(tc().args(["generate", "man"]).arg(dir.path()));
+    let man = std::fs::read_to_string(dir.path().join("tiercache-set.1")).unwrap();
+    for want in [
+        "writeback_percent",
+        "86400",
+        "writethrough",
+        "The knob to change",
+    ] {
+        assert!(man.contains(want), "tiercache-set.1 lacks {want}");
+    }
+    assert!(dir.path().join("tiercache-clear-stats.1").exists());
+    let bash = stdout(&run(tc().args(["generate", "completions", "bash"])));
+    assert!(
+        bash.contains("cache_mode sequential_cutoff writeback_percent writeback_delay writeback_running label"),
+        "bash completion of knob names"
+    );
+}
