@@ -391,18 +391,21 @@ fn charts(rows: &[Row], series: &[Series]) -> Result<Vec<(String, String, String
         };
         let panels = [
             Panel {
-                y_desc: "IOPS",
+                y_desc: "IOPS (log scale)",
                 y_max: None,
+                log: true,
                 lines: lines(|s| &s.iops, true),
             },
             Panel {
                 y_desc: "dirty data (MiB)",
                 y_max: None,
+                log: false,
                 lines: lines(|s| &s.dirty_mib, false),
             },
             Panel {
                 y_desc: "cache in use (%)",
                 y_max: Some(100.0),
+                log: false,
                 lines: lines(|s| &s.in_use_pct, false),
             },
         ];
