@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 pub enum Scale {
     /// Seconds per configuration (CI smoke).
     Tiny,
-    /// Under 12 minutes on 2 cores.
+    /// About 11 minutes on 2 cores.
     Quick,
     /// Long runs on a bigger disk.
     Full,
@@ -222,7 +222,7 @@ const FLUSH_EVERY_WRITE: &str = "--fsync=1";
 pub const WORKLOADS: [(&str, &str); 7] = [
     (
         "W1",
-        "4 KiB psync (QD1) read-seq, read-random, write-seq, write-random; run twice: cold, warm",
+        "4 KiB psync (QD1) sequential and random reads and writes, run twice: cold, warm (the tiny scale: reads only)",
     ),
     (
         "W2",
