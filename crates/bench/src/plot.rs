@@ -13,7 +13,9 @@
 //! there in a "no data for ..." note with the caller's reason, in the middle of the panel when
 //! nothing else is drawn in it (the axes still are); a series of one or two points also gets a
 //! marker per point, so it is visible even where a line is not; the palette is the caller's,
-//! so one configuration has one colour in every chart of a run.
+//! so one configuration has one colour in every chart of a run; a panel with a log axis
+//! (IOPS, which differ by orders of magnitude between configurations) spans whole powers of
+//! ten from below its smallest positive value, and draws a 0 on its floor.
 
 use anyhow::{anyhow, Result};
 use plotters::chart::MeshStyle;
