@@ -14,6 +14,9 @@ targets=(server_handshake client_handshake request_decoder reply_decoder
 budget() { if [[ $1 == engine_* ]]; then echo "$engine_seconds"; else echo "$seconds"; fi; }
 max_len() { if [[ $1 == engine_* ]]; then echo 16384; else echo 4096; fi; }
 
+# The tracked Cargo.lock is used as it is, never rewritten: a stale one fails here, by name.
+cargo metadata --locked --format-version 1 >/dev/null
+
 use_cargo_fuzz=0
 if [[ "${FUZZ_FALLBACK:-0}" != 1 ]] && cargo fuzz --version >/dev/null 2>&1; then
     if RUSTC_BOOTSTRAP=1 cargo fuzz build -O "${targets[0]}" >/tmp/nbd-fuzz-build.log 2>&1; then
@@ -36,7 +39,7 @@ if [[ $use_cargo_fuzz == 1 ]]; then
             -max_total_time="$(budget "$t")" -max_len="$(max_len "$t")" -print_final_stats=1 2>&1 | tail -n 5
     done
 else
-    cargo build --release --bin fallback
+    cargo build --locked --release --bin fallback
     for t in "${targets[@]}"; do
         echo "== fallback $t ($(budget "$t")s)"
         ./target/release/fallback "$t" "$(budget "$t")"

@@ -13,7 +13,9 @@
 //! there in a "no data for ..." note with the caller's reason, in the middle of the panel when
 //! nothing else is drawn in it (the axes still are); a series of one or two points also gets a
 //! marker per point, so it is visible even where a line is not; the palette is the caller's,
-//! so one configuration has one colour in every chart of a run.
+//! so one configuration has one colour in every chart of a run; a panel with a log axis
+//! (IOPS, which differ by orders of magnitude between configurations) spans whole powers of
+//! ten from below its smallest positive value, and draws a 0 on its floor.
 
 use anyhow::{anyhow, Result};
 use plotters::chart::MeshStyle;
@@ -55,6 +57,11 @@ pub struct Panel<'a> {
     pub y_desc: &'a str,
     /// The top of the y axis when it is fixed (a percentage), else from the data.
     pub y_max: Option<f64>,
+    /// A logarithmic y axis (rates that differ by orders of magnitude between
+    /// configurations: on a linear axis every line under the fastest one lies flat on the
+    /// floor). Its bottom is the power of ten below the smallest positive value; a value of 0
+    /// is drawn on the bottom.
+    pub log: bool,
     pub lines: Vec<Line<'a>>,
 }
 
@@ -256,39 +263,71 @@ pub fn time_series(title: &str, keys: &[Key], panels: &[Panel]) -> Result<String
                 .flat_map(|l| l.points.iter().map(|p| p.1))
                 .fold(0.0f64, f64::max);
             let y_max = panel.y_max.unwrap_or((y_data * 1.1).max(1.0));
-            let mut chart = frame(&area, 38)
-                .build_cartesian_2d(0.0..t_max, 0.0..y_max)
-                .map_err(err)?;
-            grid(&mut chart.configure_mesh())
-                .x_desc("time (s)")
-                .y_desc(panel.y_desc)
-                .x_labels(10)
-                .y_labels(6)
-                .x_label_formatter(&|v| tick(*v))
-                .y_label_formatter(&|v| tick(*v))
-                .draw()
-                .map_err(err)?;
-            let mut drawn = false;
-            for l in panel.lines.iter().filter(|l| !l.points.is_empty()) {
-                let c = color(l.key.color);
-                chart
-                    .draw_series(LineSeries::new(l.points.iter().copied(), c.stroke_width(2)))
-                    .map_err(err)?;
-                if l.points.len() <= 2 {
-                    chart
-                        .draw_series(l.points.iter().map(|&p| Circle::new(p, 4, c.filled())))
+            // Draws the panel's axes and lines on `chart` (linear or logarithmic y), with
+            // every y at least `floor`; whether a line was drawn.
+            macro_rules! draw_panel {
+                ($chart:expr, $floor:expr) => {{
+                    let chart = $chart;
+                    grid(&mut chart.configure_mesh())
+                        .x_desc("time (s)")
+                        .y_desc(panel.y_desc)
+                        .x_labels(10)
+                        .y_labels(6)
+                        .x_label_formatter(&|v| tick(*v))
+                        .y_label_formatter(&|v| tick(*v))
+                        .draw()
                         .map_err(err)?;
-                }
-                drawn = true;
+                    let mut drawn = false;
+                    for l in panel.lines.iter().filter(|l| !l.points.is_empty()) {
+                        let c = color(l.key.color);
+                        let points = l.points.iter().map(|&(t, y)| (t, y.max($floor)));
+                        chart
+                            .draw_series(LineSeries::new(points.clone(), c.stroke_width(2)))
+                            .map_err(err)?;
+                        if l.points.len() <= 2 {
+                            chart
+                                .draw_series(points.map(|p| Circle::new(p, 4, c.filled())))
+                                .map_err(err)?;
+                        }
+                        drawn = true;
+                    }
+                    drawn
+                }};
             }
+            let (drawn, mid, corner) = if panel.log {
+                let min = panel
+                    .lines
+                    .iter()
+                    .flat_map(|l| l.points.iter().map(|p| p.1))
+                    .filter(|&y| y > 0.0)
+                    .fold(f64::INFINITY, f64::min);
+                let lo = if min.is_finite() {
+                    10f64.powf(min.log10().floor())
+                } else {
+                    1.0
+                };
+                let hi = 10f64.powf(y_max.max(lo * 10.0).log10().ceil());
+                let mut chart = frame(&area, 38)
+                    .build_cartesian_2d(0.0..t_max, (lo..hi).log_scale())
+                    .map_err(err)?;
+                let drawn = draw_panel!(&mut chart, lo);
+                let mid = chart.backend_coord(&(t_max / 2.0, (lo * hi).sqrt()));
+                (drawn, mid, chart.backend_coord(&(t_max, hi)))
+            } else {
+                let mut chart = frame(&area, 38)
+                    .build_cartesian_2d(0.0..t_max, 0.0..y_max)
+                    .map_err(err)?;
+                let drawn = draw_panel!(&mut chart, f64::MIN);
+                let mid = chart.backend_coord(&(t_max / 2.0, y_max / 2.0));
+                (drawn, mid, chart.backend_coord(&(t_max, y_max)))
+            };
             let empty = empty_notes(&panel.lines);
             if !drawn {
-                let mid = chart.backend_coord(&(t_max / 2.0, y_max / 2.0));
                 let mut all = vec!["no data".to_string()];
                 all.extend(empty);
                 notes(&root, mid, true, &all)?;
             } else if !empty.is_empty() {
-                let (x, y) = chart.backend_coord(&(t_max, y_max));
+                let (x, y) = corner;
                 notes(&root, (x - 8, y + 6), false, &empty)?;
             }
         }
@@ -442,11 +481,13 @@ mod tests {
                 Panel {
                     y_desc: "IOPS",
                     y_max: None,
+                    log: false,
                     lines: vec![line(HDD, &hdd, ""), line(WB, &wb, "")],
                 },
                 Panel {
                     y_desc: "dirty (MiB)",
                     y_max: None,
+                    log: false,
                     lines: vec![line(HDD, &[], "not reported"), line(WB, &dirty, "")],
                 },
             ],
@@ -483,6 +524,66 @@ mod tests {
         assert_eq!(notes, ["no data for hdd: not reported"], "{t:?}");
     }
 
+    /// The vertical extent, in pixels, of the data line in a colour.
+    fn line_height(svg: &str, (r, g, b): Rgb) -> i64 {
+        let l = svg
+            .lines()
+            .find(|l| {
+                l.starts_with("<polyline")
+                    && l.contains(&format!("stroke=\"#{r:02X}{g:02X}{b:02X}\""))
+            })
+            .unwrap();
+        let pts = &l[l.find("points=\"").unwrap() + 8..];
+        let ys: Vec<i64> = pts[..pts.find('"').unwrap()]
+            .split_whitespace()
+            .map(|p| p.split(',').nth(1).unwrap().parse().unwrap())
+            .collect();
+        ys.iter().max().unwrap() - ys.iter().min().unwrap()
+    }
+
+    #[test]
+    fn a_log_axis_keeps_lines_far_below_the_fastest_visible() {
+        // W6's shape: the ssd near 25k IOPS (with a second of none at all, drawn on the
+        // floor), tiercache-writeback between 300 and 900.
+        let ssd: Vec<(f64, f64)> = (0..20)
+            .map(|t| {
+                (
+                    t as f64,
+                    if t == 7 {
+                        0.0
+                    } else {
+                        25_000.0 - 50.0 * t as f64
+                    },
+                )
+            })
+            .collect();
+        let wb: Vec<(f64, f64)> = (0..20)
+            .map(|t| (t as f64, 300.0 + 30.0 * t as f64))
+            .collect();
+        let panel = |log| Panel {
+            y_desc: "IOPS",
+            y_max: None,
+            log,
+            lines: vec![line(HDD, &ssd, ""), line(WB, &wb, "")],
+        };
+        let linear = time_series("W6 linear", &[HDD, WB], &[panel(false)]).unwrap();
+        let log = time_series("W6 log", &[HDD, WB], &[panel(true)]).unwrap();
+        keep("w6-linear.svg", &linear);
+        keep("w6-log.svg", &log);
+        // The panel is 230 px high: linear squeezes 300..900 into a few pixels on the floor;
+        // on the log axis it spans half a decade of three.
+        let (flat, spread) = (line_height(&linear, WB.color), line_height(&log, WB.color));
+        assert!(
+            flat < 8 && spread > 4 * flat,
+            "linear {flat} px, log {spread} px"
+        );
+        // Powers of ten as ticks, from 100 (below the smallest positive value) to 100k.
+        let t = texts(&log);
+        for tick in ["100", "1000", "10k", "100k"] {
+            assert!(t.iter().any(|s| s == tick), "{tick}: {t:?}");
+        }
+    }
+
     #[test]
     fn empty_and_short_series_say_so() {
         let one = [(0.2, 5.0)];
@@ -493,6 +594,7 @@ mod tests {
                 Panel {
                     y_desc: "IOPS",
                     y_max: None,
+                    log: true,
                     lines: vec![
                         line(HDD, &[], "fio logged no full second"),
                         line(WB, &[], "fio logged no full second"),
@@ -501,6 +603,7 @@ mod tests {
                 Panel {
                     y_desc: "cache in use (%)",
                     y_max: Some(100.0),
+                    log: false,
                     lines: vec![line(WB, &one, "")],
                 },
             ],

@@ -162,6 +162,8 @@ pub fn write(
             continue;
         }
         writeln!(md, "## {w}: {what}\n")?;
+        // The steps this run measured (a smaller scale leaves some out).
+        writeln!(md, "{}\n", steps_run(&wr))?;
         if w == "W7" {
             writeln!(
                 md,
@@ -207,6 +209,14 @@ pub fn write(
 
 /// One workload's table. The disk column appears when a row ran on the non-rotational disk, the
 /// seconds column when a row is a W6 phase.
+/// "Steps run: a, b, c." from a workload's rows, in order, each named once.
+fn steps_run(rows: &[&Row]) -> String {
+    format!(
+        "Steps run: {}.",
+        in_order(rows.iter().map(|r| r.step.as_str())).join(", ")
+    )
+}
+
 fn table(md: &mut String, rows: &[&Row]) -> Result<()> {
     let disk = rows.iter().any(|r| r.disk == Disk::NonRotational);
     let secs = rows.iter().any(|r| r.phase.is_some());
@@ -391,18 +401,21 @@ fn charts(rows: &[Row], series: &[Series]) -> Result<Vec<(String, String, String
         };
         let panels = [
             Panel {
-                y_desc: "IOPS",
+                y_desc: "IOPS (log scale)",
                 y_max: None,
+                log: true,
                 lines: lines(|s| &s.iops, true),
             },
             Panel {
                 y_desc: "dirty data (MiB)",
                 y_max: None,
+                log: false,
                 lines: lines(|s| &s.dirty_mib, false),
             },
             Panel {
                 y_desc: "cache in use (%)",
                 y_max: Some(100.0),
+                log: false,
                 lines: lines(|s| &s.in_use_pct, false),
             },
         ];
@@ -496,6 +509,30 @@ mod tests {
         );
         assert!(md.contains("(steady), NOT reached: the last 0 s"), "{md}");
         assert_ne!(color("hdd"), color("hdd+nonrot"));
+    }
+
+    #[test]
+    fn a_workload_lists_the_steps_it_ran() {
+        let row = |step: &str, cfg: &str| Row {
+            workload: "W1".into(),
+            step: step.into(),
+            config: cfg.into(),
+            ..Row::default()
+        };
+        // The tiny scale's W1: reads only, for two configurations.
+        let rows = [
+            row("read-seq (cold)", "hdd"),
+            row("read-seq (cold)", "ssd"),
+            row("read-random (cold)", "hdd"),
+            row("read-seq (warm)", "hdd"),
+        ];
+        let refs: Vec<&Row> = rows.iter().collect();
+        assert_eq!(
+            steps_run(&refs),
+            "Steps run: read-seq (cold), read-random (cold), read-seq (warm)."
+        );
+        let w1 = WORKLOADS.iter().find(|w| w.0 == "W1").unwrap().1;
+        assert!(!w1.contains("write-seq"), "{w1}");
     }
 
     #[test]

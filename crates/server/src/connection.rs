@@ -102,6 +102,26 @@ const REUSE_BYTES_MAX: usize = 256 * 1024;
 /// which the socket buffer normally takes at once).
 const CLOSE_NOTIFY_WAIT: Duration = Duration::from_secs(1);
 
+/// What to do about a client certificate the TLS handshake refused (`None`: the handshake
+/// failed for another reason). rustls (webpki) accepts only X.509 version 3 certificates,
+/// which GnuTLS and OpenSSL clients present without complaint in any version.
+pub fn client_certificate_fix(handshake_error: &str) -> Option<&'static str> {
+    if handshake_error.contains("UnsupportedCertVersion") {
+        Some(
+            "the client's certificate is X.509 version 1, and only version 3 is accepted: \
+             issue it again as version 3 (openssl x509 -req ... -extfile FILE with \
+             extendedKeyUsage = clientAuth; certtool and rcgen make version 3)",
+        )
+    } else if handshake_error.contains("invalid peer certificate") {
+        Some(
+            "the client's certificate must chain to the CA of --tls-ca, be current, and \
+             allow clientAuth (extendedKeyUsage)",
+        )
+    } else {
+        None
+    }
+}
+
 /// Serves one connection until it ends; errors are logged, never propagated. A client that
 /// hung up (its socket closed under a reply, as `nbdinfo` does after NBD_OPT_ABORT) is a normal
 /// end, logged at debug level like a clean close; anything else is worth an info line.
@@ -181,6 +201,11 @@ fn serve_inner(
                     .handshake(&mut Deadlined::new(stream, deadline))
                     .map_err(|e| {
                         let e = timeout_context(e, "the TLS handshake", config.handshake_timeout);
+                        if let Some(fix) = client_certificate_fix(&e.to_string()) {
+                            // The client sees only "TLS fatal alert": the reason and the fix
+                            // are for the operator.
+                            log::warn!("connection {id}: client certificate refused ({e}): {fix}");
+                        }
                         io::Error::new(e.kind(), format!("TLS handshake: {e}"))
                     })?;
                 log::debug!(

@@ -1,7 +1,7 @@
 //! The admin protocol: live control of a running `tiercache serve` over a unix socket.
 //!
 //! One JSON object per line each way. A request names a command (`status`, `stats`, `set`,
-//! `detach`, `attach`, `resize`, `readmit`, `degrade`, `stop`, `metrics`); the reply is
+//! `clear_stats`, `detach`, `attach`, `resize`, `readmit`, `degrade`, `stop`, `metrics`); the reply is
 //! `{"ok": true, ...}` or `{"ok": false, "error": "..."}`. Long operations (detach) first send
 //! progress lines `{"progress": {...}}`. `status` and `stats` carry the cache device's health
 //! (`ok` or `degraded`, why and since when, failure counts, latency estimates), each volume's
@@ -24,6 +24,9 @@
 //! connection idle longest, so a flood of admin connections costs a bounded number of threads
 //! and descriptors and cannot lock the operator out; a stuck client cannot block the others.
 //! A connection that asked to `stop` stays open (and counted) until the process exits.
+//! `clear_stats` (bcache's clear_stats) resets what `status` and `stats` count for a volume,
+//! by remembering the engine's counters at that moment ([`CLEARED`]) and subtracting them;
+//! the engine's counters, and so the Prometheus counters and `top`, keep growing.
 
 use crate::units::parse_size;
 use crate::writeback_meter::{self, WritebackMeter};
@@ -102,6 +105,39 @@ fn missing_json(set: &CacheSet, pending: &[Pending]) -> (Value, Value) {
         .map(|p| json!({"backing": p.spec, "error": p.error, "since_unix": p.since_unix}))
         .collect();
     (Value::Array(missing), Value::Array(pending))
+}
+
+/// The engine's counters of each volume when its statistics were last cleared (one server per
+/// process). A volume whose counters are below them (detached and attached again since) has
+/// its entry dropped.
+static CLEARED: Mutex<Option<HashMap<uuid::Uuid, engine::stats::Snapshot>>> = Mutex::new(None);
+
+/// `s` with its statistics counted from the last `clear_stats` of the volume: the total less
+/// the counters at the clear, and each window (five_minute, hour, day) the smaller, field by
+/// field, of the window and that (for counters that only grow, the later start).
+fn since_cleared(mut s: DevStatus) -> DevStatus {
+    let mut cleared = CLEARED.lock().unwrap_or_else(|p| p.into_inner());
+    let map = cleared.get_or_insert_with(HashMap::new);
+    let Some(base) = map.get(&s.uuid).copied() else {
+        return s;
+    };
+    let total = s.stats.total;
+    if total
+        .fields()
+        .iter()
+        .zip(base.fields())
+        .any(|((_, t), (_, b))| *t < b)
+    {
+        map.remove(&s.uuid);
+        return s;
+    }
+    let since = total.since(&base);
+    let min = |w: &engine::stats::Snapshot| w.since(&w.since(&since));
+    s.stats.five_minute = min(&s.stats.five_minute);
+    s.stats.hour = min(&s.stats.hour);
+    s.stats.day = min(&s.stats.day);
+    s.stats.total = since;
+    s
 }
 
 fn find(set: &CacheSet, name: &str) -> Result<Volume> {
@@ -300,7 +336,7 @@ fn handle(
                 .volumes()
                 .iter()
                 .map(|v| {
-                    let s = v.status();
+                    let s = since_cleared(v.status());
                     let mut d = status_json(&s, &v.name());
                     d["writeback_bytes_per_sec"] =
                         json!(meter.bytes_per_sec(s.uuid, s.stats.total.writeback_bytes));
@@ -362,6 +398,18 @@ fn handle(
                 "value": status_json(&vol.status(), &vol.name())[knob],
             }))
         }
+        "clear_stats" => {
+            let set = set()?;
+            let vol = find(set, field("device")?)?;
+            let now = vol.status().stats.total;
+            CLEARED
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert_with(HashMap::new)
+                .insert(vol.uuid(), now);
+            log::info!("export '{}': statistics cleared", vol.name());
+            Ok(json!({"ok": true, "device": vol.name()}))
+        }
         "detach" => {
             let set = set()?;
             let vol = find(set, field("device")?)?;
@@ -409,8 +457,8 @@ fn handle(
         "metrics" => Ok(json!({"ok": true, "metrics": ctl.metrics()?})),
         other => {
             bail!(
-                "unknown command '{other}' (commands: status, stats, set, detach, attach, \
-                 resize, readmit, degrade, stop, metrics)"
+                "unknown command '{other}' (commands: status, stats, set, clear_stats, detach, \
+                 attach, resize, readmit, degrade, stop, metrics)"
             )
         }
     }

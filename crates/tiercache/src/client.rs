@@ -392,7 +392,28 @@ pub fn detach(a: &Admin, device: &str) -> Result<()> {
     Ok(())
 }
 
+pub fn clear_stats(a: &Admin, device: &str) -> Result<()> {
+    let r = request(
+        &a.socket,
+        &json!({"cmd": "clear_stats", "device": device}),
+        &mut |_| {},
+    )?;
+    if a.json {
+        return print_json(&r);
+    }
+    println!("{}: statistics cleared", text(&r, "device"));
+    Ok(())
+}
+
 pub fn attach(a: &Admin, path: &Path) -> Result<()> {
+    // The server opens the path from its own working directory (/ under systemd): a relative
+    // path is made absolute here, where the operator typed it. An NBD URI is sent as it is.
+    let spec = path.to_string_lossy();
+    let path = if path.is_relative() && !blockdev::is_nbd_uri(&spec) {
+        std::env::current_dir()?.join(path)
+    } else {
+        path.to_path_buf()
+    };
     let r = request(
         &a.socket,
         &json!({"cmd": "attach", "path": path.to_string_lossy()}),

@@ -4,8 +4,12 @@
 //! the hit ratio and latency improve pass by pass, then keeps serving and prints how to
 //! connect, until Ctrl-C.
 //!
-//! Invariant: the demo only ever writes inside its own directory; it re-formats devices there
-//! on every run, so a run never depends on a previous one.
+//! Invariants: the demo only ever writes inside its own directory. It reuses the devices
+//! there when they are its own (the slow device's header names the fast device's cache set
+//! and the export `demo`, and the size asked for is the slow device's size), so the cache a
+//! run leaves stays warm for the next; anything else there under its file names is formatted
+//! again. Output that cannot be written (stdout a pipe whose reader has gone, as in `demo |
+//! head`) ends the demo quietly and promptly: the server is stopped, nothing panics.
 
 use crate::serve::{serve_devices, Running, ServeConfig};
 use crate::units::human;
@@ -33,22 +37,38 @@ pub fn run(dir: &Path, size: u64, no_serve: bool) -> Result<()> {
     let fast_path = dir.join("fast.img");
     let socket = dir.join("nbd.sock");
     let fast_size = (size / 4).max(64 << 20);
-    let slow = FileDevice::create(&slow_path, size).context("creating the slow device")?;
-    let fast = FileDevice::create(&fast_path, fast_size).context("creating the fast device")?;
-    CacheSet::format(&fast, &FormatOptions::default(), true)?;
-    engine::format_backing(&slow, EXPORT, CacheMode::Writethrough, true)?;
-    drop((slow, fast));
-    println!("tiercache demo in {}", dir.display());
-    println!(
-        "  slow device: {} ({}, behind an emulated 7200 rpm disk: ~8 ms per random read)",
-        slow_path.display(),
-        human(size)
-    );
-    println!(
-        "  fast device: {} ({}, the cache)",
-        fast_path.display(),
-        human(fast_size)
-    );
+    let reused = own_devices(&slow_path, &fast_path, size);
+    if !reused {
+        let slow = FileDevice::create(&slow_path, size).context("creating the slow device")?;
+        let fast = FileDevice::create(&fast_path, fast_size).context("creating the fast device")?;
+        CacheSet::format(&fast, &FormatOptions::default(), true)?;
+        engine::format_backing(&slow, EXPORT, CacheMode::Writethrough, true)?;
+        drop((slow, fast));
+    }
+    let fast_size = std::fs::metadata(&fast_path)?.len();
+    let said = (|| -> std::io::Result<()> {
+        say(format_args!("tiercache demo in {}", dir.display()))?;
+        say(format_args!(
+            "  slow device: {} ({}, behind an emulated 7200 rpm disk: ~8 ms per random read)",
+            slow_path.display(),
+            human(size)
+        ))?;
+        say(format_args!(
+            "  fast device: {} ({}, the cache)",
+            fast_path.display(),
+            human(fast_size)
+        ))?;
+        if reused {
+            say(format_args!(
+                "  (the devices of the last run, with its cache: delete them to start cold)"
+            ))?;
+        }
+        Ok(())
+    })();
+    if said.is_err() {
+        // Nobody reads any more (`demo | head`): nothing to show.
+        return Ok(());
+    }
     let slow: Arc<dyn BlockDevice> = Arc::new(LatencyDevice::new(
         FileDevice::open(&slow_path, FileDeviceOptions::default())?,
         Model::Hdd(HddModel::default()),
@@ -64,7 +84,9 @@ pub fn run(dir: &Path, size: u64, no_serve: bool) -> Result<()> {
     let admin = cfg.admin();
     serve_devices(&cfg, fast, vec![slow], move |running| {
         if let Err(e) = workload(running, &socket) {
-            eprintln!("demo workload failed: {e:#}");
+            if !is_gone(&e) {
+                eprintln!("demo workload failed: {e:#}");
+            }
             running.request_stop();
             return;
         }
@@ -72,27 +94,75 @@ pub fn run(dir: &Path, size: u64, no_serve: bool) -> Result<()> {
             running.request_stop();
             return;
         }
-        let uri = format!("nbd+unix:///{EXPORT}?socket={}", socket.display());
-        println!();
-        println!("Still serving. Connect with any NBD client, for example:");
-        println!("  nbdinfo '{uri}'");
-        println!("  qemu-img info '{uri}'");
-        println!(
-            "  nbdfuse {}/mnt '{uri}' &   # then losetup + mkfs.ext4 + mount",
-            dir.display()
-        );
-        println!(
-            "  sudo nbd-client -unix {} /dev/nbd0 -name {EXPORT}",
-            socket.display()
-        );
-        let tc = command_name();
-        println!("Watch it:   {tc} status --admin {}", admin.display());
-        println!(
-            "Tune it:    {tc} set --admin {} {EXPORT} cache_mode writeback",
-            admin.display()
-        );
-        println!("Press Ctrl-C to stop (the cache is saved and stays warm for the next run).");
+        if connect_hints(&dir, &socket, &admin).is_err() {
+            running.request_stop();
+        }
     })
+}
+
+/// Whether the slow and fast device files are the ones an earlier demo made, of the size
+/// asked for now: the slow device's header names the export `demo` and the fast device's
+/// cache set. Anything unreadable or different is not.
+fn own_devices(slow_path: &Path, fast_path: &Path, size: u64) -> bool {
+    let open = |p: &Path| FileDevice::open(p, FileDeviceOptions::default()).ok();
+    let (Some(slow), Some(fast)) = (open(slow_path), open(fast_path)) else {
+        return false;
+    };
+    let (Ok((sb, _)), Ok((h, _))) = (
+        engine::format::Superblock::read(&fast),
+        engine::format::BackingHeader::read(&slow),
+    ) else {
+        return false;
+    };
+    slow.size_bytes() == size && h.label == EXPORT && h.set_uuid == sb.set_uuid
+}
+
+/// One line on stdout; an error when it cannot be written (the reader has gone).
+fn say(line: std::fmt::Arguments) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}")?;
+    out.flush()
+}
+
+/// Whether an error is stdout gone (a broken pipe), which ends the demo without a word.
+fn is_gone(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// How to connect to the demo while it keeps serving.
+fn connect_hints(dir: &Path, socket: &Path, admin: &Path) -> std::io::Result<()> {
+    let uri = format!("nbd+unix:///{EXPORT}?socket={}", socket.display());
+    say(format_args!(""))?;
+    say(format_args!(
+        "Still serving. Connect with any NBD client, for example:"
+    ))?;
+    say(format_args!("  nbdinfo '{uri}'"))?;
+    say(format_args!("  qemu-img info '{uri}'"))?;
+    say(format_args!(
+        "  nbdfuse {}/mnt '{uri}' &   # then losetup + mkfs.ext4 + mount",
+        dir.display()
+    ))?;
+    say(format_args!(
+        "  sudo nbd-client -unix {} /dev/nbd0 -name {EXPORT}",
+        socket.display()
+    ))?;
+    let tc = command_name();
+    say(format_args!(
+        "Watch it:   {tc} status --admin {}",
+        admin.display()
+    ))?;
+    say(format_args!(
+        "Tune it:    {tc} set --admin {} {EXPORT} cache_mode writeback",
+        admin.display()
+    ))?;
+    say(format_args!(
+        "Press Ctrl-C to stop (the cache is saved, and the next run in {} starts warm).",
+        dir.display()
+    ))
 }
 
 /// How to run this binary again: "tiercache" if that name on $PATH is this binary, else its
@@ -127,12 +197,14 @@ fn workload(running: &Arc<Running>, socket: &Path) -> Result<()> {
     let blocks = HOT_SET_BYTES.min(dev.size_bytes()) / 4096;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut buf = vec![0u8; 4096];
-    println!();
-    println!(
+    say(format_args!(""))?;
+    say(format_args!(
         "Reading {READS_PER_PASS} random 4 KiB blocks per pass from a {} hot set over NBD:",
         human(HOT_SET_BYTES)
-    );
-    println!("  pass     IOPS   mean latency   hit ratio (this pass)");
+    ))?;
+    say(format_args!(
+        "  pass     IOPS   mean latency   hit ratio (this pass)"
+    ))?;
     let mut base = vol.status().stats.total;
     for pass in 1..=PASSES {
         let start = Instant::now();
@@ -144,12 +216,12 @@ fn workload(running: &Arc<Running>, socket: &Path) -> Result<()> {
         let now = vol.status().stats.total;
         let delta = now.since(&base);
         base = now;
-        println!(
+        say(format_args!(
             "  {pass:>4} {:>8.0} {:>11.2} ms {:>10}%",
             READS_PER_PASS as f64 / secs,
             secs * 1000.0 / READS_PER_PASS as f64,
             delta.hit_ratio_pct()
-        );
+        ))?;
     }
     Ok(())
 }

@@ -105,35 +105,40 @@ struct ServeHealth {
     /// --io-error-halflife, at which the cache set is degraded (0: the first failure).
     /// Below it, a failed cache read of clean data is served from the backing device and a
     /// failed cache write in writethrough or writearound goes on without the cache.
-    #[arg(long, default_value_t = engine::DEFAULT_IO_ERROR_LIMIT)]
-    io_error_limit: u32,
-    /// Cache-device I/Os after which the failure count halves (0: it never decays).
-    #[arg(long, default_value_t = engine::DEFAULT_IO_ERROR_HALFLIFE)]
-    io_error_halflife: u64,
+    /// [default: 8]
+    #[arg(long)]
+    io_error_limit: Option<u32>,
+    /// Cache-device I/Os after which the failure count halves (0: it never decays) [default:
+    /// 100000].
+    #[arg(long)]
+    io_error_halflife: Option<u64>,
     /// Milliseconds after which a cache-device I/O counts as failed; one still in flight after
-    /// this degrades the cache set (a hung device). 0: no limit; else 100 to 3600000.
-    #[arg(long, default_value_t = engine::DEFAULT_CACHE_IO_TIMEOUT_MS)]
-    cache_io_timeout_ms: u64,
+    /// this degrades the cache set (a hung device). 0: no limit; else 100 to 3600000
+    /// [default: 30000].
+    #[arg(long)]
+    cache_io_timeout_ms: Option<u64>,
     /// While the cache device's reads take longer than this on average (microseconds), clean
     /// reads are served by the backing device instead (dirty data is still read from the
-    /// cache). 0: never; at most 10000000.
-    #[arg(long, default_value_t = engine::DEFAULT_CONGESTED_READ_US)]
-    congested_read_threshold_us: u64,
+    /// cache). 0: never; at most 10000000 [default: 2000].
+    #[arg(long)]
+    congested_read_threshold_us: Option<u64>,
     /// While the cache device's writes take longer than this on average (microseconds),
     /// writes in writethrough and writearound go to the backing device alone (writeback writes
-    /// still go to the cache). 0: never; at most 10000000.
-    #[arg(long, default_value_t = engine::DEFAULT_CONGESTED_WRITE_US)]
-    congested_write_threshold_us: u64,
+    /// still go to the cache). 0: never; at most 10000000 [default: 20000].
+    #[arg(long)]
+    congested_write_threshold_us: Option<u64>,
     /// Which read misses a full cache admits: ghost (only blocks that also missed recently,
     /// so one-time reads and scans do not evict what is used again) or all (every miss,
     /// bcache's rule). While the cache has room every miss is admitted, and so are misses of
-    /// sequential streams and of devices whose miss fills are measured to be read soon.
-    #[arg(long, default_value = "ghost", value_parser = ["ghost", "all"])]
-    admission: String,
+    /// sequential streams and of devices whose miss fills are measured to be read soon
+    /// [default: ghost].
+    #[arg(long, value_parser = ["ghost", "all"])]
+    admission: Option<String>,
     /// Which clean data a full cache gives up, by bucket: lru (least recently read or
-    /// written), fifo (written longest ago) or random (bcache's cache_replacement_policy).
-    #[arg(long, default_value = "lru", value_parser = ["lru", "fifo", "random"])]
-    replacement: String,
+    /// written), fifo (written longest ago) or random (bcache's cache_replacement_policy)
+    /// [default: lru].
+    #[arg(long, value_parser = ["lru", "fifo", "random"])]
+    replacement: Option<String>,
 }
 
 /// TLS for TCP clients (NBD's STARTTLS). The unix socket always serves in clear.
@@ -145,17 +150,17 @@ struct ServeTls {
     #[arg(long, value_enum, value_name = "MODE")]
     tls: Option<serve::TlsMode>,
     /// The server's certificate for TLS (PEM, leaf first; needs --tcp).
-    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    #[arg(long, value_name = "FILE")]
     tls_cert: Option<PathBuf>,
     /// The private key of --tls-cert (PEM).
-    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    #[arg(long, value_name = "FILE")]
     tls_key: Option<PathBuf>,
     /// Admit only TLS clients with a certificate issued by --tls-ca.
-    #[arg(long, requires = "tls_ca")]
+    #[arg(long)]
     tls_verify_peer: bool,
     /// CA certificate(s) (PEM) that client certificates must chain to (with
     /// --tls-verify-peer).
-    #[arg(long, value_name = "FILE", requires = "tls_verify_peer")]
+    #[arg(long, value_name = "FILE")]
     tls_ca: Option<PathBuf>,
 }
 
@@ -198,8 +203,8 @@ enum Cmd {
     /// cache is saved, exit status 0. Under systemd (`Type=notify`, $NOTIFY_SOCKET) it reports
     /// READY=1 once every socket listens. See contrib/systemd for a unit and a config.
     Serve {
-        /// Cache device (as formatted by `make`).
-        #[arg(long, required_unless_present = "config")]
+        /// Cache device (as formatted by `make`); required unless --config names one.
+        #[arg(long)]
         cache: Option<PathBuf>,
         /// Backing device(s) to attach and serve.
         #[arg(long)]
@@ -222,12 +227,12 @@ enum Cmd {
         /// device left by a server that died is taken over (user recovery).
         #[arg(long)]
         ublk: bool,
-        /// Hardware queues of each ublk device, one thread each (1 to 32).
-        #[arg(long, default_value_t = 2, requires = "ublk")]
-        ublk_queues: u16,
-        /// The N of the first volume's /dev/ublkbN.
-        #[arg(long, default_value_t = 0, requires = "ublk")]
-        ublk_first_id: u32,
+        /// Hardware queues of each ublk device, one thread each (1 to 32) [default: 2].
+        #[arg(long, requires = "ublk")]
+        ublk_queues: Option<u16>,
+        /// The N of the first volume's /dev/ublkbN [default: 0].
+        #[arg(long, requires = "ublk")]
+        ublk_first_id: Option<u32>,
         #[command(flatten)]
         limits: ServeLimits,
         #[command(flatten)]
@@ -259,23 +264,16 @@ enum Cmd {
         #[arg(long)]
         allow_missing: bool,
         /// Read settings from a TOML file: the keys are the long options above with '_' for
-        /// '-' (cache, backing, socket, tcp, admin, socket_mode, ..., request_memory,
+        /// '-' (cache, backing = [...], socket, tcp, admin, socket_mode, ..., request_memory,
         /// io_error_limit, ..., congested_write_threshold_us, admission = "ghost",
-        /// replacement = "lru", tls = "require", tls_cert,
-        /// tls_key, tls_verify_peer = true, tls_ca, without_cache_if_missing = true,
-        /// without_cache_discard_dirty = true, allow_missing = true, ublk = true, ublk_queues,
-        /// ublk_first_id), plus per-volume knobs in [volumes.NAME] tables
-        /// (see README).
-        #[arg(long, conflicts_with_all = [
-            "cache", "backing", "socket", "tcp", "admin", "socket_mode", "socket_owner",
-            "socket_group", "idle_timeout", "idle_close_after", "max_connections",
-            "max_connections_per_client", "request_memory", "shutdown_timeout", "io_error_limit",
-            "io_error_halflife", "cache_io_timeout_ms", "congested_read_threshold_us",
-            "congested_write_threshold_us", "admission", "replacement",
-            "without_cache_if_missing", "allow_missing",
-            "without_cache_discard_dirty", "tls", "tls_cert", "tls_key", "tls_verify_peer",
-            "tls_ca", "metrics", "ublk",
-        ])]
+        /// replacement = "lru", tls = "require", tls_cert, tls_key, tls_verify_peer = true,
+        /// tls_ca, metrics, without_cache_if_missing = true, without_cache_discard_dirty =
+        /// true, allow_missing = true, ublk = true, ublk_queues, ublk_first_id), plus per-volume knobs in [volumes.NAME] tables (see
+        /// README). An option also given on the command line overrides the file's key
+        /// (--backing replaces the file's whole list; a switch such as --allow-missing turns
+        /// the key on), so an operator can change one setting for one start without editing
+        /// the file.
+        #[arg(long)]
         config: Option<PathBuf>,
     },
     /// Quickstart: make slow and fast file-backed devices, serve them, show the cache working.
@@ -346,13 +344,21 @@ enum Cmd {
         #[command(flatten)]
         admin: AdminArgs,
     },
-    /// A live view of a running server, refreshed every second: per volume, reads and writes
-    /// per second by hit/miss/bypass and their MiB/s, hit ratio, latency percentiles, dirty
-    /// data and its trend, writeback; the cache's occupancy and health (q quits).
+    /// A live view of a running server in 80x24, refreshed every second (q quits).
+    ///
+    /// Per volume: reads per second as `stats` counts them (R hit: cache_hits, R miss:
+    /// cache_misses, R byp: cache_bypass_hits + cache_bypass_misses), writes per second by
+    /// where they went (W wb: the cache alone, W wt: both devices, W byp: the backing device
+    /// alone), their MiB/s, the hit ratio over the interval (HIT%, as `stats` computes it),
+    /// latency percentiles; dirty data, its change per second over the interval and a
+    /// sparkline of the last refreshes; writeback as `status` names it (idle: nothing dirty)
+    /// with the bytes written back per second; cached data and the volume's state. Above
+    /// them the cache device's occupancy and health. Sizes are in KiB/MiB/GiB (K, M, G).
     Top {
         #[command(flatten)]
         admin: AdminArgs,
-        /// Print the view once as plain text, from two samples an interval apart, and exit.
+        /// Print the view once, from two samples an interval apart, and exit (with --json:
+        /// the counts over the interval as well as the rates).
         #[arg(long)]
         once: bool,
         /// Seconds between samples (0.1 to 60).
@@ -369,37 +375,65 @@ enum Cmd {
         bytes: bool,
     },
     /// Print the knobs of a device (all of them, or the value of one, as `set` accepts it).
+    #[command(after_long_help = KNOB_TABLE)]
     Get {
         #[command(flatten)]
         admin: AdminArgs,
-        /// Export name or uuid.
+        /// The volume: its export name (label) or uuid, as `status` lists it.
+        #[arg(value_name = "VOLUME")]
         device: String,
-        /// cache_mode, sequential_cutoff, writeback_percent, writeback_delay,
-        /// writeback_running or label.
+        /// The knob to print (all of them without it).
+        #[arg(value_parser = engine::Knob::NAMES)]
         knob: Option<String>,
     },
-    /// Change a knob of a device live: cache_mode, sequential_cutoff, writeback_percent,
-    /// writeback_delay, writeback_running, label.
+    /// Change a knob of a device live; it is checked, applied and saved in the backing
+    /// device's header at once (see the table below).
+    #[command(after_long_help = KNOB_TABLE)]
     Set {
         #[command(flatten)]
         admin: AdminArgs,
-        /// Export name or uuid.
+        /// The volume: its export name (label) or uuid, as `status` lists it.
+        #[arg(value_name = "VOLUME")]
         device: String,
+        /// The knob to change: cache_mode, sequential_cutoff, writeback_percent,
+        /// writeback_delay, writeback_running or label (values and defaults below).
+        #[arg(value_parser = engine::Knob::NAMES)]
         knob: String,
         /// The new value (sizes take suffixes: 8M; booleans 1/0, on/off, true/false).
         #[arg(allow_hyphen_values = true)]
         value: String,
     },
-    /// Write back all dirty data of a device, then remove it from the cache set.
+    /// Reset a volume's statistics (bcache's clear_stats): `stats` and `status` count from
+    /// now on, in every window (total, five_minute, hour, day). The Prometheus counters of
+    /// `serve --metrics` are not reset (counters only grow; rates from them are unaffected).
+    ClearStats {
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// The volume: its export name (label) or uuid, as `status` lists it.
+        #[arg(value_name = "VOLUME")]
+        device: String,
+    },
+    /// Write back all dirty data of a device, then remove it from the cache set (its
+    /// backing device then holds all its data and can be used alone or attached again).
     Detach {
         #[command(flatten)]
         admin: AdminArgs,
+        /// The volume: its export name (label) or uuid, as `status` lists it.
+        #[arg(value_name = "VOLUME")]
         device: String,
     },
     /// Attach a formatted backing device to the running cache set and export it.
+    ///
+    /// The device is one formatted by `make` (alone, without --cache, or with this set's
+    /// cache device), one detached from this set, or one this set lists as missing. A device
+    /// whose header names another cache set is refused. Name it in `serve --backing` (or the
+    /// config file) too, so that it is served after a restart.
     Attach {
         #[command(flatten)]
         admin: AdminArgs,
+        /// The backing device: a block device, an image file or an NBD URI, as `make
+        /// --backing` took it (a relative path is taken from the current directory).
+        #[arg(value_name = "BACKING", value_hint = clap::ValueHint::AnyPath)]
         path: PathBuf,
     },
     /// Take in a backing device that grew (a bigger image file, an extended LV): its header
@@ -443,13 +477,18 @@ enum Cmd {
         no_wait: bool,
     },
     /// Format a cache device and backing device(s) and attach them (like make-bcache).
+    ///
+    /// Without --cache, only the backing device(s) are formatted (like `make-bcache -B`):
+    /// they belong to no cache set yet, and `tiercache attach PATH` takes each into a running
+    /// server's set (after which `serve --backing PATH` names it at every start).
     Make {
         /// Slow device, image or NBD URI to cache (repeat for several backing devices).
         #[arg(long, required = true)]
         backing: Vec<PathBuf>,
-        /// Fast device or file that holds the cache.
+        /// Fast device or file that holds the cache. Without it the backing device(s) are
+        /// formatted alone, for `tiercache attach` to a running set.
         #[arg(long)]
-        cache: PathBuf,
+        cache: Option<PathBuf>,
         /// Bucket size: the unit of allocation and reclaim on the cache device.
         #[arg(long, default_value = "512k", value_parser = parse_size)]
         bucket_size: u64,
@@ -471,8 +510,11 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Print the superblock of a cache device or the header of a backing device.
+    /// Print the superblock of a cache device or the header of a backing device (without
+    /// locking it: it works beside a running server).
     Show {
+        /// A cache or backing device: a block device, an image file or an NBD URI.
+        #[arg(value_name = "DEVICE", value_hint = clap::ValueHint::AnyPath)]
         path: PathBuf,
         /// Print JSON instead of text.
         #[arg(long)]
@@ -481,6 +523,9 @@ enum Cmd {
     /// Verify all metadata of a device (and with --data, every cached block's checksum).
     /// Exit status: 0 healthy, 1 damaged but usable, 2 unusable.
     Check {
+        /// A cache or backing device not in use by a server (it is locked while checked): a
+        /// block device, an image file or an NBD URI.
+        #[arg(value_name = "DEVICE", value_hint = clap::ValueHint::AnyPath)]
         path: PathBuf,
         /// Also read every cached block and verify its checksum.
         #[arg(long)]
@@ -497,6 +542,26 @@ enum Cmd {
         what: GenerateCmd,
     },
 }
+
+/// The knobs `get` prints and `set` changes, for their long help and man pages.
+const KNOB_TABLE: &str = "\
+Knobs (bcache's names; the config file's [volumes.NAME] tables set them at every start):
+
+  KNOB               VALUES                                      DEFAULT
+  cache_mode         writethrough, writeback, writearound, none  writethrough (make
+                     (none: the cache is not used)               --writeback: writeback)
+  sequential_cutoff  a size, 0 to 1G: sequential streams past    4M
+                     it bypass the cache (0: never)
+  writeback_percent  0 to 100: the dirty data writeback aims     10
+                     for, in percent of the cache device
+  writeback_delay    seconds, 0 to 86400: how long new dirty     30
+                     data waits before it is written back
+  writeback_running  1/0, on/off, true/false, yes/no: off        on
+                     pauses writeback (detach still writes back)
+  label              the export name: 1 to 64 bytes of           as `make --label` set it
+                     A-Z a-z 0-9 . _ -, not a uuid               (empty: the uuid)
+
+Sizes take suffixes (8M, 512k). A value out of range is refused and changes nothing.";
 
 #[derive(Subcommand)]
 enum GenerateCmd {
@@ -517,7 +582,7 @@ enum EmulateKind {
 
 fn make(
     backing: &[PathBuf],
-    cache: &Path,
+    cache: Option<&Path>,
     bucket_size: u64,
     block_size: u64,
     writeback: bool,
@@ -536,6 +601,9 @@ fn make(
         .iter()
         .map(|p| p.to_string_lossy().into_owned())
         .collect();
+    let Some(cache) = cache else {
+        return make_backing_alone(backing, &specs, block_size, writeback, label, force);
+    };
     devices::ensure_distinct(cache, &specs)?;
     let cache_dev = devices::open_path(cache, Access::Write)?;
     let backing_devs = specs
@@ -547,15 +615,7 @@ fn make(
     } else {
         CacheMode::Writethrough
     };
-    let labels: Vec<String> = (0..backing.len())
-        .map(|i| {
-            if backing.len() > 1 && !label.is_empty() {
-                format!("{label}-{i}")
-            } else {
-                label.to_string()
-            }
-        })
-        .collect();
+    let labels = labels_of(backing.len(), label);
     // Check everything before writing anything: a `make` that fails has changed nothing.
     CacheSet::check_format(&*cache_dev, &opts, force)
         .with_context(|| format!("{}", cache.display()))?;
@@ -568,13 +628,19 @@ fn make(
     for ((p, d), l) in backing.iter().zip(&backing_devs).zip(&labels) {
         engine::format_backing(&**d, l, mode, force).with_context(|| format!("{}", p.display()))?;
     }
-    let (set, _) = CacheSet::open(
+    // Opening the set just formatted logs the engine's "recovered" line at INFO, which is no
+    // news to someone who ran `make`: only warnings are shown meanwhile.
+    let level = log::max_level();
+    log::set_max_level(log::LevelFilter::Warn.min(level));
+    let opened = CacheSet::open(
         cache_dev,
         Config {
             background: false,
             ..Config::default()
         },
-    )?;
+    );
+    log::set_max_level(level);
+    let (set, _) = opened?;
     let mut made = Vec::new();
     for (p, d) in backing.iter().zip(backing_devs) {
         let vol = set
@@ -603,6 +669,64 @@ fn make(
     }))
 }
 
+/// The label of each of `n` backing devices formatted together: `label`, or `label-N` when
+/// there are several.
+fn labels_of(n: usize, label: &str) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            if n > 1 && !label.is_empty() {
+                format!("{label}-{i}")
+            } else {
+                label.to_string()
+            }
+        })
+        .collect()
+}
+
+/// `make --backing X` without `--cache` (make-bcache -B): backing headers that name no cache
+/// set, for `attach` into a running one. Checks every device before writing any.
+fn make_backing_alone(
+    backing: &[PathBuf],
+    specs: &[String],
+    block_size: u64,
+    writeback: bool,
+    label: &str,
+    force: bool,
+) -> Result<Value> {
+    for (i, s) in specs.iter().enumerate() {
+        if specs[..i].contains(s) {
+            bail!("{s} is named twice");
+        }
+    }
+    let devs = specs
+        .iter()
+        .map(|s| devices::open_spec(s, Access::Write))
+        .collect::<Result<Vec<_>>>()?;
+    let labels = labels_of(backing.len(), label);
+    for ((p, d), l) in backing.iter().zip(&devs).zip(&labels) {
+        engine::check_format_backing(&**d, l, force, block_size)
+            .with_context(|| format!("{}", p.display()))?;
+    }
+    let mode = if writeback {
+        CacheMode::Writeback
+    } else {
+        CacheMode::Writethrough
+    };
+    let mut made = Vec::new();
+    for ((p, d), l) in backing.iter().zip(&devs).zip(&labels) {
+        let h = engine::format_backing(&**d, l, mode, force)
+            .with_context(|| format!("{}", p.display()))?;
+        made.push(json!({
+            "path": p,
+            "uuid": h.dev_uuid.to_string(),
+            "export": if h.label.is_empty() { h.dev_uuid.to_string() } else { h.label.clone() },
+            "size_bytes": h.data_size,
+            "cache_mode": mode.name(),
+        }));
+    }
+    Ok(json!({"cache": null, "backing": made}))
+}
+
 /// What `make` made, as JSON or as a line per device.
 fn print_made(made: &Value, as_json: bool) -> Result<()> {
     if as_json {
@@ -621,6 +745,13 @@ fn print_made(made: &Value, as_json: bool) -> Result<()> {
         );
     }
     let c = &made["cache"];
+    if c.is_null() {
+        println!(
+            "not attached to a cache set: `tiercache attach PATH` takes a device into a \
+             running server's set"
+        );
+        return Ok(());
+    }
     println!(
         "cache {}: set {} {} buckets of {} ({} of cache space), block size {}",
         t(c, "path"),
@@ -895,7 +1026,7 @@ fn main() -> ExitCode {
         } => done(
             make(
                 &backing,
-                &cache,
+                cache.as_deref(),
                 bucket_size,
                 block_size,
                 writeback,
@@ -933,45 +1064,49 @@ fn main() -> ExitCode {
             allow_missing,
             config,
         } => (|| {
-            let cfg = match config {
-                Some(f) => serve::ServeConfig::from_file(&f)?,
-                None => serve::ServeConfig {
-                    cache: cache.expect("clap requires --cache"),
-                    backing,
-                    socket,
-                    tcp,
-                    admin,
-                    socket_mode: limits.socket_mode,
-                    socket_owner: limits.socket_owner,
-                    socket_group: limits.socket_group,
-                    idle_timeout: limits.idle_timeout,
-                    idle_close_after: limits.idle_close_after,
-                    max_connections: limits.max_connections,
-                    max_connections_per_client: limits.max_connections_per_client,
-                    request_memory: limits.request_memory,
-                    shutdown_timeout: limits.shutdown_timeout,
-                    io_error_limit: Some(health.io_error_limit),
-                    io_error_halflife: Some(health.io_error_halflife),
-                    cache_io_timeout_ms: Some(health.cache_io_timeout_ms),
-                    congested_read_threshold_us: Some(health.congested_read_threshold_us),
-                    congested_write_threshold_us: Some(health.congested_write_threshold_us),
-                    admission: Some(health.admission),
-                    replacement: Some(health.replacement),
-                    volumes: Default::default(),
-                    without_cache_if_missing,
-                    without_cache_discard_dirty,
-                    allow_missing,
-                    tls: tls.tls,
-                    tls_cert: tls.tls_cert,
-                    tls_key: tls.tls_key,
-                    tls_verify_peer: tls.tls_verify_peer,
-                    tls_ca: tls.tls_ca,
-                    metrics,
-                    ublk,
-                    ublk_queues: Some(ublk_queues),
-                    ublk_first_id: Some(ublk_first_id),
-                },
+            let flags = serve::ServeConfig {
+                cache: cache.unwrap_or_default(),
+                backing,
+                socket,
+                tcp,
+                admin,
+                socket_mode: limits.socket_mode,
+                socket_owner: limits.socket_owner,
+                socket_group: limits.socket_group,
+                idle_timeout: limits.idle_timeout,
+                idle_close_after: limits.idle_close_after,
+                max_connections: limits.max_connections,
+                max_connections_per_client: limits.max_connections_per_client,
+                request_memory: limits.request_memory,
+                shutdown_timeout: limits.shutdown_timeout,
+                io_error_limit: health.io_error_limit,
+                io_error_halflife: health.io_error_halflife,
+                cache_io_timeout_ms: health.cache_io_timeout_ms,
+                congested_read_threshold_us: health.congested_read_threshold_us,
+                congested_write_threshold_us: health.congested_write_threshold_us,
+                admission: health.admission,
+                replacement: health.replacement,
+                volumes: Default::default(),
+                without_cache_if_missing,
+                without_cache_discard_dirty,
+                allow_missing,
+                tls: tls.tls,
+                tls_cert: tls.tls_cert,
+                tls_key: tls.tls_key,
+                tls_verify_peer: tls.tls_verify_peer,
+                tls_ca: tls.tls_ca,
+                metrics,
+                ublk,
+                ublk_queues,
+                ublk_first_id,
             };
+            let cfg = match config {
+                Some(f) => serve::ServeConfig::from_file(&f)?.overridden_by(flags),
+                None => flags,
+            };
+            if cfg.cache.as_os_str().is_empty() {
+                bail!("no cache device: give --cache DEVICE, or `cache = \"DEVICE\"` in --config FILE");
+            }
             serve::serve(&cfg, |_| {})
         })()
         .map(|_| ExitCode::SUCCESS),
@@ -1032,9 +1167,12 @@ fn main() -> ExitCode {
                 bail!("--interval must be between 0.1 and 60 seconds");
             }
             let interval = std::time::Duration::from_secs_f64(interval);
+            if admin.json && !once {
+                bail!("--json needs --once (the live view is for a terminal)");
+            }
             let socket = admin.target()?.socket;
             if once {
-                top::once(&socket, interval)
+                top::once(&socket, interval, admin.json)
             } else {
                 top::live(&socket, interval)
             }
@@ -1050,6 +1188,9 @@ fn main() -> ExitCode {
                 .target()
                 .and_then(|a| client::set(&a, &device, &knob, &value)),
         ),
+        Cmd::ClearStats { admin, device } => {
+            done(admin.target().and_then(|a| client::clear_stats(&a, &device)))
+        }
         Cmd::Detach { admin, device } => {
             done(admin.target().and_then(|a| client::detach(&a, &device)))
         }
@@ -1070,6 +1211,73 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("tiercache: {e:#}");
             ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The knob table and the defaults in `--help` say what the engine does.
+    #[test]
+    fn the_help_states_the_engines_defaults() {
+        for k in engine::Knob::NAMES {
+            assert!(KNOB_TABLE.contains(&format!("\n  {k} ")), "{k} missing");
+        }
+        let row = |k: &str| {
+            KNOB_TABLE
+                .lines()
+                .find(|l| l.starts_with(&format!("  {k} ")))
+                .unwrap()
+                .to_string()
+        };
+        let d = engine::knobs::Tunables::default();
+        assert!(row("sequential_cutoff").ends_with(&format!(" {}M", d.sequential_cutoff >> 20)));
+        assert!(row("writeback_percent").ends_with(&format!(" {}", d.writeback_percent)));
+        assert!(row("writeback_delay").ends_with(&format!(" {}", d.writeback_delay_secs)));
+        assert!(row("writeback_running").ends_with(if d.writeback_running {
+            " on"
+        } else {
+            " off"
+        }));
+        assert!(KNOB_TABLE.contains(&format!("1 to {} bytes", engine::format::LABEL_BYTES)));
+        let mut serve = Cli::command();
+        let help = serve
+            .find_subcommand_mut("serve")
+            .unwrap()
+            .render_long_help()
+            .to_string()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        for (opt, default) in [
+            ("io-error-limit", engine::DEFAULT_IO_ERROR_LIMIT.to_string()),
+            (
+                "io-error-halflife",
+                engine::DEFAULT_IO_ERROR_HALFLIFE.to_string(),
+            ),
+            (
+                "cache-io-timeout-ms",
+                engine::DEFAULT_CACHE_IO_TIMEOUT_MS.to_string(),
+            ),
+            (
+                "congested-read-threshold-us",
+                engine::DEFAULT_CONGESTED_READ_US.to_string(),
+            ),
+            (
+                "congested-write-threshold-us",
+                engine::DEFAULT_CONGESTED_WRITE_US.to_string(),
+            ),
+        ] {
+            // The first default after the option's heading is its own.
+            let at = help.find(&format!("--{opt} <")).unwrap();
+            let d = at + help[at..].find("[default: ").unwrap();
+            assert!(
+                help[d..].starts_with(&format!("[default: {default}]")),
+                "{opt}: {}",
+                &help[at..d + 20]
+            );
         }
     }
 }

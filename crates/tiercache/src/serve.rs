@@ -42,7 +42,8 @@ use std::time::Duration;
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServeConfig {
-    /// Cache device (file or block device).
+    /// Cache device (file or block device); empty: not given.
+    #[serde(default)]
     pub cache: PathBuf,
     /// Backing devices: paths (files or block devices) or NBD URIs.
     #[serde(default)]
@@ -176,6 +177,71 @@ impl ServeConfig {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))
+    }
+
+    /// This configuration (from a file) with every setting `flags` gives (from the command
+    /// line) in place of its own: a path, address or number given replaces the file's; a
+    /// list given (`backing`) replaces the whole list; a switch given (true) turns the
+    /// setting on. `volumes` come only from the file.
+    pub fn overridden_by(self, flags: ServeConfig) -> ServeConfig {
+        fn pick<T>(flag: Option<T>, file: Option<T>) -> Option<T> {
+            flag.or(file)
+        }
+        ServeConfig {
+            cache: if flags.cache.as_os_str().is_empty() {
+                self.cache
+            } else {
+                flags.cache
+            },
+            backing: if flags.backing.is_empty() {
+                self.backing
+            } else {
+                flags.backing
+            },
+            socket: pick(flags.socket, self.socket),
+            tcp: pick(flags.tcp, self.tcp),
+            admin: pick(flags.admin, self.admin),
+            volumes: self.volumes,
+            socket_mode: pick(flags.socket_mode, self.socket_mode),
+            socket_owner: pick(flags.socket_owner, self.socket_owner),
+            socket_group: pick(flags.socket_group, self.socket_group),
+            idle_timeout: pick(flags.idle_timeout, self.idle_timeout),
+            idle_close_after: pick(flags.idle_close_after, self.idle_close_after),
+            max_connections: pick(flags.max_connections, self.max_connections),
+            max_connections_per_client: pick(
+                flags.max_connections_per_client,
+                self.max_connections_per_client,
+            ),
+            request_memory: pick(flags.request_memory, self.request_memory),
+            without_cache_if_missing: flags.without_cache_if_missing
+                || self.without_cache_if_missing,
+            without_cache_discard_dirty: flags.without_cache_discard_dirty
+                || self.without_cache_discard_dirty,
+            allow_missing: flags.allow_missing || self.allow_missing,
+            shutdown_timeout: pick(flags.shutdown_timeout, self.shutdown_timeout),
+            io_error_limit: pick(flags.io_error_limit, self.io_error_limit),
+            io_error_halflife: pick(flags.io_error_halflife, self.io_error_halflife),
+            cache_io_timeout_ms: pick(flags.cache_io_timeout_ms, self.cache_io_timeout_ms),
+            congested_read_threshold_us: pick(
+                flags.congested_read_threshold_us,
+                self.congested_read_threshold_us,
+            ),
+            congested_write_threshold_us: pick(
+                flags.congested_write_threshold_us,
+                self.congested_write_threshold_us,
+            ),
+            admission: pick(flags.admission, self.admission),
+            replacement: pick(flags.replacement, self.replacement),
+            tls: pick(flags.tls, self.tls),
+            tls_cert: pick(flags.tls_cert, self.tls_cert),
+            tls_key: pick(flags.tls_key, self.tls_key),
+            tls_verify_peer: flags.tls_verify_peer || self.tls_verify_peer,
+            tls_ca: pick(flags.tls_ca, self.tls_ca),
+            metrics: pick(flags.metrics, self.metrics),
+            ublk: flags.ublk || self.ublk,
+            ublk_queues: pick(flags.ublk_queues, self.ublk_queues),
+            ublk_first_id: pick(flags.ublk_first_id, self.ublk_first_id),
+        }
     }
 
     /// The NBD server's limits and socket permissions: the defaults of

@@ -4,7 +4,7 @@
 //! checks (classic: `promtool check metrics`; OpenMetrics: the strict parser here and, when
 //! installed, Python's prometheus_client); scrapes are answered while hundreds of slow clients
 //! trickle requests at the endpoint; `top --once` shows the volume with plausible numbers in
-//! 80 columns.
+//! 80 columns, and the numbers `status`/`stats` give over the same interval.
 
 mod common;
 
@@ -450,11 +450,135 @@ fn top_once_shows_each_volume_with_plausible_numbers() {
         assert_eq!(count(w), 0.0, "{text}");
     }
     assert!(
-        lines[head + 2].contains("latency read p50 ") && lines[head + 2].contains(" p99 "),
+        lines[head + 2].contains("lat read p50 ") && lines[head + 2].contains(" p99 "),
         "{text}"
     );
-    assert!(lines[head + 3].contains("dirty 0 B"), "{text}");
+    assert!(lines[head + 3].contains("dirty 0B"), "{text}");
     assert!(text.contains("health ok"), "{text}");
+    f.stop();
+}
+
+/// What the kernel says a process waits in ("hrtimer_nanosleep": a sleep).
+fn wchan(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default()
+}
+
+#[test]
+fn top_shows_what_status_and_stats_say_over_the_same_interval() {
+    if !have("qemu-io") {
+        return;
+    }
+    let mut f = Fixture::new(64, 32, true);
+    f.start_with(&["--congested-read-threshold-us", "0"]);
+    qemu_io(&f, &["read 0 1M"]); // cached: read again, hits
+    let status = |f: &Fixture| -> Value {
+        serde_json::from_slice(&f.tc_admin(&["status", "--json"]).stdout).unwrap()
+    };
+    let total = |s: &Value, k: &str| s["devices"][0]["stats_total"][k].as_u64().unwrap();
+    // Writeback paused: dirty data stays where the workload leaves it.
+    f.tc_admin(&["set", "data", "writeback_running", "0"]);
+    // top's interval must hold the whole workload: it starts once top has its first sample
+    // (top is asleep), and the run counts only if top still sleeps when it is done.
+    let mut interval = 4;
+    let (before, top, after) = loop {
+        let before = status(&f);
+        let mut child = f
+            .admin_cmd(&[
+                "top",
+                "--once",
+                "--json",
+                "--interval",
+                &interval.to_string(),
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        while wchan(child.id()) != "hrtimer_nanosleep" {
+            assert!(t.elapsed() < Duration::from_secs(30), "top never sleeps");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        qemu_io(
+            &f,
+            &[
+                "read 0 1M",
+                "read 0 512k",
+                "read 8M 1M",
+                "write -P 7 16M 512k",
+            ],
+        );
+        let inside = wchan(child.id()) == "hrtimer_nanosleep";
+        let status_top = wait_for(&mut child, Duration::from_secs(120)).expect("top hangs");
+        assert!(status_top.success());
+        let mut out = String::new();
+        child
+            .stdout
+            .take()
+            .unwrap()
+            .read_to_string(&mut out)
+            .unwrap();
+        let after = status(&f);
+        if inside {
+            break (before, serde_json::from_str::<Value>(&out).unwrap(), after);
+        }
+        interval *= 2;
+        assert!(interval <= 60, "the workload never fit in top's interval");
+    };
+    println!("{top:#}");
+    let v = &top["volumes"][0];
+    let d = |k: &str| total(&after, k) - total(&before, k);
+    let (hits, misses) = (d("cache_hits"), d("cache_misses"));
+    assert!(
+        hits > 0 && misses > 0,
+        "the workload hits and misses: {after}"
+    );
+    assert_eq!(
+        v["read_counts"],
+        json!([
+            hits,
+            misses,
+            d("cache_bypass_hits") + d("cache_bypass_misses")
+        ]),
+        "{v}"
+    );
+    assert_eq!(v["hit_ratio_pct"], hits * 100 / (hits + misses), "{v}");
+    assert_eq!(v["writeback_bytes"], d("writeback_bytes"), "{v}");
+    let dev = &after["devices"][0];
+    for k in ["dirty_bytes", "cached_bytes"] {
+        assert_eq!(v[k], dev[k], "{k}: top {v} status {dev}");
+    }
+    assert_eq!(v["writeback"], dev["writeback_state"], "{v} {dev}");
+    assert_eq!(v["writeback"], "paused");
+    // The dirty trend is the change of dirty data over the interval.
+    let dirty_change = dev["dirty_bytes"].as_f64().unwrap()
+        - before["devices"][0]["dirty_bytes"].as_f64().unwrap();
+    assert!(dirty_change > 0.0);
+    let shown = v["dirty_per_s"].as_f64().unwrap() * top["interval_seconds"].as_f64().unwrap();
+    assert!((shown - dirty_change).abs() < 1.0, "{shown} {dirty_change}");
+    for k in [
+        "dirty_bytes",
+        "clean_bytes",
+        "unused_bytes",
+        "metadata_bytes",
+    ] {
+        assert_eq!(top["cache"][k], after["cache"][k], "{k}");
+    }
+    // Written back, nothing is dirty: `status` says idle, and top shows no rate for it.
+    f.tc_admin(&["set", "data", "writeback_running", "1"]);
+    let t = Instant::now();
+    while status(&f)["devices"][0]["writeback_state"] != "idle" {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "writeback never ends"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let text = stdout(&f.tc_admin(&["top", "--once", "--interval", "0.2"]));
+    println!("{text}");
+    assert!(text.contains(" wb idle  cached "), "{text}");
+    for l in text.lines() {
+        assert!(l.chars().count() <= 78 && !l.ends_with('~'), "{l}");
+    }
     f.stop();
 }
 

@@ -489,6 +489,78 @@ fn tls_settings_are_checked_at_start() {
     assert!(!o.status.success() && err.contains("tls_ca"), "{err}");
 }
 
+/// Runs a shell command line (openssl); it must succeed.
+fn sh(line: &str) {
+    let o = within(Command::new("sh").arg("-c").arg(line));
+    assert!(
+        o.status.success(),
+        "{line}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn an_x509_v1_client_certificate_is_refused_with_the_fix_at_warn() {
+    if !(have("nbdinfo") && have("openssl")) {
+        return;
+    }
+    let certs = tempfile::tempdir().unwrap();
+    let pki = Pki::make(certs.path()).unwrap();
+    // A client CA and a version 1 client certificate it signs (no extensions: version 1).
+    let d = certs.path().join("v1");
+    std::fs::create_dir(&d).unwrap();
+    let p = |n: &str| d.join(n).display().to_string();
+    sh(&format!(
+        "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+         -subj /CN=v1-ca -keyout {} -out {} && \
+         openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes \
+         -subj /CN=v1-client -keyout {} -out {} && \
+         openssl x509 -req -in {} -CA {} -CAkey {} -set_serial 7 -days 2 -out {}",
+        p("client-ca.key"),
+        p("client-ca.pem"),
+        p("client-key.pem"),
+        p("client.csr"),
+        p("client.csr"),
+        p("client-ca.pem"),
+        p("client-ca.key"),
+        p("client-cert.pem"),
+    ));
+    let text = within(
+        Command::new("openssl")
+            .args(["x509", "-noout", "-text", "-in"])
+            .arg(p("client-cert.pem")),
+    );
+    assert!(
+        String::from_utf8_lossy(&text.stdout).contains("Version: 1"),
+        "openssl made a version 3 certificate"
+    );
+    std::fs::copy(pki.ca_cert(), d.join("ca-cert.pem")).unwrap();
+    let mut f = Fixture::new(16, 16, false);
+    let log = f.path("serve.log");
+    let port = free_port();
+    let mut cmd = f.serve_cmd();
+    cmd.args(["--tcp", &port.to_string(), "--tls-verify-peer", "--tls-ca"])
+        .arg(p("client-ca.pem"))
+        .arg("--tls-cert")
+        .arg(pki.server_cert())
+        .arg("--tls-key")
+        .arg(pki.server_key())
+        .stderr(std::fs::File::create(&log).unwrap());
+    f.start_cmd(cmd);
+    let o = nbdinfo(&uri(port, Some(&d)));
+    assert!(!o.status.success(), "a v1 client certificate is refused");
+    f.stop();
+    let log = std::fs::read_to_string(&log).unwrap();
+    let warn = log
+        .lines()
+        .find(|l| l.contains("WARN") && l.contains("client certificate refused"))
+        .unwrap_or_else(|| panic!("no WARN about the client certificate:\n{log}"));
+    assert!(
+        warn.contains("X.509 version 1") && warn.contains("version 3"),
+        "{warn}"
+    );
+}
+
 /// A client that connects by IP address (libnbd sends it as the TLS server name, which TLS
 /// does not allow) is served, and the server's log says nothing about it at its default level
 /// (rustls warned of every such client).

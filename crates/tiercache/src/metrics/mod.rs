@@ -202,6 +202,7 @@ impl Metrics {
                         share,
                         error: s.writeback_error.as_ref().map(|e| e.error.clone()),
                         failures: s.writeback_error.as_ref().map_or(0, |e| e.failures),
+                        status: crate::writeback_meter::state(&s).to_string(),
                     },
                     counters: counters(&s.stats.total),
                     requests: self.volume(s.uuid).sample(),
@@ -316,6 +317,10 @@ pub struct WritebackSample {
     pub error: Option<String>,
     /// Writeback passes failed in a row.
     pub failures: u32,
+    /// The writeback state `status` shows (`writeback_meter::state`): `paused`, `failing`,
+    /// `idle` (nothing dirty), `delayed` or `running`.
+    #[serde(default)]
+    pub status: String,
 }
 
 impl WritebackSample {
@@ -417,6 +422,7 @@ pub mod test_samples {
                 share: 0.02,
                 error: None,
                 failures: 0,
+                status: if dirty == 0 { "idle" } else { "running" }.into(),
             },
             counters: [("cache_hits".to_string(), hits), ("cache_misses".into(), 0)]
                 .into_iter()
