@@ -18,7 +18,7 @@ use std::time::Duration;
 
 /// Commands as the docs show them (comments dropped) that are not run, and why.
 /// A pattern is a prefix, or with a leading '=' the whole command.
-const SKIP: [(&str, &str); 18] = [
+const SKIP: [(&str, &str); 24] = [
     ("cargo run --release -p tiercache -- demo", "serves until Ctrl-C; the demo has its own tests (tests/daytoday.rs, tests/interop.rs)"),
     ("bash scripts/test.sh", "runs this test among all the others"),
     ("qemu-system-x86_64", "boots a VM; its '...' stands for the rest of a VM's options"),
@@ -35,6 +35,12 @@ const SKIP: [(&str, &str); 18] = [
     ("cargo build --release", "builds for minutes; the test runs the binary cargo test built"),
     ("target/release/tiercache bench --workloads", "the scale, hits and non-rotational runs take minutes to hours; tests/bench_smoke.rs and tests/scale_smoke.rs run them small"),
     ("target/release/tiercache bench --scale quick", "takes minutes; tests/bench_smoke.rs runs the tiny scale"),
+    ("modprobe ", "needs root and a kernel with the module; scripts/vm/run.sh runs the block-device commands in a Linux 6.12 guest (CI)"),
+    ("tiercache serve --cache /dev/nvme0n1p3 --backing /dev/sdb --ublk", "needs root and the ublk driver, which this kernel lacks; the VM scenarios run it (scripts/vm/scenarios/ublk-*.sh)"),
+    ("mkfs.xfs /dev/", "formats a block device (root, /dev/ublkb0 or /dev/nbd0); the VM scenarios do"),
+    ("fstrim /srv", "needs a mounted filesystem on the block device; the VM scenarios run fstrim"),
+    ("nbd-client ", "needs root and the nbd module; the VM scenarios run nbd-client (scripts/vm/scenarios/nbd-*.sh)"),
+    ("umount /srv", "needs the mounted block device above"),
     ("=tiercache top --admin /run/tiercache.sock.admin", "needs a terminal"),
     ("tiercache top --admin /run/tiercache.sock.admin --once", "no server runs at this point of the README (the Live control block stopped it); `tiercache top --once` ran there"),
 ];
