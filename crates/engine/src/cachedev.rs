@@ -308,6 +308,18 @@ impl CacheDev {
         len: u64,
         backing_ns: impl FnOnce() -> u64,
     ) -> bool {
+        self.congested_at(self.now(), kind, threshold_us, len, backing_ns)
+    }
+
+    /// [`CacheDev::congested`] at `now` (this device's clock; tests pass their own times).
+    fn congested_at(
+        &self,
+        now: u64,
+        kind: Kind,
+        threshold_us: u64,
+        len: u64,
+        backing_ns: impl FnOnce() -> u64,
+    ) -> bool {
         if threshold_us == 0 {
             return false;
         }
@@ -316,7 +328,6 @@ impl CacheDev {
             Kind::Write => &self.writes,
             Kind::Other => return false,
         };
-        let now = self.now();
         let avg = est.current(now);
         if avg <= threshold_us * 1000 || avg <= backing_ns() {
             return false;
@@ -482,43 +493,43 @@ mod tests {
             d.read_at(&mut buf, 0).unwrap();
         }
         assert!(d.latency_us().0 >= 4000, "{:?}", d.latency_us());
+        // Every question below at the moment of the last sample, so no probe interval or
+        // sample lifetime passes between them whatever the machine does meanwhile.
+        let at = d.reads.at_ns.load(Ordering::Relaxed);
+        let congested = |kind, threshold_us, backing_ns| {
+            d.congested_at(at, kind, threshold_us, 4096, || backing_ns)
+        };
         // The first call after the estimate rose is a probe (let through), the next are not.
-        assert!(!d.congested(Kind::Read, 2000, 4096, || 0), "a probe");
-        assert!(d.congested(Kind::Read, 2000, 4096, || 0));
-        assert!(d.congested(Kind::Read, 2000, 4096, || 0));
-        assert!(!d.congested(Kind::Read, 0, 4096, || 0), "0 disables");
+        assert!(!congested(Kind::Read, 2000, 0), "a probe");
+        assert!(congested(Kind::Read, 2000, 0));
+        assert!(congested(Kind::Read, 2000, 0));
+        assert!(!congested(Kind::Read, 0, 0), "0 disables");
+        assert!(!congested(Kind::Read, 10_000, 0), "below the threshold");
         assert!(
-            !d.congested(Kind::Read, 10_000, 4096, || 0),
-            "below the threshold"
-        );
-        assert!(
-            !d.congested(Kind::Write, 2000, 4096, || 0),
+            !congested(Kind::Write, 2000, 0),
             "writes have their own estimate"
         );
         assert!(
-            !d.congested(Kind::Read, 2000, 4096, || 8_000_000),
+            !congested(Kind::Read, 2000, 8_000_000),
             "the backing device would take longer (8 ms)"
         );
-        assert!(d.congested(Kind::Read, 2000, 4096, || 1_000_000));
+        assert!(congested(Kind::Read, 2000, 1_000_000));
     }
 
     #[test]
     fn a_device_slower_than_the_probe_interval_is_not_probed_by_every_request() {
         let d = CacheDev::new(Arc::new(MemDevice::new(1 << 20)), Duration::ZERO, 0);
-        d.reads.sample(1_000_000_000, d.now());
-        assert!(
-            d.congested(Kind::Read, 2000, 1 << 20, || 0),
-            "large requests never probe"
-        );
-        assert!(
-            !d.congested(Kind::Read, 2000, 4096, || 0),
-            "the first small request probes"
-        );
-        std::thread::sleep(PROBE_EVERY + Duration::from_millis(20));
-        // The probe is expected to take a second: the next is due only after that.
-        assert!(d.congested(Kind::Read, 2000, 4096, || 0));
+        let t0 = 1_000_000;
+        d.reads.sample(1_000_000_000, t0);
+        let congested = |at, len| d.congested_at(at, Kind::Read, 2000, len, || 0);
+        assert!(congested(t0, 1 << 20), "large requests never probe");
+        assert!(!congested(t0, 4096), "the first small request probes");
+        // The probe is expected to take a second: the next is due only after that, not after
+        // the probe interval.
+        let later = t0 + 2 * PROBE_EVERY.as_nanos() as u64;
+        assert!(congested(later, 4096));
         // Its answer: fast. The bypass ends.
-        d.reads.sample(10_000, d.now());
-        assert!(!d.congested(Kind::Read, 2000, 4096, || 0));
+        d.reads.sample(10_000, later);
+        assert!(!congested(later, 4096));
     }
 }
