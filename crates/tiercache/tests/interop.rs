@@ -198,12 +198,7 @@ fn fio_verify_in_every_mode_with_live_switching() {
 
 #[test]
 fn ext4_over_nbdfuse_survives_kill_9() {
-    let root = is_root();
-    if !root {
-        eprintln!("SKIP: the filesystem test needs root (loop devices, mount)");
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("CI runs as root; the filesystem test must run");
-        }
+    if !test_support::have_root("loop devices and mount for the filesystem test") {
         return;
     }
     if !(have("nbdfuse") && have("losetup") && have("mkfs.ext4") && have("fsck.ext4")) {
@@ -300,8 +295,6 @@ fn ext4_over_nbdfuse_survives_kill_9() {
     unmount_fs(fuse, &lo);
     f.stop();
 }
-
-use test_support::is_root;
 
 #[test]
 fn kill_9_after_flush_loses_nothing() {

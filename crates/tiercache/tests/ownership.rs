@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{ci, have, output_within, tc};
+use common::{have, output_within, tc};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -557,13 +557,9 @@ impl Drop for Loop {
     }
 }
 
-use test_support::is_root;
-
 #[test]
 fn block_devices_are_compared_by_device_number_and_claimed_exclusively() {
-    if !is_root() {
-        assert!(!ci(), "CI runs as root; the block device test must run");
-        eprintln!("SKIP: the block device test needs root (loop devices, mknod)");
+    if !test_support::have_root("loop devices and mknod for the block device test") {
         return;
     }
     if !have("losetup") {
