@@ -167,6 +167,16 @@ impl Drop for Fixture {
     }
 }
 
+/// Runs `cmd`, which must fail cleanly (a non-zero exit, no panic) within `limit`; returns
+/// what it printed, stdout then stderr.
+pub fn refused_within(cmd: &mut Command, limit: Duration) -> String {
+    let o = output_within(cmd, limit).unwrap_or_else(|| panic!("{cmd:?} hung for {limit:?}"));
+    let said = format!("{}{}", stdout(&o), String::from_utf8_lossy(&o.stderr));
+    assert!(!o.status.success(), "{cmd:?} succeeded: {said}");
+    assert!(!said.contains("panicked"), "{cmd:?} panicked: {said}");
+    said
+}
+
 /// Runs a command to completion like `Command::output`, but kills it after `limit` (a hung
 /// server must fail the test, not hang it); `None` then.
 pub fn output_within(cmd: &mut Command, limit: Duration) -> Option<Output> {
