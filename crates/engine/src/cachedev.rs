@@ -115,15 +115,13 @@ impl std::fmt::Debug for CacheDev {
     }
 }
 
-/// Claims an in-flight slot and frees it when dropped.
-struct InFlight<'a>(Option<&'a AtomicU64>);
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        if let Some(s) = self.0 {
-            s.store(0, Ordering::Release);
-        }
-    }
+/// A cache-device I/O under way: when it started and the in-flight slot it holds (freed by
+/// [`CacheDev::end`] or [`CacheDev::abandon`]). Lets an I/O the caller carries out itself (with
+/// io_uring, on its own descriptor) be measured like one `CacheDev` runs.
+#[derive(Debug)]
+pub(crate) struct Timed {
+    start: u64,
+    slot: Option<usize>,
 }
 
 impl CacheDev {
@@ -153,17 +151,54 @@ impl CacheDev {
         self.epoch.elapsed().as_nanos() as u64 + 1
     }
 
-    fn claim(&self, start: u64, hint: u64) -> InFlight<'_> {
-        for i in 0..SLOTS {
-            let s = &self.inflight[(hint as usize + i) % SLOTS];
-            if s.load(Ordering::Relaxed) == 0
-                && s.compare_exchange(0, start, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
-            {
-                return InFlight(Some(s));
-            }
+    fn claim(&self, start: u64, hint: u64) -> Option<usize> {
+        (0..SLOTS)
+            .map(|i| (hint as usize + i) % SLOTS)
+            .find(|&i| {
+                let s = &self.inflight[i];
+                s.load(Ordering::Relaxed) == 0
+                    && s.compare_exchange(0, start, Ordering::AcqRel, Ordering::Relaxed)
+                        .is_ok()
+            })
+    }
+
+    /// Starts timing an I/O (it claims an in-flight slot, so a stalled device is seen as
+    /// congested while the I/O is still under way).
+    pub(crate) fn begin(&self) -> Timed {
+        let n = self.ios.fetch_add(1, Ordering::Relaxed);
+        let start = self.now();
+        Timed {
+            start,
+            slot: self.claim(start, n),
         }
-        InFlight(None)
+    }
+
+    /// How long ago `t` began.
+    pub(crate) fn elapsed(&self, t: &Timed) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.now().saturating_sub(t.start))
+    }
+
+    /// An I/O begun but never carried out: frees its slot, measures nothing.
+    pub(crate) fn abandon(&self, t: Timed) {
+        if let Some(i) = t.slot {
+            self.inflight[i].store(0, Ordering::Release);
+        }
+    }
+
+    /// The device under the timing (for reads timed by a [`Timed`] of their own).
+    pub(crate) fn device(&self) -> &Arc<dyn BlockDevice> {
+        &self.dev
+    }
+
+    /// See [`BlockDevice::read_fd`].
+    pub(crate) fn read_fd(&self, offset: u64, len: usize) -> Option<std::os::fd::RawFd> {
+        self.dev.read_fd(offset, len)
+    }
+
+    /// A read made through [`CacheDev::read_fd`] ended: its wrappers account it (the timing
+    /// of this layer is the caller's [`Timed`]).
+    pub(crate) fn read_done(&self, offset: u64, len: usize, ok: bool, took: std::time::Duration) {
+        self.dev.read_done(offset, len, took, ok)
     }
 
     fn run<T>(
@@ -172,11 +207,17 @@ impl CacheDev {
         at: (u64, u64),
         io: impl FnOnce(&dyn BlockDevice) -> io::Result<T>,
     ) -> io::Result<T> {
-        let n = self.ios.fetch_add(1, Ordering::Relaxed);
-        let start = self.now();
-        let slot = self.claim(start, n);
+        let t = self.begin();
         let r = io(&*self.dev);
-        drop(slot);
+        self.end(t, kind, at, r)
+    }
+
+    /// Ends the I/O `t` of `kind` over `at` (offset, length) with result `r`: frees its slot,
+    /// feeds the latency estimates and the cost model, turns one that took longer than the
+    /// timeout into an error, and counts errors.
+    pub(crate) fn end<T>(&self, t: Timed, kind: Kind, at: (u64, u64), r: io::Result<T>) -> io::Result<T> {
+        let start = t.start;
+        self.abandon(t);
         let end = self.now();
         let took = end - start;
         let op = match kind {

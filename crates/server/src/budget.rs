@@ -256,8 +256,8 @@ impl Account {
         }
     }
 
-    #[cfg(test)]
-    fn try_acquire(self: &Arc<Self>, bytes: usize) -> Option<Permit> {
+    /// Takes a permit of `bytes` if the rules allow it now.
+    pub(crate) fn try_acquire(self: &Arc<Self>, bytes: usize) -> Option<Permit> {
         self.take(&mut self.budget.lock(), bytes)
     }
 }

@@ -67,6 +67,48 @@ pub struct ServerConfig {
     /// TLS through `NBD_OPT_STARTTLS`. Default `None`: `NBD_OPT_STARTTLS` is refused with
     /// `NBD_REP_ERR_POLICY`.
     pub tls: Option<TlsConfig>,
+    /// How the transmission phase of plain (non-TLS) connections is served. Default
+    /// [`DataPath::Auto`].
+    pub data_path: DataPath,
+    /// Event-loop threads of the io_uring data path, connections spread over them. Default 0:
+    /// one per CPU the process may run on.
+    pub ring_threads: usize,
+}
+
+/// The data path of plain connections (TLS connections are always served by threads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DataPath {
+    /// io_uring where the kernel allows it, else threads (logged once at start).
+    #[default]
+    Auto,
+    /// io_uring; the server does not start without it.
+    Uring,
+    /// Threads per connection (leader/followers), no io_uring.
+    Threads,
+}
+
+impl std::str::FromStr for DataPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<DataPath, String> {
+        match s {
+            "auto" => Ok(DataPath::Auto),
+            "uring" | "io_uring" => Ok(DataPath::Uring),
+            "threads" => Ok(DataPath::Threads),
+            other => Err(format!(
+                "unknown data path {other:?} (expected auto, uring or threads)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for DataPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DataPath::Auto => "auto",
+            DataPath::Uring => "uring",
+            DataPath::Threads => "threads",
+        })
+    }
 }
 
 impl Default for ServerConfig {
@@ -86,6 +128,8 @@ impl Default for ServerConfig {
             reply_timeout: Duration::from_secs(30),
             socket_perms: UnixSocketPerms::default(),
             tls: None,
+            data_path: DataPath::Auto,
+            ring_threads: 0,
         }
     }
 }
@@ -125,4 +169,8 @@ pub(crate) struct Shared {
     pub(crate) table: Table,
     pub(crate) stopping: AtomicBool,
     pub(crate) next_id: AtomicU64,
+    /// The io_uring data path (`None`: every connection is served by threads).
+    pub(crate) rings: Option<crate::ring::Rings>,
+    /// Reads served by the io_uring data path's direct device reads so far.
+    pub(crate) direct_reads: AtomicU64,
 }

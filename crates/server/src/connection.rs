@@ -68,13 +68,15 @@
 
 use crate::budget::{Account, Permit};
 use crate::config::Shared;
+use crate::execute::{error_reply, execute};
 use crate::export::Lease;
+use crate::iobuf::{IoBuf, REUSE_BYTES_MAX};
 use crate::net::{Deadlined, Stream};
 use crate::table::{Activity, InFlight};
 use crate::transport::{Incoming, Outgoing};
 use crate::Export;
 use nbd_proto::{
-    encode_offset_data_header, encode_simple_reply, BlockSize, Chunk, Decoded, Extent, NbdErrno,
+    Decoded, NbdErrno,
     Request, ServerEvent, ServerHandshake, TlsMode, TransmissionContext, ValidRequest,
 };
 use nbd_tls::TlsReader;
@@ -86,18 +88,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, Scope};
 use std::time::{Duration, Instant};
 
-/// Largest write payload read into memory; anything larger drops the connection.
-const PAYLOAD_BYTES_MAX: u32 = BlockSize::TIERCACHE.max;
-/// Most extents returned for one block status request (the spec lets us return fewer).
-const EXTENT_COUNT_MAX: usize = 1024;
+use crate::execute::PAYLOAD_BYTES_MAX;
 /// Bytes read from the socket at once.
 const READ_BUFFER_BYTES: usize = 256 * 1024;
 /// Bytes read from the socket at once during the handshake.
 const HANDSHAKE_READ_BYTES: usize = 4096;
-/// Alignment of the data part of every worker buffer (a page: enough for O_DIRECT).
-const IO_ALIGN: usize = 4096;
-/// A worker keeps its I/O buffer between requests only up to this size.
-const REUSE_BYTES_MAX: usize = 256 * 1024;
 /// Longest wait to send TLS `close_notify` at the end of a connection (a few dozen bytes,
 /// which the socket buffer normally takes at once).
 const CLOSE_NOTIFY_WAIT: Duration = Duration::from_secs(1);
@@ -125,7 +120,7 @@ pub fn client_certificate_fix(handshake_error: &str) -> Option<&'static str> {
 /// Serves one connection until it ends; errors are logged, never propagated. A client that
 /// hung up (its socket closed under a reply, as `nbdinfo` does after NBD_OPT_ABORT) is a normal
 /// end, logged at debug level like a clean close; anything else is worth an info line.
-pub(crate) fn serve(stream: &Arc<Stream>, id: u64, activity: &Activity, shared: &Shared) {
+pub(crate) fn serve(stream: &Arc<Stream>, id: u64, activity: &Arc<Activity>, shared: &Arc<Shared>) {
     match serve_inner(stream, id, activity, shared) {
         Ok(()) => log::debug!("connection {id} closed"),
         Err(err) if client_hung_up(&err) => log::debug!("connection {id} closed: {err}"),
@@ -158,8 +153,8 @@ fn timeout_context(err: io::Error, what: &str, limit: Duration) -> io::Error {
 fn serve_inner(
     stream: &Arc<Stream>,
     id: u64,
-    activity: &Activity,
-    shared: &Shared,
+    activity: &Arc<Activity>,
+    shared: &Arc<Shared>,
 ) -> io::Result<()> {
     let config = &shared.config;
     let registry = &shared.registry;
@@ -245,6 +240,24 @@ fn serve_inner(
         ctx.structured_replies,
         ctx.flags.0
     );
+    if let (Some(rings), Incoming::Plain(_), Outgoing::Plain) = (&shared.rings, &incoming, &outgoing)
+    {
+        // The io_uring data path serves the transmission phase; this thread waits for it.
+        let outcome = Arc::new(crate::ring::Outcome::default());
+        rings.adopt(crate::ring::Adopted {
+            id,
+            stream: Arc::clone(stream),
+            leftover: negotiated.leftover,
+            export: Arc::clone(lease.export()),
+            ctx,
+            activity: Arc::clone(activity),
+            shared: Arc::clone(shared),
+            outcome: Arc::clone(&outcome),
+        });
+        let result = outcome.wait();
+        stream.shutdown(Shutdown::Both);
+        return result;
+    }
     incoming.set_deadline(None);
     let reader = BufReader::with_capacity(
         READ_BUFFER_BYTES,
@@ -267,8 +280,8 @@ fn transmission(
     outgoing: Outgoing,
     lease: &Lease,
     ctx: TransmissionContext,
-    activity: &Activity,
-    shared: &Shared,
+    activity: &Arc<Activity>,
+    shared: &Arc<Shared>,
 ) -> io::Result<()> {
     let conn = Connection {
         read: Mutex::new(ReadSide {
@@ -329,7 +342,7 @@ struct Connection<'a> {
     /// How replies reach the socket (in clear or through TLS); used under the write lock.
     outgoing: Outgoing,
     account: Arc<Account>,
-    activity: &'a Activity,
+    activity: &'a Arc<Activity>,
     shared: &'a Shared,
     ctx: TransmissionContext,
     export: &'a dyn Export,
@@ -337,12 +350,12 @@ struct Connection<'a> {
 
 /// A request read from the socket, with the budget it holds until its reply is written. A
 /// write payload is in the reading worker's buffer.
-struct Next<'a> {
+struct Next {
     cookie: u64,
     /// The request, or why it is rejected.
     action: Result<ValidRequest, NbdErrno>,
     permit: Permit,
-    in_flight: InFlight<'a>,
+    in_flight: InFlight,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -416,7 +429,7 @@ impl<'a> Connection<'a> {
     /// buffered. Then no other worker needs to be woken to read meanwhile, which at queue
     /// depth 1 saves a thread hand-over per request; a request the client sends meanwhile
     /// waits at most for this quick one.
-    fn keeps_reading(&self, read: &ReadSide<'_>, next: &Next<'_>) -> bool {
+    fn keeps_reading(&self, read: &ReadSide<'_>, next: &Next) -> bool {
         read.reader.buffer().is_empty()
             && !read.reader.get_ref().get_ref().1.has_buffered()
             && match &next.action {
@@ -431,7 +444,7 @@ impl<'a> Connection<'a> {
         &'env self,
         scope: &'scope Scope<'scope, 'env>,
         read: &mut ReadSide<'a>,
-        next: &Next<'_>,
+        next: &Next,
     ) where
         'a: 'env,
     {
@@ -457,7 +470,7 @@ impl<'a> Connection<'a> {
     /// Whether the client has gone, so `next` is not worth executing: a reply write failed
     /// earlier, or (checked with one `poll` for requests moving more than [`REUSE_BYTES_MAX`]
     /// bytes, where the system call costs nothing next to the copy) the socket hung up.
-    fn client_gone(&self, next: &Next<'_>) -> bool {
+    fn client_gone(&self, next: &Next) -> bool {
         if self.gone.load(Ordering::Relaxed) {
             return true;
         }
@@ -470,7 +483,7 @@ impl<'a> Connection<'a> {
 
     /// Reads the next request (the caller holds the read lock); `None` once reading has ended,
     /// or once the client has gone (see [`Connection::gone`]).
-    fn next_request(&self, read: &mut ReadSide<'a>, buf: &mut IoBuf) -> Option<Next<'a>> {
+    fn next_request(&self, read: &mut ReadSide<'a>, buf: &mut IoBuf) -> Option<Next> {
         if read.open && self.gone.load(Ordering::Relaxed) {
             read.open = false;
         }
@@ -509,15 +522,14 @@ impl<'a> Connection<'a> {
         &self,
         reader: &mut RequestReader<'_>,
         buf: &mut IoBuf,
-    ) -> io::Result<Option<Next<'a>>> {
+    ) -> io::Result<Option<Next>> {
         let request_timeout = self.shared.config.request_timeout;
         let late = |err| timeout_context(err, "receiving a request", request_timeout);
         let mut header = [0u8; Request::HEADER_BYTES];
         let Some(first) = self.wait_for_request(reader, &mut header)? else {
             return Ok(None);
         };
-        let activity: &'a Activity = self.activity;
-        let Some(in_flight) = activity.begin_request() else {
+        let Some(in_flight) = self.activity.begin_request() else {
             // Closed as idle to make room for another connection just as this one arrived.
             return Ok(None);
         };
@@ -534,17 +546,9 @@ impl<'a> Connection<'a> {
                 format!("write payload of {payload_bytes} bytes exceeds the maximum"),
             ));
         }
-        // A read's permit covers its reply and what the export may copy to carry it out.
-        let reply_bytes = match request.command {
-            nbd_proto::Command::Read => {
-                let len = u64::from(request.length.min(PAYLOAD_BYTES_MAX));
-                len + (self.export.read_working_bytes(len)).min(u64::from(PAYLOAD_BYTES_MAX))
-            }
-            _ => 0u64,
-        };
         let permit = self
             .account
-            .acquire(payload_bytes as usize + reply_bytes as usize);
+            .acquire(crate::execute::permit_bytes(self.export, &request));
         set_deadline(reader, Some(Instant::now() + request_timeout));
         reader
             .read_exact(buf.slice(payload_bytes as usize))
@@ -617,282 +621,3 @@ impl<'a> Connection<'a> {
     }
 }
 
-/// A worker's I/O buffer whose data part starts at an [`IO_ALIGN`]-aligned address: a heap
-/// buffer of at most [`REUSE_BYTES_MAX`], kept between requests, for small requests; a private
-/// anonymous mapping of exactly the request's pages for larger ones, unmapped by
-/// [`IoBuf::shrink`] once the reply is written. Large buffers bypass the allocator so that
-/// their memory goes back to the system when they are freed: glibc raises its mmap threshold
-/// after such a free and then serves later large allocations from per-thread arenas that it
-/// rarely returns, so freed request buffers stayed resident.
-#[derive(Default)]
-struct IoBuf {
-    small: Vec<u8>,
-    large: Option<Mapping>,
-    /// Whether the last [`IoBuf::slice`] was handed out from `large`.
-    in_large: bool,
-}
-
-impl IoBuf {
-    fn start(&self) -> usize {
-        let misalignment = self.small.as_ptr() as usize % IO_ALIGN;
-        (IO_ALIGN - misalignment) % IO_ALIGN
-    }
-
-    /// `len` aligned bytes to fill; their contents are unspecified.
-    fn slice(&mut self, len: usize) -> &mut [u8] {
-        self.in_large = false;
-        if len == 0 {
-            return &mut [];
-        }
-        if len > REUSE_BYTES_MAX {
-            if self.large.as_ref().is_some_and(|m| m.len >= len) {
-                self.in_large = true;
-            } else {
-                self.large = None;
-                self.large = Mapping::new(len);
-                self.in_large = self.large.is_some();
-            }
-            // Out of mappings: fall back to the heap (freed again by `shrink`).
-        }
-        if !self.in_large && self.small.len() < len + IO_ALIGN {
-            // Replace rather than grow: the old contents need not be kept.
-            self.small = vec![0; len + IO_ALIGN];
-        }
-        let start = self.start();
-        match &mut self.large {
-            Some(mapping) if self.in_large => &mut mapping.as_mut_slice()[..len],
-            _ => &mut self.small[start..start + len],
-        }
-    }
-
-    /// The first `len` bytes last handed out by [`IoBuf::slice`].
-    fn data(&self, len: usize) -> &[u8] {
-        if len == 0 {
-            return &[];
-        }
-        if self.in_large {
-            if let Some(mapping) = &self.large {
-                return &mapping.as_slice()[..len];
-            }
-        }
-        let start = self.start();
-        &self.small[start..start + len]
-    }
-
-    /// Frees a buffer too large to keep between requests (a mapping is unmapped at once).
-    fn shrink(&mut self) {
-        self.large = None;
-        self.in_large = false;
-        if self.small.len() > REUSE_BYTES_MAX + IO_ALIGN {
-            self.small = Vec::new();
-        }
-    }
-}
-
-/// A private anonymous memory mapping, page-aligned; unmapped on drop. Its pages count in the
-/// process's memory only once written.
-struct Mapping {
-    ptr: std::ptr::NonNull<u8>,
-    len: usize,
-}
-
-impl Mapping {
-    /// `len` zeroed bytes (rounded up to whole pages), or `None` if the system refuses.
-    fn new(len: usize) -> Option<Mapping> {
-        let len = len.div_ceil(IO_ALIGN) * IO_ALIGN;
-        // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches
-        // no existing memory; the result is checked before use.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            log::debug!(
-                "could not map a {len}-byte buffer: {}",
-                io::Error::last_os_error()
-            );
-            return None;
-        }
-        std::ptr::NonNull::new(ptr.cast::<u8>()).map(|ptr| Mapping { ptr, len })
-    }
-
-    fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` is a live mapping of `len` readable bytes owned by `self`; the borrow
-        // of `self` keeps it mapped and unaliased by `&mut`.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and the exclusive borrow of `self` makes this the only
-        // reference into the mapping.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` and `len` are exactly what `mmap` returned and no slice of the mapping
-        // outlives `self`.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
-    }
-}
-
-/// Runs one validated request against the export; leaves the reply's header (or whole reply)
-/// in `head` and returns how many bytes of `buf` (the read data) follow it.
-fn execute(
-    export: &dyn Export,
-    ctx: &TransmissionContext,
-    cookie: u64,
-    request: ValidRequest,
-    buf: &mut IoBuf,
-    head: &mut Vec<u8>,
-) -> usize {
-    let outcome = match request {
-        ValidRequest::Read { offset, length, .. } => {
-            let data = buf.slice(length as usize);
-            return match export.read(offset, data) {
-                Ok(()) => {
-                    if ctx.structured_replies {
-                        // The data is read completely before anything is sent, so the one
-                        // data chunk can carry the DONE flag.
-                        encode_offset_data_header(cookie, true, offset, length, head);
-                    } else {
-                        encode_simple_reply(cookie, None, head);
-                    }
-                    length as usize
-                }
-                Err(err) => {
-                    let errno = NbdErrno::from_io_error(&err);
-                    error_reply(ctx, cookie, errno, &err.to_string(), head);
-                    0
-                }
-            };
-        }
-        ValidRequest::BlockStatus {
-            offset,
-            length,
-            req_one,
-            context_id,
-        } => {
-            block_status_reply(
-                export, ctx, cookie, offset, length, req_one, context_id, head,
-            );
-            return 0;
-        }
-        ValidRequest::Write {
-            offset,
-            length,
-            fua,
-        } => export.write(offset, buf.data(length as usize), fua),
-        ValidRequest::Flush => export.flush(),
-        ValidRequest::Trim {
-            offset,
-            length,
-            fua,
-        } => {
-            if length == 0 {
-                Ok(())
-            } else {
-                export.trim(offset, u64::from(length)).and_then(|()| {
-                    if fua {
-                        export.flush()
-                    } else {
-                        Ok(())
-                    }
-                })
-            }
-        }
-        ValidRequest::WriteZeroes {
-            offset,
-            length,
-            fua,
-            no_hole,
-            ..
-        } => export.write_zeroes(offset, u64::from(length), fua, no_hole),
-        ValidRequest::Cache { offset, length } => export.cache(offset, u64::from(length)),
-        ValidRequest::Disconnect => unreachable!("the reader handles disconnect"),
-    };
-    match outcome {
-        Ok(()) => encode_simple_reply(cookie, None, head),
-        Err(err) => error_reply(
-            ctx,
-            cookie,
-            NbdErrno::from_io_error(&err),
-            &err.to_string(),
-            head,
-        ),
-    }
-    0
-}
-
-/// An error reply: a structured error chunk when negotiated (required for reads), else simple.
-fn error_reply(
-    ctx: &TransmissionContext,
-    cookie: u64,
-    errno: NbdErrno,
-    message: &str,
-    out: &mut Vec<u8>,
-) {
-    if ctx.structured_replies {
-        Chunk::error(errno, message).encode(cookie, true, out);
-    } else {
-        encode_simple_reply(cookie, Some(errno), out);
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn block_status_reply(
-    export: &dyn Export,
-    ctx: &TransmissionContext,
-    cookie: u64,
-    offset: u64,
-    length: u32,
-    req_one: bool,
-    context_id: u32,
-    out: &mut Vec<u8>,
-) {
-    let extents = match export.block_status(offset, u64::from(length)) {
-        Ok(extents) => extents,
-        Err(err) => {
-            let errno = NbdErrno::from_io_error(&err);
-            return error_reply(ctx, cookie, errno, &err.to_string(), out);
-        }
-    };
-    let limit = if req_one { 1 } else { EXTENT_COUNT_MAX };
-    let mut remaining = u64::from(length);
-    let mut out_extents: Vec<Extent> = Vec::new();
-    for (len, flags) in extents {
-        let len = len.min(remaining);
-        if len == 0 {
-            continue;
-        }
-        remaining -= len;
-        // `len <= length <= u32::MAX`, so the conversion cannot fail.
-        let len = u32::try_from(len).unwrap_or(u32::MAX);
-        let count = out_extents.len();
-        match out_extents.last_mut() {
-            Some(last) if last.flags == flags => last.length += len,
-            _ if count == limit => break,
-            _ => out_extents.push(Extent { length: len, flags }),
-        }
-        if remaining == 0 {
-            break;
-        }
-    }
-    if out_extents.is_empty() {
-        // An export that reports nothing: status 0 ("allocated, unknown contents") is always
-        // a safe answer.
-        out_extents.push(Extent { length, flags: 0 });
-    }
-    Chunk::BlockStatus {
-        context_id,
-        extents: out_extents,
-    }
-    .encode(cookie, true, out);
-}

@@ -53,6 +53,13 @@ pub trait Export: Send + Sync + 'static {
         0
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// Starts a read of `len` bytes at `offset` for a server that does its own asynchronous
+    /// I/O (the io_uring data path; see [`ReadStart`]). Called on the data path's event-loop
+    /// thread, so it must not block. The default: the whole read through [`Export::read`], on
+    /// a worker thread.
+    fn start_read(&self, _offset: u64, _len: usize) -> ReadStart {
+        ReadStart::Whole
+    }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()>;
     fn flush(&self) -> io::Result<()>;
     fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
@@ -62,6 +69,52 @@ pub trait Export: Send + Sync + 'static {
     /// Consecutive extents from `offset` as (length in bytes, `NBD_STATE_*` flags); may cover
     /// less than `len` but must not be empty.
     fn block_status(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>>;
+}
+
+/// How a read goes on the io_uring data path ([`Export::start_read`]).
+pub enum ReadStart {
+    /// Through [`Export::read`], on a worker thread.
+    Whole,
+    /// The rest of the read, decided already (the export noted the request), on a worker
+    /// thread: it may block.
+    Rest(ReadRest),
+    /// Device reads the server submits itself, then [`DirectRead::finish`].
+    Direct(Box<dyn DirectRead>),
+    /// The read fails at once.
+    Failed(io::Error),
+}
+
+/// The rest of a read, run on a worker thread into the reply's buffer.
+pub type ReadRest = Box<dyn FnOnce(&mut [u8]) -> io::Result<()> + Send>;
+
+/// One device read of a [`DirectRead`]: `len` bytes at `offset` of its descriptor into the
+/// reply's buffer at `buf_offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceRead {
+    pub offset: u64,
+    pub buf_offset: usize,
+    pub len: usize,
+}
+
+/// A read the server carries out with its own asynchronous I/O: every [`DeviceRead`] from
+/// [`DirectRead::fd`] into the reply buffer (4 KiB-aligned), then `finish`. Dropping it
+/// unfinished (its connection went away) abandons it.
+pub trait DirectRead: Send {
+    /// The descriptor to read from; open at least as long as `self` lives.
+    fn fd(&self) -> std::os::fd::RawFd;
+    fn reads(&self) -> &[DeviceRead];
+    /// After every read ended: `result` is the first error among them (`Ok` if all were read
+    /// whole). Checks and accounts the data; `Again`: the data must be read once more the slow
+    /// way (on a worker thread).
+    fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished;
+}
+
+/// What a finished [`DirectRead`] leaves to do.
+pub enum Finished {
+    /// The reply's data is in the buffer (or the read failed).
+    Done(io::Result<()>),
+    /// Read again, on a worker thread.
+    Again(ReadRest),
 }
 
 /// Builds what a client learns about an export during the handshake.

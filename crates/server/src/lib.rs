@@ -66,16 +66,21 @@
 mod budget;
 mod config;
 mod connection;
+mod execute;
 mod export;
 mod fd_limit;
+mod iobuf;
 mod net;
+mod ring;
 mod server;
 mod table;
 mod transport;
 mod unix_socket;
 
-pub use config::ServerConfig;
-pub use export::{Detached, Export, ExportRegistry};
+pub use config::{DataPath, ServerConfig};
+pub use export::{
+    DeviceRead, Detached, DirectRead, Export, ExportRegistry, Finished, ReadRest, ReadStart,
+};
 pub use nbd_proto::ValidRequest;
 pub use nbd_tls::ServerTls;
 pub use net::{peer_cred, tcp_exposure_warning, BindAddr, LocalAddr, TlsConfig};

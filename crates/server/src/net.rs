@@ -255,7 +255,7 @@ impl Stream {
         }
     }
 
-    fn as_raw_fd(&self) -> RawFd {
+    pub(crate) fn as_raw_fd(&self) -> RawFd {
         match self {
             Stream::Unix(s) => s.as_raw_fd(),
             Stream::Tcp(s) => s.as_raw_fd(),

@@ -20,11 +20,12 @@
 //! connection.
 
 use crate::budget::{Budget, BudgetLimits, ThreadBudget};
-use crate::config::{ServerConfig, Shared};
+use crate::config::{DataPath, ServerConfig, Shared};
 use crate::connection;
 use crate::export::ExportRegistry;
 use crate::fd_limit;
 use crate::net::{self, BindAddr, ClientKey, Listener, LocalAddr, Stream};
+use crate::ring::Rings;
 use crate::table::{Activity, Room, Table, TableLimits};
 use crate::unix_socket::UnixSocketFile;
 use lograte::Throttled;
@@ -62,8 +63,14 @@ pub struct ServerStats {
     pub bytes_in_flight: usize,
     /// The most bytes of request and reply buffers held at once so far.
     pub bytes_in_flight_peak: usize,
-    /// Worker threads running now beyond each connection's first.
+    /// Worker threads running now beyond each connection's first (with io_uring: the
+    /// worker pool's threads).
     pub workers_extra: usize,
+    /// Event-loop threads of the io_uring data path (0: threads serve every connection).
+    pub ring_threads: usize,
+    /// Reads served so far by the io_uring data path's own device reads (cache hits read
+    /// with no thread hand-over).
+    pub direct_reads: u64,
 }
 
 /// A running server.
@@ -92,6 +99,7 @@ pub fn start(
             log::warn!("{warning}");
         }
     }
+    let rings = start_rings(&config)?;
     let shared = Arc::new(Shared {
         budget: Budget::new(BudgetLimits::new(
             config.bytes_in_flight_max,
@@ -109,6 +117,8 @@ pub fn start(
         registry: registry.clone(),
         stopping: AtomicBool::new(false),
         next_id: AtomicU64::new(0),
+        rings,
+        direct_reads: AtomicU64::new(0),
     });
     let listener = Arc::new(listener);
     let accept_thread = {
@@ -134,6 +144,45 @@ pub fn start(
         socket_file,
         accept_thread,
     })
+}
+
+/// The io_uring data path as `config.data_path` asks: `None` for threads, or where io_uring
+/// is unavailable under `Auto` (logged once, with why).
+fn start_rings(config: &ServerConfig) -> io::Result<Option<Rings>> {
+    if config.data_path == DataPath::Threads {
+        log::info!("data path: threads (leader/followers per connection)");
+        return Ok(None);
+    }
+    let count = if config.ring_threads > 0 {
+        config.ring_threads
+    } else {
+        thread::available_parallelism().map_or(1, |n| n.get())
+    };
+    match Rings::start(count, config.workers_max) {
+        Ok(rings) => {
+            log::info!(
+                "data path: io_uring, {} event loop(s){}",
+                rings.count(),
+                if config.tls.is_some() {
+                    " (TLS connections: threads)"
+                } else {
+                    ""
+                }
+            );
+            Ok(Some(rings))
+        }
+        Err(err) if config.data_path == DataPath::Auto => {
+            log::warn!(
+                "io_uring is not available ({err}): serving through threads (slower on fast \
+                 devices; see kernel.io_uring_disabled and the container's seccomp profile)"
+            );
+            Ok(None)
+        }
+        Err(err) => Err(io::Error::new(
+            err.kind(),
+            format!("the io_uring data path was asked for but is not available: {err}"),
+        )),
+    }
 }
 
 /// Raises the descriptor limit and lowers `configured` to what fits under it (logged).
@@ -348,6 +397,9 @@ impl ServerHandle {
                 log::error!("connection {id} thread panicked");
             }
         }
+        if let Some(rings) = &self.shared.rings {
+            rings.stop(limit.map(|limit| started + limit));
+        }
         abandoned
     }
 }
@@ -373,6 +425,9 @@ fn stats_of(shared: &Shared) -> ServerStats {
         connections_idle_closed: counters.idle_closed.load(Ordering::Relaxed),
         bytes_in_flight: shared.budget.bytes_held(),
         bytes_in_flight_peak: shared.budget.bytes_held_peak(),
-        workers_extra: shared.threads.used(),
+        workers_extra: shared.threads.used()
+            + shared.rings.as_ref().map_or(0, |r| r.workers()),
+        ring_threads: shared.rings.as_ref().map_or(0, |r| r.count()),
+        direct_reads: shared.direct_reads.load(Ordering::Relaxed),
     }
 }

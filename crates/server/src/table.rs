@@ -93,13 +93,13 @@ impl ActivityState {
 
 /// A request of the connection between its first byte and its reply; ends on drop.
 #[derive(Debug)]
-pub(crate) struct InFlight<'a> {
-    activity: &'a Activity,
+pub(crate) struct InFlight {
+    activity: Arc<Activity>,
     /// Requests in flight when this one started, itself included.
     started_with: usize,
 }
 
-impl InFlight<'_> {
+impl InFlight {
     /// Requests in flight when this one started, itself included (saves the reader another
     /// hold of the activity lock per request).
     pub(crate) fn started_with(&self) -> usize {
@@ -143,7 +143,7 @@ impl Activity {
     }
 
     /// A request starts arriving; `None` if the connection was closed as idle meanwhile.
-    pub(crate) fn begin_request(&self) -> Option<InFlight<'_>> {
+    pub(crate) fn begin_request(self: &Arc<Self>) -> Option<InFlight> {
         let mut state = lock(&self.state);
         if state.closing {
             return None;
@@ -151,7 +151,7 @@ impl Activity {
         state.in_flight += 1;
         state.receiving = true;
         Some(InFlight {
-            activity: self,
+            activity: Arc::clone(self),
             started_with: state.in_flight,
         })
     }
@@ -219,7 +219,7 @@ impl Activity {
     }
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
         let mut state = lock(&self.activity.state);
         state.in_flight -= 1;
@@ -628,7 +628,7 @@ mod tests {
 
     #[test]
     fn activity_tracks_requests_and_idleness() {
-        let activity = Activity::new();
+        let activity = Arc::new(Activity::new());
         let later = Instant::now() + Duration::from_secs(60);
         assert!(activity.idle_for(later).unwrap() >= Duration::from_secs(59));
         let request = activity.begin_request().unwrap();
@@ -724,7 +724,7 @@ mod tests {
 
     #[test]
     fn a_connection_displaced_while_receiving_stops_after_that_request() {
-        let activity = Activity::new();
+        let activity = Arc::new(Activity::new());
         let request = activity.begin_request().unwrap();
         assert_eq!(
             activity.close_for_room(),
@@ -734,9 +734,9 @@ mod tests {
         assert!(!request.received(), "the reader stops after this one");
         drop(request);
         assert!(activity.begin_request().is_none());
-        let quiet = Activity::new();
+        let quiet = Arc::new(Activity::new());
         assert_eq!(quiet.close_for_room(), Some(Closing::Quiet));
-        let busy = Activity::new();
+        let busy = Arc::new(Activity::new());
         let request = busy.begin_request().unwrap();
         assert!(request.received());
         assert_eq!(

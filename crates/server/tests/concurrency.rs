@@ -7,7 +7,7 @@
 mod support;
 
 use nbd_proto::{Command, NbdErrno};
-use server::{Export, ServerConfig};
+use server::{DataPath, Export, ServerConfig};
 use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -76,7 +76,13 @@ fn quick_requests_one_at_a_time_need_no_second_worker() {
     for quick in [true, false] {
         let export = GateExport::new("gate");
         export.quick.store(quick, Ordering::SeqCst);
-        let srv = start(&export, ServerConfig::default());
+        // The thread model's hand-over rule (the io_uring data path has no per-connection
+        // workers: `ring.rs`).
+        let config = ServerConfig {
+            data_path: DataPath::Threads,
+            ..ServerConfig::default()
+        };
+        let srv = start(&export, config);
         let mut c = RawClient::connect_unix(&srv.socket, "gate", true).unwrap();
         for i in 0..20u64 {
             let mut out = Vec::new();
@@ -185,6 +191,7 @@ fn extra_workers_are_capped_across_connections() {
     let config = ServerConfig {
         workers_per_connection: 8,
         workers_max: 1,
+        data_path: DataPath::Threads,
         ..ServerConfig::default()
     };
     let srv = start(&export, config);

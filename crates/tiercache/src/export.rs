@@ -6,9 +6,9 @@
 //! replies), and times and counts each request of a volume (`metrics::volume`: which devices
 //! served it, how long it took), since every client request passes here.
 
-use crate::metrics::volume::{Op, VolumeMetrics};
-use engine::Volume;
-use server::ValidRequest;
+use crate::metrics::volume::{Op, Timer, VolumeMetrics};
+use engine::{Hit, ReadPlan, SlowRead, Volume};
+use server::{DeviceRead, DirectRead, Finished, ReadRest, ReadStart, ValidRequest};
 use std::io;
 use std::sync::Arc;
 
@@ -30,6 +30,59 @@ impl VolumeExport {
         let r = f().map_err(io::Error::from);
         self.metrics.finish(t, op, bytes, &r);
         r
+    }
+}
+
+impl VolumeExport {
+    /// The rest of a read the plan left to the slow path, on a worker.
+    fn rest(&self, slow: SlowRead, t: Timer) -> ReadRest {
+        rest(self.vol.clone(), Arc::clone(&self.metrics), slow, t)
+    }
+}
+
+fn rest(vol: Volume, metrics: Arc<VolumeMetrics>, slow: SlowRead, t: Timer) -> ReadRest {
+    Box::new(move |buf| {
+        let t = t.here();
+        let r = vol.read_slow(slow, buf).map_err(io::Error::from);
+        metrics.finish(t, Op::Read, buf.len() as u64, &r);
+        r
+    })
+}
+
+/// A hit the server reads from the cache device itself (the io_uring data path).
+struct DirectHit {
+    hit: Hit,
+    fd: std::os::fd::RawFd,
+    reads: Vec<DeviceRead>,
+    vol: Volume,
+    metrics: Arc<VolumeMetrics>,
+    t: Timer,
+}
+
+impl DirectRead for DirectHit {
+    fn fd(&self) -> std::os::fd::RawFd {
+        self.fd
+    }
+    fn reads(&self) -> &[DeviceRead] {
+        &self.reads
+    }
+    fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished {
+        let DirectHit {
+            hit, vol, metrics, t, ..
+        } = *self;
+        let n = buf.len() as u64;
+        match hit.finish(buf, result) {
+            Ok(None) => {
+                metrics.finish(t, Op::Read, n, &Ok(()));
+                Finished::Done(Ok(()))
+            }
+            Ok(Some(slow)) => Finished::Again(rest(vol, metrics, slow, t)),
+            Err(err) => {
+                let r: io::Result<()> = Err(io::Error::from(err));
+                metrics.finish(t, Op::Read, n, &r);
+                Finished::Done(r)
+            }
+        }
     }
 }
 
@@ -78,6 +131,53 @@ impl server::Export for VolumeExport {
     fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let n = buf.len() as u64;
         self.timed(Op::Read, n, || self.vol.read(offset, buf))
+    }
+    /// The engine's staged read: a hit whose cache device has a descriptor is read by the
+    /// server itself (`DirectHit`); anything else continues on a worker from where the plan
+    /// left it (the request is noted once).
+    fn start_read(&self, offset: u64, len: usize) -> ReadStart {
+        let t = self.metrics.start();
+        match self.vol.plan_read(offset, len) {
+            Err(err) => {
+                let r: io::Result<()> = Err(io::Error::from(err));
+                self.metrics.finish(t, Op::Read, len as u64, &r);
+                ReadStart::Failed(r.unwrap_err())
+            }
+            Ok(ReadPlan::Hit(hit)) => match hit.fd() {
+                Some(fd) => {
+                    let reads = hit
+                        .pieces()
+                        .iter()
+                        .map(|p| DeviceRead {
+                            offset: p.dev_offset,
+                            buf_offset: p.buf_offset,
+                            len: p.len,
+                        })
+                        .collect();
+                    ReadStart::Direct(Box::new(DirectHit {
+                        hit,
+                        fd,
+                        reads,
+                        vol: self.vol.clone(),
+                        metrics: Arc::clone(&self.metrics),
+                        t,
+                    }))
+                }
+                None => {
+                    let (vol, metrics) = (self.vol.clone(), Arc::clone(&self.metrics));
+                    ReadStart::Rest(Box::new(move |buf| {
+                        let t = t.here();
+                        let r = hit
+                            .read_blocking(buf)
+                            .and_then(|again| again.map_or(Ok(()), |s| vol.read_slow(s, buf)))
+                            .map_err(io::Error::from);
+                        metrics.finish(t, Op::Read, buf.len() as u64, &r);
+                        r
+                    }))
+                }
+            },
+            Ok(ReadPlan::Slow(slow)) => ReadStart::Rest(self.rest(slow, t)),
+        }
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
         let n = data.len() as u64;

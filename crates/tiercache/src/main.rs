@@ -93,6 +93,15 @@ struct ServeLimits {
     /// is given up and the next start recovers as after a crash.
     #[arg(long)]
     shutdown_timeout: Option<u64>,
+    /// How plain (non-TLS) NBD connections are served: `uring` (io_uring event loops; cache
+    /// hits are read with no thread hand-over), `threads` (threads per connection), or `auto`
+    /// (io_uring where the kernel allows it, else threads, logged once) [default: auto].
+    #[arg(long, env = "TIERCACHE_DATA_PATH")]
+    data_path: Option<String>,
+    /// Event-loop threads of the io_uring data path, connections spread over them [default:
+    /// one per CPU].
+    #[arg(long)]
+    ring_threads: Option<usize>,
 }
 
 /// When the cache device counts as failing or slow (bcache's names and defaults). A failing
@@ -1079,6 +1088,8 @@ fn main() -> ExitCode {
                 max_connections_per_client: limits.max_connections_per_client,
                 request_memory: limits.request_memory,
                 shutdown_timeout: limits.shutdown_timeout,
+                data_path: limits.data_path,
+                ring_threads: limits.ring_threads,
                 io_error_limit: health.io_error_limit,
                 io_error_halflife: health.io_error_halflife,
                 cache_io_timeout_ms: health.cache_io_timeout_ms,

@@ -102,6 +102,12 @@ pub struct ServeConfig {
     /// device) has its connection closed without a reply; a save still running then is given
     /// up, and the next start recovers as after a crash.
     pub shutdown_timeout: Option<u64>,
+    /// How plain (non-TLS) NBD connections are served: "uring" (io_uring event loops),
+    /// "threads" (threads per connection) or "auto" (io_uring where the kernel allows it,
+    /// else threads; default).
+    pub data_path: Option<String>,
+    /// Event-loop threads of the io_uring data path (default: one per CPU).
+    pub ring_threads: Option<usize>,
     /// Cache-device failures (I/O errors, timeouts, checksum mismatches; decayed by
     /// `io_error_halflife`) at which the cache set is degraded: every volume is then served
     /// from its backing device (default 8, bcache's `io_error_limit`; 0: the first failure).
@@ -219,6 +225,8 @@ impl ServeConfig {
                 || self.without_cache_discard_dirty,
             allow_missing: flags.allow_missing || self.allow_missing,
             shutdown_timeout: pick(flags.shutdown_timeout, self.shutdown_timeout),
+            data_path: pick(flags.data_path, self.data_path),
+            ring_threads: pick(flags.ring_threads, self.ring_threads),
             io_error_limit: pick(flags.io_error_limit, self.io_error_limit),
             io_error_halflife: pick(flags.io_error_halflife, self.io_error_halflife),
             cache_io_timeout_ms: pick(flags.cache_io_timeout_ms, self.cache_io_timeout_ms),
@@ -263,6 +271,15 @@ impl ServeConfig {
             }
             Ok(v)
         };
+        if let Some(p) = &self.data_path {
+            c.data_path = p.parse().map_err(|e: String| anyhow::anyhow!("data_path: {e}"))?;
+        }
+        if let Some(n) = self.ring_threads {
+            c.ring_threads = positive("ring_threads", n as u64)? as usize;
+            if n > RING_THREADS_MAX {
+                anyhow::bail!("ring_threads {n} is more than {RING_THREADS_MAX}");
+            }
+        }
         if let Some(t) = self.idle_timeout {
             c.idle_timeout = Duration::from_secs(positive("idle_timeout", t)?);
         }
@@ -476,6 +493,9 @@ fn toml_error(path: &Path, text: &str, e: &toml::de::Error) -> anyhow::Error {
         None => anyhow::anyhow!("{}: {message}", path.display()),
     }
 }
+
+/// Most event-loop threads of the io_uring data path.
+const RING_THREADS_MAX: usize = 256;
 
 /// `shutdown_timeout` unless set, and its largest value.
 const SHUTDOWN_TIMEOUT_DEFAULT_SECS: u64 = 30;

@@ -16,8 +16,11 @@
 //!   completes.
 
 mod around;
+mod plan;
 mod read;
 mod write;
+
+pub use plan::{Hit, Piece, ReadPlan, SlowRead};
 
 use crate::policy::WriteRoute as Route;
 

@@ -22,6 +22,7 @@
 use super::Volume;
 use crate::alloc::WritePoint;
 use crate::cachedev::Kind;
+use super::plan::{Crcs, ReadPlan};
 use crate::index::{Seg, Segs};
 use crate::readahead;
 use crate::state::Promotion;
@@ -55,16 +56,14 @@ fn fill_pieces(
 /// Longest a miss waits for a promotion in flight over its blocks before reading them itself.
 const PROMOTION_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Expected crcs of the cached blocks of a request: up to 16 blocks without allocating.
-type Crcs = smallvec::SmallVec<[u32; 16]>;
 
 /// The miss fill around a request `[b0, b1)`: the ranges `[p0, b0)` before it and `[b1, s1)`
 /// after it, as `((p0, b0), (b1, s1))`.
 type BlockRanges = ((BackingBlock, BackingBlock), (BackingBlock, BackingBlock));
 
 /// How a read treats the cache.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Read {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Read {
     /// Hits from the cache, misses promoted (unless the admission filter refuses them; never
     /// in a sequential stream, whose next requests read what its miss fills bring in: streams
     /// are `sequential_cutoff`'s to keep out).
@@ -97,31 +96,64 @@ impl Volume {
     }
 
     fn read_unguarded(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.check(offset, buf.len() as u64)?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        if self.inner.is_degraded() {
-            return self.degraded_read(offset, buf);
-        }
-        let stream = self.note_io(offset, buf.len() as u64).bytes;
-        if let Some(r) = self.read_around_congestion(offset, buf) {
-            return r;
-        }
-        let cache_use = self.backing.cache_use();
-        let bypass = if cache_use.detaching() {
+        let slow = match self.plan_read_unguarded(offset, buf.len())? {
+            ReadPlan::Hit(hit) => match hit.read_blocking(buf)? {
+                None => return Ok(()),
+                Some(slow) => slow,
+            },
+            ReadPlan::Slow(slow) => slow,
+        };
+        self.read_slow_unguarded(slow, buf)
+    }
+
+    /// How a read of `len` bytes at `offset` treats the cache: notes it in the stream
+    /// detector (once per request) and decides the bypass.
+    pub(super) fn route_read(&self, offset: u64, len: u64) -> Read {
+        let stream = self.note_io(offset, len).bytes;
+        let bypass = if self.backing.cache_use().detaching() {
             Some(crate::policy::Bypass::Detaching)
         } else {
             crate::policy::read_bypass(self.mode(), self.seq_bypass(stream))
         };
-        let len = buf.len() as u64;
         let streaming = stream > len && stream >= READAHEAD_AFTER_BYTES;
-        let read = match bypass {
+        match bypass {
             Some(why) if streaming => Read::Ahead(why),
             Some(why) => Read::Bypass(why),
             None => Read::Cached { stream: streaming },
+        }
+    }
+
+    /// Counts a read of `len` bytes in the hit statistics (not a prefetch): a hit or a miss,
+    /// through the cache or around it (`refused`: a miss the admission filter kept out counts
+    /// as a miss through the cache), and why it went around.
+    pub(super) fn count_read(&self, read: Read, len: u64, hit: bool, refused: bool) {
+        let why = match read {
+            Read::Bypass(why) | Read::Ahead(why) => Some(why),
+            Read::Cached { .. } | Read::Prefetch => None,
         };
-        self.read_inner(offset, buf, read)
+        self.count_read_as(why, len, hit, refused);
+    }
+
+    fn count_read_as(
+        &self,
+        why: Option<crate::policy::Bypass>,
+        len: u64,
+        hit: bool,
+        refused: bool,
+    ) {
+        let c = &self.backing.counters;
+        Counters::add(
+            match (why.is_some() && !refused, hit) {
+                (false, true) => &c.cache_hits,
+                (false, false) => &c.cache_misses,
+                (true, true) => &c.cache_bypass_hits,
+                (true, false) => &c.cache_bypass_misses,
+            },
+            1,
+        );
+        if let Some(why) = why {
+            c.bypass(why, len);
+        }
     }
 
     /// Prefetches a range into the cache (NBD_CMD_CACHE).
@@ -143,13 +175,20 @@ impl Volume {
         let mut at = 0;
         while at < len {
             let n = chunk.min(len - at) as usize;
-            self.read_inner(offset + at, &mut buf[..n], Read::Prefetch)?;
+            self.read_inner(offset + at, &mut buf[..n], Read::Prefetch, false)?;
             at += n as u64;
         }
         Ok(())
     }
 
-    fn read_inner(&self, offset: u64, buf: &mut [u8], read: Read) -> Result<()> {
+    /// `tried_fast`: the plan already tried the lock-free hit for this request.
+    pub(super) fn read_inner(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+        read: Read,
+        tried_fast: bool,
+    ) -> Result<()> {
         let mut why = match read {
             Read::Bypass(why) | Read::Ahead(why) => Some(why),
             Read::Cached { .. } | Read::Prefetch => None,
@@ -168,7 +207,7 @@ impl Volume {
         // Expected crcs of the cached blocks, copied with the pins in one critical section (a
         // pinned block's crc cannot change), so blocks are verified outside the lock.
         let mut crcs = Crcs::new();
-        let fast = if prefetch {
+        let fast = if prefetch || tried_fast {
             None
         } else {
             self.lock_free_hit(b0, b1, &mut crcs)
@@ -354,19 +393,8 @@ impl Volume {
             }
         };
         if !prefetch {
-            let c = &self.backing.counters;
-            Counters::add(
-                match (bypass && !refused, hit) {
-                    (false, true) => &c.cache_hits,
-                    (false, false) => &c.cache_misses,
-                    (true, true) => &c.cache_bypass_hits,
-                    (true, false) => &c.cache_bypass_misses,
-                },
-                1,
-            );
-            if let Some(why) = why {
-                c.bypass(why, buf.len() as u64);
-            }
+            debug_assert_eq!(bypass, why.is_some());
+            self.count_read_as(why, buf.len() as u64, hit, refused);
         }
         if let Some(id) = promo {
             let ((p0, _), (s0, s1)) = around;
@@ -380,10 +408,11 @@ impl Volume {
     /// A read while the cache device's reads are slower than `congested_read_threshold_us`
     /// (see `cachedev`): served by the backing device unless part of it is dirty (then the
     /// cache device has the only current copy). `None`: not congested, or dirty.
-    fn read_around_congestion(&self, offset: u64, buf: &mut [u8]) -> Option<Result<()>> {
-        if !self.cache_congested(Kind::Read, buf.len() as u64) {
-            return None;
-        }
+    pub(super) fn read_around_congestion(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Option<Result<()>> {
         let (b0, b1) = BackingBlock::touched_by(offset, buf.len() as u64, self.inner.block_size());
         let dirty = self
             .inner
@@ -404,7 +433,12 @@ impl Volume {
     /// piece's bucket pinned and the blocks' crcs in `crcs`, checked against the index's
     /// seqlock after the pins (see `slots` and `alloc`). `None` (nothing pinned, `crcs` empty):
     /// a miss, or the index changed meanwhile; the locked path decides.
-    fn lock_free_hit(&self, b0: BackingBlock, b1: BackingBlock, crcs: &mut Crcs) -> Option<Segs> {
+    pub(super) fn lock_free_hit(
+        &self,
+        b0: BackingBlock,
+        b1: BackingBlock,
+        crcs: &mut Crcs,
+    ) -> Option<Segs> {
         let inner = &*self.inner;
         let reader = &inner.index_reader;
         let Some((seq, segs)) = crate::index::lookup_hit(reader, self.backing.id, b0, b1, crcs)
@@ -603,6 +637,21 @@ impl Volume {
             self.drop_copy(block, e);
             return Ok(false);
         }
+        self.verify_cached(block, e, crcs, out)
+    }
+
+    /// Checks cached extent `e` of `block`, read into `out`, against `crcs`: `Ok(true)` if
+    /// every block matches; a clean block that does not is logged and counted, the extent
+    /// dropped from the index (`Ok(false)`: read the backing device instead); a dirty one is
+    /// `DataCorrupt`.
+    pub(super) fn verify_cached(
+        &self,
+        block: BackingBlock,
+        e: crate::index::Extent,
+        crcs: &[u32],
+        out: &[u8],
+    ) -> Result<bool> {
+        let inner = &*self.inner;
         let Some(i) = crate::space::first_bad_block(out, crcs, inner.block_size()) else {
             return Ok(true);
         };
@@ -642,7 +691,7 @@ impl Volume {
 
     /// Drops the clean copy `e` of `block` (unreadable, or failed its checksum) if the index
     /// still maps it there; the caller re-reads the backing device.
-    fn drop_copy(&self, block: BackingBlock, e: crate::index::Extent) {
+    pub(super) fn drop_copy(&self, block: BackingBlock, e: crate::index::Extent) {
         let inner = &*self.inner;
         let mut st = inner.state.lock();
         if st

@@ -151,7 +151,14 @@ impl TestServer {
         Self::start_with(exports, ServerConfig::default())
     }
 
-    pub fn start_with(exports: Vec<Arc<dyn Export>>, config: ServerConfig) -> TestServer {
+    /// Starts a server; a configuration on the default data path (`Auto`) takes the one
+    /// `TIERCACHE_DATA_PATH` names, so the suite runs on either (CI runs it both ways).
+    pub fn start_with(exports: Vec<Arc<dyn Export>>, mut config: ServerConfig) -> TestServer {
+        if config.data_path == server::DataPath::Auto {
+            if let Ok(path) = std::env::var("TIERCACHE_DATA_PATH") {
+                config.data_path = path.parse().expect("TIERCACHE_DATA_PATH");
+            }
+        }
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("nbd.sock");
         let registry = ExportRegistry::new();

@@ -164,17 +164,18 @@ impl TimedDevice {
     fn timed<T>(&self, op: usize, bytes: u64, f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
         let start = Instant::now();
         let r = f();
-        let s = &self.metrics.ops[op];
-        s.latency.observe(start.elapsed());
-        match &r {
-            Ok(_) => {
-                s.bytes.fetch_add(bytes, Relaxed);
-            }
-            Err(_) => {
-                s.errors.fetch_add(1, Relaxed);
-            }
-        }
+        self.record(op, bytes, start.elapsed(), r.is_ok());
         r
+    }
+
+    fn record(&self, op: usize, bytes: u64, took: std::time::Duration, ok: bool) {
+        let s = &self.metrics.ops[op];
+        s.latency.observe(took);
+        if ok {
+            s.bytes.fetch_add(bytes, Relaxed);
+        } else {
+            s.errors.fetch_add(1, Relaxed);
+        }
     }
 
     /// Adds a completed data transfer to this thread's tally.
@@ -239,6 +240,18 @@ impl BlockDevice for TimedDevice {
     }
     fn describe(&self) -> String {
         self.inner.describe()
+    }
+    fn read_fd(&self, offset: u64, len: usize) -> Option<std::os::fd::RawFd> {
+        self.inner.read_fd(offset, len)
+    }
+    /// A read made by the caller through `read_fd` (the io_uring data path): timed, counted
+    /// and tallied on the thread that finished it, like one through `read_at`.
+    fn read_done(&self, offset: u64, len: usize, took: std::time::Duration, ok: bool) {
+        self.inner.read_done(offset, len, took, ok);
+        self.record(READ, len as u64, took, ok);
+        if ok {
+            self.tally(false, offset, len as u64);
+        }
     }
 }
 

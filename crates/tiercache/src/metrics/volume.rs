@@ -89,6 +89,17 @@ pub struct Timer {
     tally: Tally,
 }
 
+impl Timer {
+    /// The same request's timer, continued on the calling thread (the tally is per thread:
+    /// a request that moves to another thread is judged by what it did there).
+    pub fn here(self) -> Timer {
+        Timer {
+            start: self.start,
+            tally: tally(),
+        }
+    }
+}
+
 /// One series at one moment.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct SeriesSample {
@@ -130,7 +141,8 @@ impl VolumeMetrics {
         }
     }
 
-    /// Records a finished request of `bytes` bytes.
+    /// Records a finished request of `bytes` bytes (`t` started on this thread, or moved to
+    /// it with [`Timer::here`]).
     pub fn finish<T>(&self, t: Timer, op: Op, bytes: u64, r: &io::Result<T>) {
         let elapsed = t.start.elapsed();
         let result = match r {

@@ -1,0 +1,350 @@
+//! The read path in stages, so that a caller with its own asynchronous I/O (the server's
+//! io_uring data path) and the synchronous callers (`Volume::read`: tests, `check`, the
+//! thread model) run one implementation:
+//!
+//! 1. **look up and plan** (`Volume::plan_read`): the bounds check, the stream detector, the
+//!    route (degraded, around a congested cache, bypass, cached) and, for a request of whole
+//!    blocks wholly cached, the lock-free hit: its buckets pinned, its expected crcs copied,
+//!    and the cache-device reads it needs ([`Hit::pieces`]). Anything else is a [`SlowRead`]:
+//!    the decisions taken so far, carried out by `Volume::read_slow`, which may block on the
+//!    backing device;
+//! 2. **device I/O**, by the caller: with [`Hit::fd`] it reads the pieces itself from that
+//!    descriptor (asynchronously), else [`Hit::read_blocking`] reads them through the cache
+//!    device;
+//! 3. **complete** (`Hit::finish`): the checksums, the statistics and the policy's notes, the
+//!    pins dropped; a clean block that failed its checksum, or a failed cache read of clean
+//!    data, drops the copy and hands back a `SlowRead` that reads the backing device. Dirty
+//!    data that cannot be read correctly is an error, never wrong data.
+//!
+//! Invariants: a `Hit`'s buckets stay pinned from the plan until it is finished or dropped
+//! (dropping an unfinished hit unpins them and abandons its timing), so its cache blocks
+//! cannot be reused while the caller's reads are in flight; a request is noted by the stream
+//! detector exactly once, in the plan, whichever stage carries it out; a hit is counted in the
+//! statistics when it finishes, a `SlowRead` when it is carried out.
+
+use super::read::Read;
+use super::Volume;
+use crate::cachedev::{Kind, Timed};
+use crate::index::Segs;
+use crate::stats::Counters;
+use crate::types::{Error, Result};
+use crate::units::BackingBlock;
+use std::os::fd::RawFd;
+
+/// Expected crcs of the cached blocks of a request: up to 16 blocks without allocating.
+pub(super) type Crcs = smallvec::SmallVec<[u32; 16]>;
+
+/// What the plan of a read decided.
+pub enum ReadPlan {
+    /// Wholly cached: read [`Hit::pieces`] from the cache device, then [`Hit::finish`].
+    Hit(Hit),
+    /// Everything else, carried out by [`Volume::read_slow`] (which may block).
+    Slow(SlowRead),
+}
+
+/// A read whose route is decided but which may have to wait on the backing device.
+#[derive(Debug)]
+pub struct SlowRead {
+    pub(super) offset: u64,
+    pub(super) len: usize,
+    pub(super) route: Route,
+    /// The lock-free hit was tried (and missed): the slow path need not try it again.
+    pub(super) tried_fast: bool,
+}
+
+/// How a `SlowRead` goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Route {
+    /// Nothing to read (an empty request).
+    Nothing,
+    /// The set is degraded: around the cache (see `degraded`).
+    Degraded,
+    /// The cache device is congested: the backing device serves it unless part of it is
+    /// dirty, then as `read`.
+    AroundCongestion(Read),
+    Normal(Read),
+    /// A hit whose copies of these byte ranges (offset, length) could not be used (a failed
+    /// cache read, a checksum mismatch) and were dropped: they are read from the backing
+    /// device, the rest of the buffer already holds the request's data. Counted as a hit,
+    /// as the copies were found.
+    Reread(Read, smallvec::SmallVec<[(u64, usize); 4]>),
+}
+
+/// One cache-device read of a hit: `len` bytes at `dev_offset` of the cache device into the
+/// caller's buffer at `buf_offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub dev_offset: u64,
+    pub buf_offset: usize,
+    pub len: usize,
+}
+
+/// A planned hit: pinned, its pieces to read (see the module header).
+pub struct Hit {
+    vol: Volume,
+    offset: u64,
+    len: usize,
+    read: Read,
+    segs: Segs,
+    crcs: Crcs,
+    pieces: smallvec::SmallVec<[Piece; 4]>,
+    /// The cache-device I/O, timed from the plan; `None` once ended.
+    timed: Option<Timed>,
+}
+
+impl std::fmt::Debug for Hit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hit")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("pieces", &self.pieces)
+            .finish()
+    }
+}
+
+impl Volume {
+    /// Stage 1 of a read of `len` bytes at `offset` (see the module header).
+    pub fn plan_read(&self, offset: u64, len: usize) -> Result<ReadPlan> {
+        crate::guard::contain(&self.inner, "read", || self.plan_read_unguarded(offset, len))
+    }
+
+    pub(super) fn plan_read_unguarded(&self, offset: u64, len: usize) -> Result<ReadPlan> {
+        self.check(offset, len as u64)?;
+        let slow = |route, tried_fast| {
+            Ok(ReadPlan::Slow(SlowRead {
+                offset,
+                len,
+                route,
+                tried_fast,
+            }))
+        };
+        if len == 0 {
+            return slow(Route::Nothing, false);
+        }
+        if self.inner.is_degraded() {
+            return slow(Route::Degraded, false);
+        }
+        let read = self.route_read(offset, len as u64);
+        if self.cache_congested(Kind::Read, len as u64) {
+            return slow(Route::AroundCongestion(read), false);
+        }
+        let bs = self.inner.block_size();
+        if !offset.is_multiple_of(bs) || !(len as u64).is_multiple_of(bs) {
+            // Partial blocks are cut out of whole ones: the slow path's job.
+            return slow(Route::Normal(read), false);
+        }
+        let (b0, b1) = BackingBlock::touched_by(offset, len as u64, bs);
+        let mut crcs = Crcs::new();
+        let Some(segs) = self.lock_free_hit(b0, b1, &mut crcs) else {
+            return slow(Route::Normal(read), true);
+        };
+        let inner = &*self.inner;
+        let pieces = segs
+            .iter()
+            .filter_map(|s| {
+                s.ext.map(|e| Piece {
+                    dev_offset: inner.layout.cache_block_offset(e.cache_block),
+                    buf_offset: ((s.block.offset(bs)) - offset) as usize,
+                    len: (s.len * bs) as usize,
+                })
+            })
+            .collect();
+        Ok(ReadPlan::Hit(Hit {
+            vol: self.clone(),
+            offset,
+            len,
+            read,
+            segs,
+            crcs,
+            pieces,
+            timed: Some(inner.cache.begin()),
+        }))
+    }
+
+    /// Carries out a read the plan did not serve from the cache alone, into `buf` (its
+    /// `len` bytes). May block on the backing device.
+    pub fn read_slow(&self, slow: SlowRead, buf: &mut [u8]) -> Result<()> {
+        crate::guard::contain(&self.inner, "read", || self.read_slow_unguarded(slow, buf))
+    }
+
+    pub(super) fn read_slow_unguarded(&self, slow: SlowRead, buf: &mut [u8]) -> Result<()> {
+        debug_assert_eq!(buf.len(), slow.len);
+        let offset = slow.offset;
+        match slow.route {
+            Route::Nothing => Ok(()),
+            Route::Degraded => self.degraded_read(offset, buf),
+            Route::AroundCongestion(read) => match self.read_around_congestion(offset, buf) {
+                Some(r) => r,
+                None => self.read_inner(offset, buf, read, false),
+            },
+            Route::Normal(read) => self.read_inner(offset, buf, read, slow.tried_fast),
+            Route::Reread(read, ranges) => {
+                for (at, len) in ranges {
+                    let from = (at - offset) as usize;
+                    self.backing_read(&mut buf[from..from + len], at)?;
+                }
+                self.count_read(read, slow.len as u64, true, false);
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Hit {
+    /// The cache device's descriptor to read every piece from, with buffers aligned to its
+    /// direct-I/O needs (4 KiB always suffices); `None`: read through [`Hit::read_blocking`].
+    pub fn fd(&self) -> Option<RawFd> {
+        let cache = &self.vol.inner.cache;
+        let mut fds = self.pieces.iter().map(|p| cache.read_fd(p.dev_offset, p.len));
+        let first = fds.next()??;
+        fds.all(|fd| fd == Some(first)).then_some(first)
+    }
+
+    /// The cache-device reads this hit needs.
+    pub fn pieces(&self) -> &[Piece] {
+        &self.pieces
+    }
+
+    /// Bytes of the request.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the request is empty (never: an empty read is a `SlowRead`).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Stages 2 and 3 with blocking reads through the cache device.
+    pub fn read_blocking(mut self, buf: &mut [u8]) -> Result<Option<SlowRead>> {
+        let cache = std::sync::Arc::clone(&self.vol.inner.cache);
+        let mut io = Ok(());
+        for p in self.pieces.clone() {
+            io = blockdev::BlockDevice::read_at(
+                &*cache.device(),
+                &mut buf[p.buf_offset..p.buf_offset + p.len],
+                p.dev_offset,
+            );
+            if io.is_err() {
+                break;
+            }
+        }
+        self.finish_io(buf, io)
+    }
+
+    /// Stage 3 after the caller read every piece from [`Hit::fd`] itself (`io`: the first
+    /// error among them, `Ok` if all were read whole). `Ok(None)`: `buf` holds the data;
+    /// `Ok(Some(slow))`: read it again with `Volume::read_slow` (a clean copy was dropped);
+    /// `Err`: the read fails. The caller's own reads are accounted to the cache device (its
+    /// latency, its wrappers' statistics) here.
+    pub fn finish(mut self, buf: &mut [u8], io: std::io::Result<()>) -> Result<Option<SlowRead>> {
+        let cache = &self.vol.inner.cache;
+        if let Some(t) = &self.timed {
+            let took = cache.elapsed(t);
+            for p in &self.pieces {
+                cache.read_done(p.dev_offset, p.len, io.is_ok(), took);
+            }
+        }
+        self.finish_io(buf, io)
+    }
+
+    fn finish_io(&mut self, buf: &mut [u8], io: std::io::Result<()>) -> Result<Option<SlowRead>> {
+        let vol = self.vol.clone();
+        crate::guard::contain(&vol.inner, "read", || self.complete(buf, io))
+    }
+
+    fn complete(&mut self, buf: &mut [u8], io: std::io::Result<()>) -> Result<Option<SlowRead>> {
+        let vol = &self.vol;
+        let inner = &*vol.inner;
+        let cache = &inner.cache;
+        let at = self
+            .pieces
+            .first()
+            .map_or((0, 0), |p| (p.dev_offset, self.len as u64));
+        let io = match self.timed.take() {
+            Some(t) => cache.end(t, Kind::Read, at, io),
+            None => io,
+        };
+        let bs = inner.block_size();
+        let c = &vol.backing.counters;
+        Counters::add(&c.cache_read_bytes, self.len as u64);
+        // Byte ranges whose cached copies were dropped, to read from the backing device.
+        let mut again = smallvec::SmallVec::<[(u64, usize); 4]>::new();
+        let mut result = Ok(());
+        match io {
+            Err(err) => {
+                let err = Error::io(format!("reading cache device at {}", at.0), err);
+                vol.cache_failed(&err);
+                if self.segs.iter().any(|s| s.ext.is_some_and(|e| e.dirty)) {
+                    // The cache device holds the only current copy.
+                    result = Err(err);
+                } else {
+                    for s in &self.segs {
+                        if let Some(e) = s.ext {
+                            vol.drop_copy(s.block, e);
+                            again.push((s.block.offset(bs), (s.len * bs) as usize));
+                        }
+                    }
+                }
+            }
+            Ok(()) => {
+                let mut crcs = &self.crcs[..];
+                for s in &self.segs {
+                    let Some(e) = s.ext else { continue };
+                    let (expected, rest) = crcs.split_at(e.len as usize);
+                    crcs = rest;
+                    let from = (s.block.offset(bs) - self.offset) as usize;
+                    let out = &buf[from..from + (s.len * bs) as usize];
+                    match vol.verify_cached(s.block, e, expected, out) {
+                        Ok(true) => {}
+                        Ok(false) => again.push((s.block.offset(bs), (s.len * bs) as usize)),
+                        Err(err) => {
+                            result = Err(err);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        if result.is_ok() && again.is_empty() {
+            for s in &self.segs {
+                vol.backing.policy.note_read(s.block, s.block + s.len);
+            }
+        }
+        unpin(inner, &mut self.segs);
+        if let Err(err) = result {
+            Counters::add(&c.io_errors, 1);
+            return Err(err);
+        }
+        if !again.is_empty() {
+            // Counted when carried out.
+            return Ok(Some(SlowRead {
+                offset: self.offset,
+                len: self.len,
+                route: Route::Reread(self.read, again),
+                tried_fast: true,
+            }));
+        }
+        vol.count_read(self.read, self.len as u64, true, false);
+        Ok(None)
+    }
+
+}
+
+/// Drops the pins of `segs` (once: they are taken out).
+fn unpin(inner: &crate::state::Inner, segs: &mut Segs) {
+    for s in segs.drain(..) {
+        if let Some(e) = s.ext {
+            inner.unpin(inner.bucket_of(e.cache_block));
+        }
+    }
+}
+
+impl Drop for Hit {
+    fn drop(&mut self) {
+        if let Some(t) = self.timed.take() {
+            self.vol.inner.cache.abandon(t);
+        }
+        unpin(&self.vol.inner, &mut self.segs);
+    }
+}

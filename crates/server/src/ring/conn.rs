@@ -1,0 +1,741 @@
+//! One connection on a reactor: receiving and decoding requests, starting each (a direct read
+//! on the ring, anything else at a worker), and sending replies in batches.
+//!
+//! Invariants: at most one `recv` and one `sendmsg` of a connection are in flight, so bytes
+//! are received and replies sent in order; replies go out whole and never interleave (a
+//! partly sent batch is continued from where it stopped before anything else is sent); a
+//! request holds its budget permit from before its buffer exists until its reply has been
+//! sent or dropped, and its place in flight (`InFlight`) until then too; once the client has
+//! gone (a failed send, a hung-up socket) nothing more is started and replies are dropped;
+//! the connection is finished only when nothing of it is in flight anywhere.
+
+use super::pool::{Finished, Job, Work};
+use super::reactor::{Kind, Sq};
+use super::{Adopted, Handle, Pool};
+use crate::budget::{Account, Permit};
+use crate::execute::{error_reply, permit_bytes, read_reply, PAYLOAD_BYTES_MAX};
+use crate::iobuf::IoBuf;
+use crate::table::InFlight;
+use crate::{DirectRead, Finished as ReadFinished, ReadStart};
+use io_uring::{opcode, types};
+use nbd_proto::{Decoded, NbdErrno, Request, ValidRequest};
+use slab::Slab;
+use std::collections::VecDeque;
+use std::io;
+use std::net::Shutdown;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Bytes received from the socket at once.
+const READ_BUFFER_BYTES: usize = 256 * 1024;
+/// Most replies sent with one `sendmsg` (two iovecs each, under `IOV_MAX`).
+const BATCH_REPLIES_MAX: usize = 256;
+/// Most pieces of a direct read submitted to the ring (the user data has 12 bits for them);
+/// more go to a worker.
+pub(super) const PIECES_MAX: usize = 4095;
+/// Most requests of a connection in flight on a reactor (the user data has 16 bits for them).
+const REQUESTS_MAX: usize = 65_535;
+
+/// A request received whole (header and payload) and not yet answered.
+struct Req {
+    cookie: u64,
+    permit: Permit,
+    in_flight: InFlight,
+    buf: IoBuf,
+    state: ReqState,
+}
+
+enum ReqState {
+    /// Its device reads in flight on the ring.
+    Reading {
+        direct: Box<dyn DirectRead>,
+        offset: u64,
+        length: u32,
+        /// Pieces not yet read whole, and bytes of each already read.
+        left: usize,
+        done: Vec<usize>,
+        result: io::Result<()>,
+    },
+    /// At a worker, or waiting for a worker place of this connection.
+    AtWorker,
+}
+
+/// A request whose header has been decoded and whose payload is still arriving (or waits
+/// for its permit).
+struct Partial {
+    request: Request,
+    in_flight: InFlight,
+    permit: Option<(Permit, IoBuf)>,
+    got: usize,
+}
+
+/// A reply ready to send.
+struct Reply {
+    head: Vec<u8>,
+    buf: IoBuf,
+    data_len: usize,
+    /// Dropped after the reply went out (or was dropped), in this order.
+    permit: Option<Permit>,
+    in_flight: Option<InFlight>,
+}
+
+/// The `sendmsg` in flight: its iovecs and header stay here, unmoved, until it completes.
+struct Sending {
+    /// Read by the kernel until the send completes (through `_msg`).
+    _iov: Vec<libc::iovec>,
+    _msg: Box<libc::msghdr>,
+    started: Instant,
+}
+
+pub(super) struct Conn {
+    a: Adopted,
+    fd: types::Fd,
+    account: Arc<Account>,
+    rbuf: Box<[u8]>,
+    /// Received bytes not yet decoded: `rbuf[rpos..rlen]`.
+    rpos: usize,
+    rlen: usize,
+    recv_armed: bool,
+    /// False once reading has ended.
+    reading: bool,
+    /// Why reading ended (`Ok`: a clean end).
+    result: io::Result<()>,
+    /// The client has gone: nothing more is started or sent.
+    gone: bool,
+    /// The request being received, from its first byte: its place in flight before its
+    /// header is whole, then the decoded rest.
+    starting: Option<InFlight>,
+    partial: Option<Partial>,
+    /// When the request being received started (or its permit was granted).
+    receiving_since: Option<Instant>,
+    reqs: Slab<Req>,
+    /// Requests at workers, and those waiting for one of this connection's places there.
+    at_workers: usize,
+    waiting: VecDeque<Job>,
+    outq: VecDeque<Reply>,
+    /// Bytes of `outq`'s first reply already sent.
+    sent_front: usize,
+    sending: Option<Sending>,
+    /// Waiting for a budget permit.
+    pub(super) wants_permit: bool,
+}
+
+impl Conn {
+    pub(super) fn new(a: Adopted) -> Conn {
+        log::debug!("connection {}: served by an io_uring event loop", a.id);
+        let account = a.shared.budget.account();
+        let mut rbuf = vec![0u8; READ_BUFFER_BYTES.max(a.leftover.len())].into_boxed_slice();
+        rbuf[..a.leftover.len()].copy_from_slice(&a.leftover);
+        let rlen = a.leftover.len();
+        Conn {
+            fd: types::Fd(a.stream.as_raw_fd()),
+            a,
+            account,
+            rbuf,
+            rpos: 0,
+            rlen,
+            recv_armed: false,
+            reading: true,
+            result: Ok(()),
+            gone: false,
+            starting: None,
+            partial: None,
+            receiving_since: None,
+            reqs: Slab::new(),
+            at_workers: 0,
+            waiting: VecDeque::new(),
+            outq: VecDeque::new(),
+            sent_front: 0,
+            sending: None,
+            wants_permit: false,
+        }
+    }
+
+    /// Nothing of the connection is in flight and nothing more will happen: it can go.
+    pub(super) fn finished(&self) -> bool {
+        !self.reading
+            && !self.recv_armed
+            && self.reqs.is_empty()
+            && self.at_workers == 0
+            && self.sending.is_none()
+            && (self.outq.is_empty() || self.gone)
+    }
+
+    /// Ends the connection: its outcome to the connection thread.
+    pub(super) fn close(self, handle: &Handle) {
+        handle.connections.fetch_sub(1, Ordering::Relaxed);
+        let Conn {
+            a, result, outq, ..
+        } = self;
+        drop(outq);
+        a.outcome.finish(result);
+    }
+
+    /// Stops reading (`why`: `Ok` for a clean end); a `recv` in flight is ended by shutting
+    /// the socket's reading side.
+    fn stop_reading(&mut self, why: io::Result<()>) {
+        if !self.reading {
+            return;
+        }
+        self.reading = false;
+        if self.result.is_ok() {
+            self.result = why;
+        }
+        self.starting = None;
+        self.partial = None;
+        self.receiving_since = None;
+        self.wants_permit = false;
+        if self.recv_armed {
+            self.a.stream.shutdown(Shutdown::Read);
+        }
+    }
+
+    /// The client has gone: drop what was not started and every reply.
+    fn client_gone(&mut self) {
+        self.gone = true;
+        self.stop_reading(Ok(()));
+        self.at_workers -= self.waiting.len();
+        for job in self.waiting.drain(..) {
+            self.reqs.remove(job.req);
+        }
+        if self.sending.is_none() {
+            self.outq.clear();
+        }
+    }
+
+    /// Moves the connection on: decodes what was received, arms `recv`, sends replies.
+    pub(super) fn poll(&mut self, key: usize, sq: &mut Sq<'_>, handle: &Arc<Handle>, pool: &Arc<Pool>) {
+        if self.reading && !self.gone {
+            self.decode(key, sq, handle, pool);
+        }
+        if self.reading && !self.recv_armed && !self.wants_permit {
+            if self.rpos > 0 {
+                self.rbuf.copy_within(self.rpos..self.rlen, 0);
+                self.rlen -= self.rpos;
+                self.rpos = 0;
+            }
+            if self.rlen < self.rbuf.len() {
+                let free = &mut self.rbuf[self.rlen..];
+                let sqe = opcode::Recv::new(self.fd, free.as_mut_ptr(), free.len() as u32)
+                    .build()
+                    .user_data(super::reactor::user_data(Kind::Recv, key, 0, 0));
+                sq.push(sqe);
+                self.recv_armed = true;
+            }
+        }
+        if self.sending.is_none() && !self.outq.is_empty() && !self.gone {
+            self.send(key, sq);
+        }
+    }
+
+    /// Decodes and starts every request received whole.
+    fn decode(&mut self, key: usize, sq: &mut Sq<'_>, handle: &Arc<Handle>, pool: &Arc<Pool>) {
+        self.wants_permit = false;
+        while self.reading {
+            if self.partial.is_none() {
+                let avail = self.rlen - self.rpos;
+                if avail == 0 {
+                    return;
+                }
+                if self.starting.is_none() {
+                    if self.reqs.len() >= REQUESTS_MAX {
+                        return;
+                    }
+                    let Some(in_flight) = self.a.activity.begin_request() else {
+                        // Closed as idle to make room for another connection.
+                        self.stop_reading(Ok(()));
+                        return;
+                    };
+                    self.starting = Some(in_flight);
+                    self.receiving_since = Some(Instant::now());
+                }
+                if avail < Request::HEADER_BYTES {
+                    return;
+                }
+                let header = &self.rbuf[self.rpos..self.rpos + Request::HEADER_BYTES];
+                let request = match Request::decode(header) {
+                    Ok(Decoded::Done { value, .. }) => value,
+                    Ok(Decoded::Needed(_)) => unreachable!("a full header was given"),
+                    Err(err) => {
+                        self.stop_reading(Err(io::Error::from(err)));
+                        return;
+                    }
+                };
+                self.rpos += Request::HEADER_BYTES;
+                let payload = request.payload_bytes();
+                if payload > PAYLOAD_BYTES_MAX {
+                    self.stop_reading(Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("write payload of {payload} bytes exceeds the maximum"),
+                    )));
+                    return;
+                }
+                let in_flight = self.starting.take().expect("set above");
+                self.partial = Some(Partial {
+                    request,
+                    in_flight,
+                    permit: None,
+                    got: 0,
+                });
+            }
+            let partial = self.partial.as_mut().expect("set above");
+            if partial.permit.is_none() {
+                let bytes = permit_bytes(&*self.a.export, &partial.request);
+                let Some(permit) = self.account.try_acquire(bytes) else {
+                    self.wants_permit = true;
+                    return;
+                };
+                let mut buf = IoBuf::default();
+                buf.slice(partial.request.payload_bytes() as usize);
+                partial.permit = Some((permit, buf));
+                self.receiving_since = Some(Instant::now());
+            }
+            let payload = partial.request.payload_bytes() as usize;
+            let take = (payload - partial.got).min(self.rlen - self.rpos);
+            if take > 0 {
+                let (_, buf) = partial.permit.as_mut().expect("set above");
+                buf.data_mut(payload)[partial.got..partial.got + take]
+                    .copy_from_slice(&self.rbuf[self.rpos..self.rpos + take]);
+                partial.got += take;
+                self.rpos += take;
+            }
+            if partial.got < payload {
+                return;
+            }
+            let Partial {
+                request,
+                in_flight,
+                permit,
+                ..
+            } = self.partial.take().expect("set above");
+            self.receiving_since = None;
+            let (permit, buf) = permit.expect("set above");
+            if !in_flight.received() {
+                // Displaced while it arrived: it is answered, nothing more is read.
+                self.stop_reading(Ok(()));
+            }
+            let action = match self.a.ctx.validate(&request) {
+                Ok(ValidRequest::Disconnect) => {
+                    self.stop_reading(Ok(()));
+                    return;
+                }
+                other => other,
+            };
+            self.start(key, request.cookie, action, permit, in_flight, buf, sq, handle, pool);
+        }
+    }
+
+    /// Starts one request received whole.
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &mut self,
+        key: usize,
+        cookie: u64,
+        action: Result<ValidRequest, NbdErrno>,
+        permit: Permit,
+        in_flight: InFlight,
+        mut buf: IoBuf,
+        sq: &mut Sq<'_>,
+        handle: &Arc<Handle>,
+        pool: &Arc<Pool>,
+    ) {
+        let request = match action {
+            Ok(r) => r,
+            Err(errno) => {
+                let mut head = Vec::new();
+                error_reply(&self.a.ctx, cookie, errno, "invalid request", &mut head);
+                self.reply(head, buf, 0, Some(permit), Some(in_flight));
+                return;
+            }
+        };
+        let (work, read) = match request {
+            ValidRequest::Read { offset, length, .. } => {
+                buf.slice(length as usize);
+                let export = &self.a.export;
+                let started = catch_unwind(AssertUnwindSafe(|| {
+                    export.start_read(offset, length as usize)
+                }))
+                .unwrap_or_else(|_| {
+                    log::error!("the export panicked starting request {cookie:#x}");
+                    ReadStart::Failed(io::Error::other("internal error"))
+                });
+                match started {
+                    ReadStart::Direct(direct)
+                        if (1..=PIECES_MAX).contains(&direct.reads().len()) =>
+                    {
+                        self.read_direct(key, cookie, offset, length, direct, permit, in_flight, buf, sq);
+                        return;
+                    }
+                    ReadStart::Direct(direct) => (Work::Direct(direct), (offset, length)),
+                    ReadStart::Rest(rest) => (Work::Rest(rest), (offset, length)),
+                    ReadStart::Whole => (Work::Execute(request), (offset, length)),
+                    ReadStart::Failed(err) => {
+                        let mut head = Vec::new();
+                        let n = read_reply(&self.a.ctx, cookie, offset, length, Err(err), &mut head);
+                        self.reply(head, buf, n, Some(permit), Some(in_flight));
+                        return;
+                    }
+                }
+            }
+            other => (Work::Execute(other), (0, 0)),
+        };
+        let req = self.reqs.insert(Req {
+            cookie,
+            permit,
+            in_flight,
+            buf: IoBuf::default(),
+            state: ReqState::AtWorker,
+        });
+        let job = Job {
+            handle: Arc::clone(handle),
+            conn: key,
+            req,
+            export: Arc::clone(&self.a.export),
+            ctx: self.a.ctx,
+            cookie,
+            read,
+            work,
+            buf,
+        };
+        self.to_worker(job, pool);
+    }
+
+    /// Submits a direct read's device reads to the ring.
+    #[allow(clippy::too_many_arguments)]
+    fn read_direct(
+        &mut self,
+        key: usize,
+        cookie: u64,
+        offset: u64,
+        length: u32,
+        direct: Box<dyn DirectRead>,
+        permit: Permit,
+        in_flight: InFlight,
+        buf: IoBuf,
+        sq: &mut Sq<'_>,
+    ) {
+        let n = direct.reads().len();
+        let req = self.reqs.insert(Req {
+            cookie,
+            permit,
+            in_flight,
+            buf,
+            state: ReqState::Reading {
+                direct,
+                offset,
+                length,
+                left: n,
+                done: vec![0; n],
+                result: Ok(()),
+            },
+        });
+        for piece in 0..n {
+            self.submit_piece(key, req, piece, sq);
+        }
+    }
+
+    /// Submits (the rest of) piece `piece` of direct read `req`.
+    fn submit_piece(&mut self, key: usize, req: usize, piece: usize, sq: &mut Sq<'_>) {
+        let r = &mut self.reqs[req];
+        let ReqState::Reading {
+            direct,
+            length,
+            done,
+            ..
+        } = &r.state
+        else {
+            unreachable!("pieces belong to direct reads");
+        };
+        let d = direct.reads()[piece];
+        let fd = direct.fd();
+        let done = done[piece];
+        let data = r.buf.data_mut(*length as usize);
+        let target = &mut data[d.buf_offset + done..d.buf_offset + d.len];
+        let sqe = opcode::Read::new(types::Fd(fd), target.as_mut_ptr(), target.len() as u32)
+            .offset(d.offset + done as u64)
+            .build()
+            .user_data(super::reactor::user_data(Kind::Read, key, req, piece));
+        sq.push(sqe);
+    }
+
+    /// A device read of a direct read completed with `res`.
+    pub(super) fn on_read(&mut self, key: usize, req: usize, piece: usize, res: i32, sq: &mut Sq<'_>, handle: &Arc<Handle>, pool: &Arc<Pool>) {
+        let ReqState::Reading {
+            direct,
+            left,
+            done,
+            result,
+            ..
+        } = &mut self.reqs[req].state
+        else {
+            unreachable!("pieces belong to direct reads");
+        };
+        let want = direct.reads()[piece].len;
+        match res {
+            n if n > 0 => {
+                done[piece] += n as usize;
+                if done[piece] < want {
+                    // A short read: the rest of the piece.
+                    self.submit_piece(key, req, piece, sq);
+                    return;
+                }
+            }
+            0 => {
+                if result.is_ok() {
+                    *result = Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "device read past its end",
+                    ));
+                }
+            }
+            err => {
+                if result.is_ok() {
+                    *result = Err(io::Error::from_raw_os_error(-err));
+                }
+            }
+        }
+        *left -= 1;
+        if *left == 0 {
+            self.read_finished(key, req, handle, pool);
+        }
+    }
+
+    /// Every device read of direct read `req` ended: finish it and answer (or hand it to a
+    /// worker to read again).
+    fn read_finished(&mut self, key: usize, req: usize, handle: &Arc<Handle>, pool: &Arc<Pool>) {
+        let state = std::mem::replace(&mut self.reqs[req].state, ReqState::AtWorker);
+        let ReqState::Reading {
+            direct,
+            offset,
+            length,
+            result,
+            ..
+        } = state
+        else {
+            unreachable!("checked by the caller");
+        };
+        let r = &mut self.reqs[req];
+        let cookie = r.cookie;
+        let data = r.buf.data_mut(length as usize);
+        let finished = catch_unwind(AssertUnwindSafe(|| direct.finish(data, result)))
+            .unwrap_or_else(|_| {
+                log::error!("the export panicked finishing request {cookie:#x}");
+                ReadFinished::Done(Err(io::Error::other("internal error")))
+            });
+        match finished {
+            ReadFinished::Done(result) => {
+                let r = self.reqs.remove(req);
+                let mut head = Vec::new();
+                let n = read_reply(&self.a.ctx, cookie, offset, length, result, &mut head);
+                self.reply(head, r.buf, n, Some(r.permit), Some(r.in_flight));
+                self.a.shared.direct_reads.fetch_add(1, Ordering::Relaxed);
+            }
+            ReadFinished::Again(rest) => {
+                let buf = std::mem::take(&mut self.reqs[req].buf);
+                let job = Job {
+                    handle: Arc::clone(handle),
+                    conn: key,
+                    req,
+                    export: Arc::clone(&self.a.export),
+                    ctx: self.a.ctx,
+                    cookie,
+                    read: (offset, length),
+                    work: Work::Rest(rest),
+                    buf,
+                };
+                self.to_worker(job, pool);
+            }
+        }
+    }
+
+    /// Hands `job` to the pool, or queues it while the connection has
+    /// `workers_per_connection` requests there.
+    fn to_worker(&mut self, job: Job, pool: &Arc<Pool>) {
+        self.at_workers += 1;
+        if self.at_workers - self.waiting.len() <= self.a.shared.config.workers_per_connection {
+            pool.submit(job);
+        } else {
+            self.waiting.push_back(job);
+        }
+    }
+
+    /// A request came back from a worker.
+    pub(super) fn on_done(&mut self, f: Finished, pool: &Arc<Pool>) {
+        self.at_workers -= 1;
+        if let Some(job) = self.waiting.pop_front() {
+            pool.submit(job);
+        }
+        let r = self.reqs.remove(f.req);
+        if self.gone {
+            return;
+        }
+        self.reply(f.head, f.buf, f.data_len, Some(r.permit), Some(r.in_flight));
+    }
+
+    fn reply(
+        &mut self,
+        head: Vec<u8>,
+        buf: IoBuf,
+        data_len: usize,
+        permit: Option<Permit>,
+        in_flight: Option<InFlight>,
+    ) {
+        if self.gone {
+            return;
+        }
+        self.outq.push_back(Reply {
+            head,
+            buf,
+            data_len,
+            permit,
+            in_flight,
+        });
+    }
+
+    /// Sends the replies ready, many at once.
+    fn send(&mut self, key: usize, sq: &mut Sq<'_>) {
+        let mut iov = Vec::with_capacity(2 * self.outq.len().min(BATCH_REPLIES_MAX));
+        let mut skip = self.sent_front;
+        for r in self.outq.iter().take(BATCH_REPLIES_MAX) {
+            for part in [&r.head[..], r.buf.data(r.data_len)] {
+                if skip >= part.len() {
+                    skip -= part.len();
+                    continue;
+                }
+                let part = &part[skip..];
+                skip = 0;
+                iov.push(libc::iovec {
+                    iov_base: part.as_ptr() as *mut libc::c_void,
+                    iov_len: part.len(),
+                });
+            }
+        }
+        // SAFETY: an all-zero msghdr is a valid empty one; the iovec fields are set below.
+        let mut msg: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len() as _;
+        let sqe = opcode::SendMsg::new(self.fd, &*msg)
+            .flags(libc::MSG_NOSIGNAL as u32)
+            .build()
+            .user_data(super::reactor::user_data(Kind::Send, key, 0, 0));
+        sq.push(sqe);
+        self.sending = Some(Sending {
+            _iov: iov,
+            _msg: msg,
+            started: Instant::now(),
+        });
+    }
+
+    /// The `sendmsg` in flight completed with `res`.
+    pub(super) fn on_send(&mut self, res: i32) {
+        let sending = self.sending.take().expect("a send was in flight");
+        drop(sending);
+        if res <= 0 {
+            let err = if res == 0 {
+                io::Error::new(io::ErrorKind::WriteZero, "the socket took no bytes")
+            } else {
+                io::Error::from_raw_os_error(-res)
+            };
+            if self.result.is_ok() {
+                self.result = Err(err);
+            }
+            self.a.stream.shutdown(Shutdown::Both);
+            self.client_gone();
+            self.outq.clear();
+            return;
+        }
+        let mut sent = res as usize + self.sent_front;
+        while let Some(front) = self.outq.front() {
+            let len = front.head.len() + front.data_len;
+            if sent < len {
+                break;
+            }
+            sent -= len;
+            let mut r = self.outq.pop_front().expect("checked");
+            // The buffer first, then the budget, then (last) the place in flight: an idle
+            // connection holds no permit.
+            drop(std::mem::take(&mut r.buf));
+            drop(r.permit.take());
+            drop(r.in_flight.take());
+        }
+        self.sent_front = sent;
+        if self.gone {
+            self.outq.clear();
+        }
+    }
+
+    /// `recv` completed with `res`.
+    pub(super) fn on_recv(&mut self, res: i32) {
+        self.recv_armed = false;
+        if !self.reading {
+            return;
+        }
+        match res {
+            n if n > 0 => {
+                self.rlen += n as usize;
+            }
+            0 => {
+                let mid_request = self.starting.is_some() || self.partial.is_some();
+                if self.a.stream.hung_up() {
+                    self.client_gone();
+                }
+                self.stop_reading(if mid_request {
+                    Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the client closed the connection in the middle of a request",
+                    ))
+                } else {
+                    Ok(())
+                });
+            }
+            err if err == -libc::EINTR || err == -libc::EAGAIN => {}
+            err => {
+                if self.a.stream.hung_up() {
+                    self.client_gone();
+                }
+                self.stop_reading(Err(io::Error::from_raw_os_error(-err)));
+            }
+        }
+    }
+
+    /// Deadlines: a request not received in time, a reply not taken in time, idleness.
+    pub(super) fn tick(&mut self, now: Instant) {
+        let shared = Arc::clone(&self.a.shared);
+        let config = &shared.config;
+        if let Some(since) = self.receiving_since {
+            if now.saturating_duration_since(since) > config.request_timeout && !self.wants_permit {
+                self.stop_reading(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("receiving a request took longer than {:?}", config.request_timeout),
+                )));
+            }
+        }
+        if let Some(s) = &self.sending {
+            if now.saturating_duration_since(s.started) > config.reply_timeout {
+                if self.result.is_ok() {
+                    self.result = Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("writing a reply took longer than {:?}", config.reply_timeout),
+                    ));
+                }
+                // The send in flight fails once the socket is shut down.
+                self.a.stream.shutdown(Shutdown::Both);
+                self.client_gone();
+            }
+        }
+        if let Some(after) = config.idle_close_after {
+            if self.reading
+                && self.starting.is_none()
+                && self.partial.is_none()
+                && self.a.activity.close_if_idle(after, now)
+            {
+                let counters = &self.a.shared.table.counters;
+                counters.idle_closed.fetch_add(1, Ordering::Relaxed);
+                log::debug!("closing a connection idle for {after:?}");
+                self.stop_reading(Ok(()));
+            }
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! The io_uring data path: the transmission phase of plain (non-TLS) connections served by a
+//! few event-loop threads ("reactors", one io_uring each) instead of threads per connection.
+//!
+//! A connection's thread runs the handshake as before, then hands the connection to the
+//! reactor serving the fewest ([`Rings::adopt`]) and waits for its outcome; the teardown that
+//! follows (lease, socket, table) is unchanged. On its reactor the connection is a state
+//! machine (`conn`): one `recv` at a time fills its read buffer, requests are decoded from it,
+//! and each is started at once:
+//! - a read the export can serve from a descriptor ([`crate::Export::start_read`] →
+//!   `Direct`: a cache hit) is read with io_uring straight into its reply buffer, finished
+//!   (checksums, statistics) on the reactor and answered, with no thread hand-over;
+//! - anything that may block (a miss, a write, a flush, a trim, block status) goes to the
+//!   server-wide worker pool (`pool`) and comes back to the reactor as a finished reply, so a
+//!   miss waiting on a slow disk never holds up the hits behind it;
+//! - replies are sent by the reactor, many in one `sendmsg`, in the order they finish.
+//!
+//! Invariants: everything a connection owns is touched by its reactor thread alone (workers
+//! get a request's buffer by value and hand it back); a buffer stays alive and unmoved while
+//! an operation of the ring reads or writes it, and a connection is dropped only when none of
+//! its operations is in flight and none of its requests is at a worker; the limits of the
+//! thread model hold here too (the budget permit before a payload or reply buffer exists, at
+//! most `requests_in_flight_max` requests and `workers_per_connection` requests at workers per
+//! connection, `request_timeout`, `reply_timeout`, `idle_close_after`, displacement and
+//! eviction through the connection's `Activity` and its socket).
+//!
+//! Fault model: io_uring may be missing or forbidden (an old kernel,
+//! `kernel.io_uring_disabled`, a seccomp filter): [`Rings::start`] probes it and fails, and
+//! the server then serves through threads, logging why once. A reactor never blocks on a
+//! device: a device read that hangs holds its request (and its connection's teardown) only.
+
+mod conn;
+mod pool;
+mod reactor;
+
+use crate::config::Shared;
+use crate::net::Stream;
+use crate::table::Activity;
+use crate::Export;
+use nbd_proto::TransmissionContext;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub(crate) use pool::Pool;
+
+/// Entries of each reactor's submission queue.
+const RING_ENTRIES: u32 = 512;
+
+/// A connection handed to a reactor after its handshake.
+pub(crate) struct Adopted {
+    pub(crate) id: u64,
+    pub(crate) stream: Arc<Stream>,
+    /// Bytes received after the handshake's last option.
+    pub(crate) leftover: Vec<u8>,
+    pub(crate) export: Arc<dyn Export>,
+    pub(crate) ctx: TransmissionContext,
+    pub(crate) activity: Arc<Activity>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) outcome: Arc<Outcome>,
+}
+
+/// How a connection's transmission phase ended, set once by its reactor.
+#[derive(Default)]
+pub(crate) struct Outcome {
+    result: Mutex<Option<io::Result<()>>>,
+    set: Condvar,
+}
+
+impl Outcome {
+    fn finish(&self, result: io::Result<()>) {
+        *self.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
+        self.set.notify_all();
+    }
+
+    /// Waits until the reactor is done with the connection.
+    pub(crate) fn wait(&self) -> io::Result<()> {
+        let mut r = self.result.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(result) = r.take() {
+                return result;
+            }
+            r = self.set.wait(r).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// What reaches a reactor from other threads.
+pub(crate) enum Msg {
+    Adopt(Box<Adopted>),
+    /// A request finished at a worker.
+    Done(pool::Finished),
+    Stop,
+}
+
+/// A reactor as other threads see it: its inbox and the eventfd that wakes it.
+pub(crate) struct Handle {
+    inbox: Mutex<Vec<Msg>>,
+    wake: OwnedFd,
+    /// Connections it serves now.
+    connections: AtomicUsize,
+}
+
+impl Handle {
+    pub(crate) fn send(&self, msg: Msg) {
+        self.inbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(msg);
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our own eventfd; a failure (the counter
+        // saturated) still leaves the reactor woken.
+        unsafe {
+            libc::write(
+                self.wake.as_raw_fd(),
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+    }
+
+    fn take(&self) -> Vec<Msg> {
+        std::mem::take(&mut *self.inbox.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// The reactors of a server and their worker pool.
+pub(crate) struct Rings {
+    handles: Vec<Arc<Handle>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    pool: Arc<Pool>,
+}
+
+impl Rings {
+    /// Starts `count` reactors (at least one); fails if io_uring cannot be set up or lacks an
+    /// operation the data path needs.
+    pub(crate) fn start(count: usize, workers_max: usize) -> io::Result<Rings> {
+        let pool = Pool::new(workers_max);
+        let mut rings = Rings {
+            handles: Vec::new(),
+            threads: Mutex::new(Vec::new()),
+            pool,
+        };
+        for i in 0..count.max(1) {
+            let ring = reactor::new_ring(RING_ENTRIES)?;
+            // SAFETY: eventfd returns a new descriptor we own, or -1 (checked).
+            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+            if fd < 0 {
+                let err = io::Error::last_os_error();
+                rings.stop(None);
+                return Err(err);
+            }
+            // SAFETY: `fd` is a fresh descriptor nobody else owns.
+            let wake = unsafe { OwnedFd::from_raw_fd(fd) };
+            let handle = Arc::new(Handle {
+                inbox: Mutex::new(Vec::new()),
+                wake,
+                connections: AtomicUsize::new(0),
+            });
+            let started = std::thread::Builder::new()
+                .name(format!("nbd-ring-{i}"))
+                .spawn({
+                    let handle = Arc::clone(&handle);
+                    let pool = Arc::clone(&rings.pool);
+                    move || reactor::Reactor::new(ring, handle, pool).run()
+                });
+            match started {
+                Ok(t) => {
+                    rings.handles.push(handle);
+                    rings
+                        .threads
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(t);
+                }
+                Err(err) => {
+                    rings.stop(None);
+                    return Err(err);
+                }
+            }
+        }
+        Ok(rings)
+    }
+
+    /// Reactor threads.
+    pub(crate) fn count(&self) -> usize {
+        self.handles.len()
+    }
+
+    /// Worker threads of the pool now.
+    pub(crate) fn workers(&self) -> usize {
+        self.pool.threads()
+    }
+
+    /// Serves `conn`'s transmission phase on the reactor with the fewest connections; the
+    /// caller waits on its outcome.
+    pub(crate) fn adopt(&self, conn: Adopted) {
+        let handle = self
+            .handles
+            .iter()
+            .min_by_key(|h| h.connections.load(Ordering::Relaxed))
+            .expect("a started Rings has a reactor");
+        handle.connections.fetch_add(1, Ordering::Relaxed);
+        handle.send(Msg::Adopt(Box::new(conn)));
+    }
+
+    /// Stops the reactors and the pool once their connections are done: waits for them up to
+    /// `deadline` (`None`: as long as it takes). A reactor still holding a connection then (a
+    /// device that does not answer) is left running, detached: its ring's buffers must stay
+    /// valid while the kernel may still write them.
+    pub(crate) fn stop(&self, deadline: Option<Instant>) {
+        for h in &self.handles {
+            h.send(Msg::Stop);
+        }
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
+        for t in threads {
+            while deadline.is_some_and(|d| Instant::now() < d) && !t.is_finished() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if deadline.is_none() || t.is_finished() {
+                let _ = t.join();
+            }
+        }
+        self.pool.stop();
+    }
+}

@@ -1,0 +1,255 @@
+//! One reactor: an io_uring and the connections it serves, in a loop that submits what the
+//! connections need, waits for completions, and hands each to its connection.
+//!
+//! Invariants: every operation submitted carries its connection's key (and, for a device
+//! read, its request and piece) in its user data, and a connection is removed only when it has
+//! none in flight (`Conn::finished`), so a completion always finds its connection; the
+//! eventfd read and the timer are always armed while the reactor runs; all submissions of one
+//! round go to the kernel in one `io_uring_enter`, which also waits for the next completion.
+
+use super::conn::Conn;
+use super::{Handle, Msg, Pool};
+use io_uring::{opcode, squeue, types, IoUring};
+use slab::Slab;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What a completion is about (the low 4 bits of its user data).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    Wake = 1,
+    Timer = 2,
+    Recv = 3,
+    Send = 4,
+    Read = 5,
+}
+
+/// User data: kind (4 bits), piece (12), request (16), connection (32).
+pub(super) fn user_data(kind: Kind, conn: usize, req: usize, piece: usize) -> u64 {
+    debug_assert!(piece < 1 << 12 && req < 1 << 16 && conn < 1 << 32);
+    kind as u64 | (piece as u64) << 4 | (req as u64) << 16 | (conn as u64) << 32
+}
+
+fn decode(user_data: u64) -> (u64, usize, usize, usize) {
+    (
+        user_data & 0xf,
+        (user_data >> 32) as usize,
+        (user_data >> 16 & 0xffff) as usize,
+        (user_data >> 4 & 0xfff) as usize,
+    )
+}
+
+/// How often deadlines are looked at, at most (and while a connection waits for budget).
+const TICK_MAX: Duration = Duration::from_millis(100);
+const TICK_WAITING: Duration = Duration::from_millis(2);
+
+/// Sets up a ring and checks that it has every operation the data path uses.
+pub(super) fn new_ring(entries: u32) -> io::Result<IoUring> {
+    let ring = IoUring::builder().build(entries)?;
+    let mut probe = io_uring::Probe::new();
+    ring.submitter().register_probe(&mut probe)?;
+    for (code, name) in [
+        (opcode::Read::CODE, "read"),
+        (opcode::Recv::CODE, "recv"),
+        (opcode::SendMsg::CODE, "sendmsg"),
+        (opcode::Timeout::CODE, "timeout"),
+    ] {
+        if !probe.is_supported(code) {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("io_uring lacks the {name} operation"),
+            ));
+        }
+    }
+    Ok(ring)
+}
+
+/// The submission side of a ring for one round: pushes, submitting first when it is full.
+pub(super) struct Sq<'a> {
+    ring: &'a IoUring,
+    sq: squeue::SubmissionQueue<'a>,
+}
+
+impl Sq<'_> {
+    pub(super) fn push(&mut self, entry: squeue::Entry) {
+        loop {
+            // SAFETY: every entry's buffers are owned by a connection (or the reactor) and
+            // stay alive and unmoved until its completion is handled (the module invariants).
+            if unsafe { self.sq.push(&entry) }.is_ok() {
+                return;
+            }
+            self.sq.sync();
+            if let Err(err) = self.ring.submit() {
+                log::warn!("io_uring submit: {err}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            self.sq.sync();
+        }
+    }
+}
+
+pub(super) struct Reactor {
+    ring: IoUring,
+    handle: Arc<Handle>,
+    pool: Arc<Pool>,
+    conns: Slab<Conn>,
+    wake_buf: Box<u64>,
+    timer: Box<types::Timespec>,
+    timer_armed: bool,
+    wake_armed: bool,
+    stopping: bool,
+}
+
+impl Reactor {
+    pub(super) fn new(ring: IoUring, handle: Arc<Handle>, pool: Arc<Pool>) -> Reactor {
+        Reactor {
+            ring,
+            handle,
+            pool,
+            conns: Slab::new(),
+            wake_buf: Box::new(0),
+            timer: Box::new(types::Timespec::new()),
+            timer_armed: false,
+            wake_armed: false,
+            stopping: false,
+        }
+    }
+
+    pub(super) fn run(mut self) {
+        let mut completions: Vec<(u64, i32)> = Vec::with_capacity(256);
+        let mut last_tick = Instant::now();
+        loop {
+            for msg in self.handle.take() {
+                match msg {
+                    Msg::Adopt(a) => {
+                        let key = self.conns.insert(Conn::new(*a));
+                        debug_assert!(key < 1 << 32);
+                    }
+                    Msg::Done(f) => {
+                        let conn = &mut self.conns[f.conn];
+                        conn.on_done(f, &self.pool);
+                    }
+                    Msg::Stop => self.stopping = true,
+                }
+            }
+            for (user_data, res) in completions.drain(..) {
+                self.complete(user_data, res);
+            }
+            let now = Instant::now();
+            let waiting = self.conns.iter().any(|(_, c)| c.wants_permit);
+            if now.saturating_duration_since(last_tick) >= TICK_WAITING {
+                last_tick = now;
+                for (_, c) in self.conns.iter_mut() {
+                    c.tick(now);
+                }
+            }
+            {
+                let mut sq = Sq {
+                    ring: &self.ring,
+                    // SAFETY: only this thread uses the ring's submission queue.
+                    sq: unsafe { self.ring.submission_shared() },
+                };
+                for (key, c) in self.conns.iter_mut() {
+                    c.poll(key, &mut sq, &self.handle, &self.pool);
+                }
+                if !self.wake_armed {
+                    let sqe = opcode::Read::new(
+                        types::Fd(self.handle.wake.as_raw_fd()),
+                        (&mut *self.wake_buf as *mut u64).cast(),
+                        8,
+                    )
+                    .build()
+                    .user_data(user_data(Kind::Wake, 0, 0, 0));
+                    sq.push(sqe);
+                    self.wake_armed = true;
+                }
+                if !self.timer_armed {
+                    let tick = if waiting { TICK_WAITING } else { TICK_MAX };
+                    *self.timer = types::Timespec::new()
+                        .sec(tick.as_secs())
+                        .nsec(tick.subsec_nanos());
+                    let sqe = opcode::Timeout::new(&*self.timer)
+                        .build()
+                        .user_data(user_data(Kind::Timer, 0, 0, 0));
+                    sq.push(sqe);
+                    self.timer_armed = true;
+                }
+                sq.sq.sync();
+            }
+            let finished: Vec<usize> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.finished())
+                .map(|(k, _)| k)
+                .collect();
+            for key in finished {
+                self.conns.remove(key).close(&self.handle);
+            }
+            if self.stopping && self.conns.is_empty() {
+                // The eventfd read and the timer may still be in flight: their buffers are
+                // the reactor's, so it waits for them before the ring goes.
+                self.drain_own();
+                return;
+            }
+            if let Err(err) = self.ring.submit_and_wait(1) {
+                if err.raw_os_error() != Some(libc::EINTR) {
+                    log::error!("io_uring wait: {err}");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+            // SAFETY: only this thread uses the ring's completion queue.
+            let cq = unsafe { self.ring.completion_shared() };
+            completions.extend(cq.map(|c| (c.user_data(), c.result())));
+        }
+    }
+
+    fn complete(&mut self, user_data: u64, res: i32) {
+        let (kind, conn, req, piece) = decode(user_data);
+        match kind {
+            k if k == Kind::Wake as u64 => self.wake_armed = false,
+            k if k == Kind::Timer as u64 => self.timer_armed = false,
+            k if k == Kind::Recv as u64 => self.conns[conn].on_recv(res),
+            k if k == Kind::Send as u64 => self.conns[conn].on_send(res),
+            k if k == Kind::Read as u64 => {
+                let mut sq = Sq {
+                    ring: &self.ring,
+                    // SAFETY: only this thread uses the ring's submission queue.
+                    sq: unsafe { self.ring.submission_shared() },
+                };
+                self.conns[conn].on_read(conn, req, piece, res, &mut sq, &self.handle, &self.pool);
+                sq.sq.sync();
+            }
+            other => log::error!("io_uring completion of unknown kind {other}"),
+        }
+    }
+
+    /// Waits for the reactor's own eventfd read and timer before its buffers go: the read
+    /// ends by a write to the eventfd, the timer by itself.
+    fn drain_own(&mut self) {
+        if self.wake_armed {
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a live u64 to our own eventfd.
+            unsafe {
+                libc::write(
+                    self.handle.wake.as_raw_fd(),
+                    (&one as *const u64).cast(),
+                    8,
+                )
+            };
+        }
+        while self.wake_armed || self.timer_armed {
+            if self.ring.submit_and_wait(1).is_err() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // SAFETY: only this thread uses the ring's completion queue.
+            let done: Vec<(u64, i32)> = unsafe { self.ring.completion_shared() }
+                .map(|c| (c.user_data(), c.result()))
+                .collect();
+            for (user_data, res) in done {
+                self.complete(user_data, res);
+            }
+        }
+    }
+}
