@@ -151,4 +151,10 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     fn describe(&self) -> String {
         (**self).describe()
     }
+    fn read_fd(&self, offset: u64, len: usize) -> Option<std::os::fd::RawFd> {
+        (**self).read_fd(offset, len)
+    }
+    fn read_done(&self, offset: u64, len: usize, took: std::time::Duration, ok: bool) {
+        (**self).read_done(offset, len, took, ok)
+    }
 }

@@ -1282,3 +1282,77 @@ fn the_engine_carries_out_a_scripted_policy() {
         "a filled block hits"
     );
 }
+
+/// The staged read (`plan_read`, the caller's own device reads, `Hit::finish`): a hit on a
+/// file cache device names its descriptor and pieces, the caller's `pread`s of them finish
+/// into the right data and count as a hit; a miss is a `SlowRead` that `read_slow` carries
+/// out; a caller's failed device read of clean data ends in a `SlowRead` that reads the
+/// backing device, and the copy is gone.
+#[test]
+fn a_staged_hit_is_read_by_the_caller_from_the_cache_devices_descriptor() {
+    use blockdev::FileDevice;
+    use engine::ReadPlan;
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let cache: Arc<dyn BlockDevice> =
+        Arc::new(FileDevice::create(&dir.path().join("cache.img"), 16 << 20).unwrap());
+    let backing: Arc<dyn BlockDevice> =
+        Arc::new(FileDevice::create(&dir.path().join("backing.img"), 4 << 20).unwrap());
+    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, no_threads());
+    let d = data(21, 0, 64 << 10);
+    vol.write(0, &d, false).unwrap();
+    let hits = |vol: &engine::Volume| vol.status().stats.total.cache_hits;
+    // Aligned to 4 KiB: the caller's buffers must be (O_DIRECT).
+    let mut buf = aligned(16 << 10);
+    let ReadPlan::Hit(hit) = vol.plan_read(8192, 16 << 10).unwrap() else {
+        panic!("written blocks are a hit");
+    };
+    let fd = hit.fd().expect("a file cache device has a descriptor");
+    // SAFETY: the descriptor stays open while `vol` lives; the File is never closed.
+    let file = std::mem::ManuallyDrop::new(unsafe {
+        <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd)
+    });
+    for p in hit.pieces() {
+        file.read_exact_at(&mut buf[p.buf_offset..p.buf_offset + p.len], p.dev_offset)
+            .unwrap();
+    }
+    let before = hits(&vol);
+    assert!(hit.finish(&mut buf, Ok(())).unwrap().is_none());
+    assert!(buf[..] == d[8192..8192 + (16 << 10)]);
+    assert_eq!(hits(&vol), before + 1);
+    // A miss: the slow path, which promotes the block (clean).
+    let ReadPlan::Slow(slow) = vol.plan_read(1 << 20, 4096).unwrap() else {
+        panic!("never written: a miss");
+    };
+    let mut miss = aligned(4096);
+    vol.read_slow(slow, &mut miss).unwrap();
+    assert!(miss.iter().all(|&b| b == 0));
+    // A failed device read of that clean copy: dropped, and the backing device serves it.
+    let ReadPlan::Hit(hit) = vol.plan_read(1 << 20, 4096).unwrap() else {
+        panic!("promoted by the miss");
+    };
+    let mut one = aligned(4096);
+    one.fill(0xAA);
+    let err = std::io::Error::other("injected device error");
+    let again = hit.finish(&mut one, Err(err)).unwrap();
+    let again = again.expect("clean data is read again from the backing device");
+    vol.read_slow(again, &mut one).unwrap();
+    assert!(one.iter().all(|&b| b == 0));
+    assert!(
+        matches!(vol.plan_read(1 << 20, 4096).unwrap(), ReadPlan::Slow(_)),
+        "the unreadable copy was dropped"
+    );
+    // The same failure on dirty data: an error, never wrong (or old) data.
+    let ReadPlan::Hit(hit) = vol.plan_read(0, 4096).unwrap() else {
+        panic!("written blocks are a hit");
+    };
+    let err = std::io::Error::other("injected device error");
+    assert!(hit.finish(&mut one, Err(err)).is_err());
+}
+
+/// A zeroed buffer of `len` bytes at a 4 KiB-aligned address.
+fn aligned(len: usize) -> &'static mut [u8] {
+    let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+    // SAFETY: a non-zero size; the memory is leaked on purpose (a test's few KiB).
+    unsafe { std::slice::from_raw_parts_mut(std::alloc::alloc_zeroed(layout), len) }
+}

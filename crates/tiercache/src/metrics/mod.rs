@@ -358,6 +358,12 @@ pub struct ListenerSample {
     pub idle_closed: u64,
     pub bytes_in_flight: u64,
     pub workers_extra: u64,
+    /// Event-loop threads of the io_uring data path (0: threads serve every connection).
+    #[serde(default)]
+    pub ring_threads: u64,
+    /// Reads served by the io_uring data path's own cache-device reads.
+    #[serde(default)]
+    pub direct_reads: u64,
 }
 
 impl ListenerSample {
@@ -372,6 +378,8 @@ impl ListenerSample {
             idle_closed: s.connections_idle_closed,
             bytes_in_flight: s.bytes_in_flight as u64,
             workers_extra: s.workers_extra as u64,
+            ring_threads: s.ring_threads as u64,
+            direct_reads: s.direct_reads,
         }
     }
 }

@@ -542,18 +542,19 @@ impl Collector for SampleCollector {
         // ----- NBD listeners -----
         let l = &s.listeners;
         let lis = |name: &String| [("listener", name.clone())];
-        let listener_gauges: [Row<super::ListenerSample, u64>; 4] = [
+        let listener_gauges: [Row<super::ListenerSample, u64>; 5] = [
             ("tiercache_connections", "NBD connections open now (including handshakes).", |l| l.connections),
             ("tiercache_connections_max", "The connection limit in effect (max_connections, lowered to fit the descriptor limit).", |l| l.connections_max),
             ("tiercache_request_memory_in_use_bytes", "Bytes of request and reply buffers held now (bounded by request_memory).", |l| l.bytes_in_flight),
-            ("tiercache_extra_workers", "Worker threads running now beyond each connection's first.", |l| l.workers_extra),
+            ("tiercache_extra_workers", "Worker threads running now beyond each connection's first (io_uring data path: its worker pool).", |l| l.workers_extra),
+            ("tiercache_io_uring_event_loops", "Event-loop threads of the io_uring data path (0: threads serve every connection).", |l| l.ring_threads),
         ];
         for (name, help, get) in listener_gauges {
             family(&mut enc, name, help, None, MetricType::Gauge, l, |x| {
                 (lis(&x.listener), U(get(x)))
             })?;
         }
-        let listener_counters: [Row<super::ListenerSample, u64>; 4] = [
+        let listener_counters: [Row<super::ListenerSample, u64>; 5] = [
             (
                 "tiercache_connections_refused",
                 "Connections closed on arrival (no room, or no thread).",
@@ -573,6 +574,11 @@ impl Collector for SampleCollector {
                 "tiercache_connections_idle_closed",
                 "Connections closed for being idle longer than idle_close_after.",
                 |l| l.idle_closed,
+            ),
+            (
+                "tiercache_direct_reads",
+                "Reads served by the io_uring data path's own cache-device reads (hits with no thread hand-over).",
+                |l| l.direct_reads,
             ),
         ];
         for (name, help, get) in listener_counters {
@@ -621,6 +627,8 @@ mod tests {
             idle_closed: 0,
             bytes_in_flight: 0,
             workers_extra: 0,
+            ring_threads: 2,
+            direct_reads: 0,
         });
         s
     }
