@@ -9,6 +9,15 @@ cd "$(dirname "$0")/.."
 export TIERCACHE_CRASH_POINTS="${TIERCACHE_CRASH_POINTS:-10000}"
 cargo test --workspace --locked -- --test-threads=2
 
+# The NBD interop suites once more on the thread model: the run above served plain
+# connections through io_uring (`--data-path auto`, the default where the kernel allows it;
+# tests that need io_uring ask for `uring` and fail under CI=true without it).
+TIERCACHE_DATA_PATH=threads cargo test --locked -p server -p tiercache \
+    --test interop --test concurrency --test limits --test robustness --test nbdsh \
+    --test memory --test admission --test ring \
+    --test filesystems --test hostile --test faults --test kill9 --test operating \
+    -- --test-threads=2
+
 # The Linux guest (scripts/vm/run.sh): /dev/nbd0 with ext4 and XFS under a real kernel, in
 # qemu. Under CI=true always (a missing tool fails); elsewhere with TIERCACHE_VM=1.
 if [ "${CI:-}" = true ] || [ "${TIERCACHE_VM:-}" = 1 ]; then

@@ -807,3 +807,60 @@ fn scrapes_are_answered_while_slow_clients_trickle() {
     });
     f.stop();
 }
+
+/// `--data-path`: on `uring` the hits of a real client are read by the io_uring event loops
+/// (`tiercache_direct_reads_total` counts them, data verified by qemu-io's pattern check); on
+/// `threads` none are and no event loop runs; a wrong value is refused before anything opens.
+/// Under CI=true a kernel without io_uring fails this test (`uring` does not start).
+#[test]
+fn hits_are_read_by_the_data_path_asked_for() {
+    if !have("qemu-io") {
+        return;
+    }
+    let f = Fixture::new(64, 32, true);
+    let err = refused_within(
+        f.serve_cmd().args(["--data-path", "fast"]),
+        Duration::from_secs(30),
+    );
+    assert!(err.contains("unknown data path \"fast\""), "{err}");
+    drop(f);
+    for path in ["uring", "threads"] {
+        let mut f = Fixture::new(64, 32, true);
+        f.start_with(&[
+            "--metrics",
+            "127.0.0.1:0",
+            "--congested-read-threshold-us",
+            "0",
+            "--data-path",
+            path,
+        ]);
+        let addr = metrics_address(&f);
+        qemu_io(
+            &f,
+            &[
+                "write -P 0x5a 0 1M",
+                "read -P 0x5a 0 1M",
+                "read -P 0x5a 256k 4k",
+                "read -P 0x5a 512k 64k",
+            ],
+        );
+        let s = parse(&scrape(&addr));
+        let sum = |name: &str| -> f64 {
+            s.iter()
+                .filter(|(n, _, _)| n == name)
+                .map(|(_, _, v)| v)
+                .sum()
+        };
+        let (direct, loops) = (
+            sum("tiercache_direct_reads_total"),
+            sum("tiercache_io_uring_event_loops"),
+        );
+        if path == "uring" {
+            assert!(direct >= 3.0, "{path}: {direct} direct reads");
+            assert!(loops >= 1.0, "{path}: {loops} event loops");
+        } else {
+            assert_eq!((direct, loops), (0.0, 0.0), "{path}");
+        }
+        f.stop();
+    }
+}
