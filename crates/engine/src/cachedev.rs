@@ -152,14 +152,12 @@ impl CacheDev {
     }
 
     fn claim(&self, start: u64, hint: u64) -> Option<usize> {
-        (0..SLOTS)
-            .map(|i| (hint as usize + i) % SLOTS)
-            .find(|&i| {
-                let s = &self.inflight[i];
-                s.load(Ordering::Relaxed) == 0
-                    && s.compare_exchange(0, start, Ordering::AcqRel, Ordering::Relaxed)
-                        .is_ok()
-            })
+        (0..SLOTS).map(|i| (hint as usize + i) % SLOTS).find(|&i| {
+            let s = &self.inflight[i];
+            s.load(Ordering::Relaxed) == 0
+                && s.compare_exchange(0, start, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+        })
     }
 
     /// Starts timing an I/O (it claims an in-flight slot, so a stalled device is seen as
@@ -215,7 +213,13 @@ impl CacheDev {
     /// Ends the I/O `t` of `kind` over `at` (offset, length) with result `r`: frees its slot,
     /// feeds the latency estimates and the cost model, turns one that took longer than the
     /// timeout into an error, and counts errors.
-    pub(crate) fn end<T>(&self, t: Timed, kind: Kind, at: (u64, u64), r: io::Result<T>) -> io::Result<T> {
+    pub(crate) fn end<T>(
+        &self,
+        t: Timed,
+        kind: Kind,
+        at: (u64, u64),
+        r: io::Result<T>,
+    ) -> io::Result<T> {
         let start = t.start;
         self.abandon(t);
         let end = self.now();

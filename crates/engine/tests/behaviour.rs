@@ -1303,7 +1303,7 @@ fn a_staged_hit_is_read_by_the_caller_from_the_cache_devices_descriptor() {
     vol.write(0, &d, false).unwrap();
     let hits = |vol: &engine::Volume| vol.status().stats.total.cache_hits;
     // Aligned to 4 KiB: the caller's buffers must be (O_DIRECT).
-    let mut buf = aligned(16 << 10);
+    let buf = aligned(16 << 10);
     let ReadPlan::Hit(hit) = vol.plan_read(8192, 16 << 10).unwrap() else {
         panic!("written blocks are a hit");
     };
@@ -1317,26 +1317,26 @@ fn a_staged_hit_is_read_by_the_caller_from_the_cache_devices_descriptor() {
             .unwrap();
     }
     let before = hits(&vol);
-    assert!(hit.finish(&mut buf, Ok(())).unwrap().is_none());
+    assert!(hit.finish(buf, Ok(())).unwrap().is_none());
     assert!(buf[..] == d[8192..8192 + (16 << 10)]);
     assert_eq!(hits(&vol), before + 1);
     // A miss: the slow path, which promotes the block (clean).
     let ReadPlan::Slow(slow) = vol.plan_read(1 << 20, 4096).unwrap() else {
         panic!("never written: a miss");
     };
-    let mut miss = aligned(4096);
-    vol.read_slow(slow, &mut miss).unwrap();
+    let miss = aligned(4096);
+    vol.read_slow(slow, miss).unwrap();
     assert!(miss.iter().all(|&b| b == 0));
     // A failed device read of that clean copy: dropped, and the backing device serves it.
     let ReadPlan::Hit(hit) = vol.plan_read(1 << 20, 4096).unwrap() else {
         panic!("promoted by the miss");
     };
-    let mut one = aligned(4096);
+    let one = aligned(4096);
     one.fill(0xAA);
     let err = std::io::Error::other("injected device error");
-    let again = hit.finish(&mut one, Err(err)).unwrap();
+    let again = hit.finish(one, Err(err)).unwrap();
     let again = again.expect("clean data is read again from the backing device");
-    vol.read_slow(again, &mut one).unwrap();
+    vol.read_slow(again, one).unwrap();
     assert!(one.iter().all(|&b| b == 0));
     assert!(
         matches!(vol.plan_read(1 << 20, 4096).unwrap(), ReadPlan::Slow(_)),
@@ -1347,7 +1347,7 @@ fn a_staged_hit_is_read_by_the_caller_from_the_cache_devices_descriptor() {
         panic!("written blocks are a hit");
     };
     let err = std::io::Error::other("injected device error");
-    assert!(hit.finish(&mut one, Err(err)).is_err());
+    assert!(hit.finish(one, Err(err)).is_err());
 }
 
 /// A zeroed buffer of `len` bytes at a 4 KiB-aligned address.

@@ -76,8 +76,8 @@ use crate::table::{Activity, InFlight};
 use crate::transport::{Incoming, Outgoing};
 use crate::Export;
 use nbd_proto::{
-    Decoded, NbdErrno,
-    Request, ServerEvent, ServerHandshake, TlsMode, TransmissionContext, ValidRequest,
+    Decoded, NbdErrno, Request, ServerEvent, ServerHandshake, TlsMode, TransmissionContext,
+    ValidRequest,
 };
 use nbd_tls::TlsReader;
 use std::io::{self, BufReader, Read};
@@ -240,7 +240,8 @@ fn serve_inner(
         ctx.structured_replies,
         ctx.flags.0
     );
-    if let (Some(rings), Incoming::Plain(_), Outgoing::Plain) = (&shared.rings, &incoming, &outgoing)
+    if let (Some(rings), Incoming::Plain(_), Outgoing::Plain) =
+        (&shared.rings, &incoming, &outgoing)
     {
         // The io_uring data path serves the transmission phase; this thread waits for it.
         let outcome = Arc::new(crate::ring::Outcome::default());
@@ -620,4 +621,3 @@ impl<'a> Connection<'a> {
         }
     }
 }
-

@@ -155,4 +155,3 @@ impl Drop for Mapping {
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
-

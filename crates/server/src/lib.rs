@@ -79,7 +79,7 @@ mod unix_socket;
 
 pub use config::{DataPath, ServerConfig};
 pub use export::{
-    DeviceRead, Detached, DirectRead, Export, ExportRegistry, Finished, ReadRest, ReadStart,
+    Detached, DeviceRead, DirectRead, Export, ExportRegistry, Finished, ReadRest, ReadStart,
 };
 pub use nbd_proto::ValidRequest;
 pub use nbd_tls::ServerTls;

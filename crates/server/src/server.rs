@@ -425,8 +425,7 @@ fn stats_of(shared: &Shared) -> ServerStats {
         connections_idle_closed: counters.idle_closed.load(Ordering::Relaxed),
         bytes_in_flight: shared.budget.bytes_held(),
         bytes_in_flight_peak: shared.budget.bytes_held_peak(),
-        workers_extra: shared.threads.used()
-            + shared.rings.as_ref().map_or(0, |r| r.workers()),
+        workers_extra: shared.threads.used() + shared.rings.as_ref().map_or(0, |r| r.workers()),
         ring_threads: shared.rings.as_ref().map_or(0, |r| r.count()),
         direct_reads: shared.direct_reads.load(Ordering::Relaxed),
     }

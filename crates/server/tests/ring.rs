@@ -10,9 +10,7 @@
 mod support;
 
 use nbd_proto::NbdErrno;
-use server::{
-    DataPath, DeviceRead, DirectRead, Export, Finished, ReadStart, ServerConfig,
-};
+use server::{DataPath, DeviceRead, DirectRead, Export, Finished, ReadStart, ServerConfig};
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
@@ -187,7 +185,13 @@ fn direct_reads_land_in_place_and_a_blocked_request_holds_none_up() {
     let mut out = Vec::new();
     read_request(1000, GATED_FROM, 8192, &mut out);
     let reads: Vec<(u64, u64, u32)> = (0..32u64)
-        .map(|i| (i, (i * 37 % 200) * 4096 + 4 * 4096, 4096 * (1 + (i % 4) as u32)))
+        .map(|i| {
+            (
+                i,
+                (i * 37 % 200) * 4096 + 4 * 4096,
+                4096 * (1 + (i % 4) as u32),
+            )
+        })
         .collect();
     for &(cookie, offset, len) in &reads {
         read_request(cookie, offset, len, &mut out);
@@ -195,7 +199,10 @@ fn direct_reads_land_in_place_and_a_blocked_request_holds_none_up() {
     c.stream.write_all(&out).unwrap();
     for _ in &reads {
         let (cookie, error, got) = recv_reply(&mut c);
-        assert_ne!(cookie, 1000, "the blocked read was answered before the direct ones");
+        assert_ne!(
+            cookie, 1000,
+            "the blocked read was answered before the direct ones"
+        );
         let &(_, offset, len) = reads.iter().find(|r| r.0 == cookie).unwrap();
         assert_eq!(error, None, "cookie {cookie}");
         assert!(

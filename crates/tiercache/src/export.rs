@@ -34,6 +34,12 @@ impl VolumeExport {
 }
 
 impl VolumeExport {
+    /// Records a read that failed at its plan; returns the error for the reply.
+    fn fail(&self, t: Timer, bytes: u64, err: engine::Error) -> io::Error {
+        self.metrics.finish_as(t, Op::Read, bytes, false);
+        io::Error::from(err)
+    }
+
     /// The rest of a read the plan left to the slow path, on a worker.
     fn rest(&self, slow: SlowRead, t: Timer) -> ReadRest {
         rest(self.vol.clone(), Arc::clone(&self.metrics), slow, t)
@@ -68,7 +74,11 @@ impl DirectRead for DirectHit {
     }
     fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished {
         let DirectHit {
-            hit, vol, metrics, t, ..
+            hit,
+            vol,
+            metrics,
+            t,
+            ..
         } = *self;
         let n = buf.len() as u64;
         match hit.finish(buf, result) {
@@ -139,9 +149,8 @@ impl server::Export for VolumeExport {
         let t = self.metrics.start();
         match self.vol.plan_read(offset, len) {
             Err(err) => {
-                let r: io::Result<()> = Err(io::Error::from(err));
-                self.metrics.finish(t, Op::Read, len as u64, &r);
-                ReadStart::Failed(r.unwrap_err())
+                let r = self.fail(t, len as u64, err);
+                ReadStart::Failed(r)
             }
             Ok(ReadPlan::Hit(hit)) => match hit.fd() {
                 Some(fd) => {

@@ -272,7 +272,9 @@ impl ServeConfig {
             Ok(v)
         };
         if let Some(p) = &self.data_path {
-            c.data_path = p.parse().map_err(|e: String| anyhow::anyhow!("data_path: {e}"))?;
+            c.data_path = p
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("data_path: {e}"))?;
         }
         if let Some(n) = self.ring_threads {
             c.ring_threads = positive("ring_threads", n as u64)? as usize;

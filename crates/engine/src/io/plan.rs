@@ -34,7 +34,9 @@ use std::os::fd::RawFd;
 /// Expected crcs of the cached blocks of a request: up to 16 blocks without allocating.
 pub(super) type Crcs = smallvec::SmallVec<[u32; 16]>;
 
-/// What the plan of a read decided.
+/// What the plan of a read decided. (A `Hit` is moved once, to its caller: boxing it would
+/// cost an allocation per hit for nothing.)
+#[allow(clippy::large_enum_variant)]
 pub enum ReadPlan {
     /// Wholly cached: read [`Hit::pieces`] from the cache device, then [`Hit::finish`].
     Hit(Hit),
@@ -105,7 +107,9 @@ impl std::fmt::Debug for Hit {
 impl Volume {
     /// Stage 1 of a read of `len` bytes at `offset` (see the module header).
     pub fn plan_read(&self, offset: u64, len: usize) -> Result<ReadPlan> {
-        crate::guard::contain(&self.inner, "read", || self.plan_read_unguarded(offset, len))
+        crate::guard::contain(&self.inner, "read", || {
+            self.plan_read_unguarded(offset, len)
+        })
     }
 
     pub(super) fn plan_read_unguarded(&self, offset: u64, len: usize) -> Result<ReadPlan> {
@@ -195,7 +199,10 @@ impl Hit {
     /// direct-I/O needs (4 KiB always suffices); `None`: read through [`Hit::read_blocking`].
     pub fn fd(&self) -> Option<RawFd> {
         let cache = &self.vol.inner.cache;
-        let mut fds = self.pieces.iter().map(|p| cache.read_fd(p.dev_offset, p.len));
+        let mut fds = self
+            .pieces
+            .iter()
+            .map(|p| cache.read_fd(p.dev_offset, p.len));
         let first = fds.next()??;
         fds.all(|fd| fd == Some(first)).then_some(first)
     }
@@ -221,7 +228,7 @@ impl Hit {
         let mut io = Ok(());
         for p in self.pieces.clone() {
             io = blockdev::BlockDevice::read_at(
-                &*cache.device(),
+                cache.device(),
                 &mut buf[p.buf_offset..p.buf_offset + p.len],
                 p.dev_offset,
             );
@@ -328,7 +335,6 @@ impl Hit {
         vol.count_read(self.read, self.len as u64, true, false);
         Ok(None)
     }
-
 }
 
 /// Drops the pins of `segs` (once: they are taken out).

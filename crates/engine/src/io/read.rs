@@ -19,10 +19,10 @@
 //! - sequential reads that bypass the cache are served through `readahead` windows only for
 //!   blocks the index shows uncached.
 
+use super::plan::{Crcs, ReadPlan};
 use super::Volume;
 use crate::alloc::WritePoint;
 use crate::cachedev::Kind;
-use super::plan::{Crcs, ReadPlan};
 use crate::index::{Seg, Segs};
 use crate::readahead;
 use crate::state::Promotion;
@@ -55,7 +55,6 @@ fn fill_pieces(
 
 /// Longest a miss waits for a promotion in flight over its blocks before reading them itself.
 const PROMOTION_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(1);
-
 
 /// The miss fill around a request `[b0, b1)`: the ranges `[p0, b0)` before it and `[b1, s1)`
 /// after it, as `((p0, b0), (b1, s1))`.
@@ -408,11 +407,7 @@ impl Volume {
     /// A read while the cache device's reads are slower than `congested_read_threshold_us`
     /// (see `cachedev`): served by the backing device unless part of it is dirty (then the
     /// cache device has the only current copy). `None`: not congested, or dirty.
-    pub(super) fn read_around_congestion(
-        &self,
-        offset: u64,
-        buf: &mut [u8],
-    ) -> Option<Result<()>> {
+    pub(super) fn read_around_congestion(&self, offset: u64, buf: &mut [u8]) -> Option<Result<()>> {
         let (b0, b1) = BackingBlock::touched_by(offset, buf.len() as u64, self.inner.block_size());
         let dirty = self
             .inner

@@ -86,7 +86,6 @@ struct Sending {
     /// Read by the kernel until the send completes (through `_msg`).
     _iov: Vec<libc::iovec>,
     _msg: Box<libc::msghdr>,
-    started: Instant,
 }
 
 pub(super) struct Conn {
@@ -117,6 +116,9 @@ pub(super) struct Conn {
     outq: VecDeque<Reply>,
     /// Bytes of `outq`'s first reply already sent.
     sent_front: usize,
+    /// When sending `outq`'s first reply began: it must be sent whole within
+    /// `reply_timeout` (however slowly the client takes the bytes).
+    front_since: Option<Instant>,
     sending: Option<Sending>,
     /// Waiting for a budget permit.
     pub(super) wants_permit: bool,
@@ -148,6 +150,7 @@ impl Conn {
             waiting: VecDeque::new(),
             outq: VecDeque::new(),
             sent_front: 0,
+            front_since: None,
             sending: None,
             wants_permit: false,
         }
@@ -206,7 +209,13 @@ impl Conn {
     }
 
     /// Moves the connection on: decodes what was received, arms `recv`, sends replies.
-    pub(super) fn poll(&mut self, key: usize, sq: &mut Sq<'_>, handle: &Arc<Handle>, pool: &Arc<Pool>) {
+    pub(super) fn poll(
+        &mut self,
+        key: usize,
+        sq: &mut Sq<'_>,
+        handle: &Arc<Handle>,
+        pool: &Arc<Pool>,
+    ) {
         if self.reading && !self.gone {
             self.decode(key, sq, handle, pool);
         }
@@ -323,7 +332,17 @@ impl Conn {
                 }
                 other => other,
             };
-            self.start(key, request.cookie, action, permit, in_flight, buf, sq, handle, pool);
+            self.start(
+                key,
+                request.cookie,
+                action,
+                permit,
+                in_flight,
+                buf,
+                sq,
+                handle,
+                pool,
+            );
         }
     }
 
@@ -365,7 +384,9 @@ impl Conn {
                     ReadStart::Direct(direct)
                         if (1..=PIECES_MAX).contains(&direct.reads().len()) =>
                     {
-                        self.read_direct(key, cookie, offset, length, direct, permit, in_flight, buf, sq);
+                        self.read_direct(
+                            key, cookie, offset, length, direct, permit, in_flight, buf, sq,
+                        );
                         return;
                     }
                     ReadStart::Direct(direct) => (Work::Direct(direct), (offset, length)),
@@ -373,7 +394,8 @@ impl Conn {
                     ReadStart::Whole => (Work::Execute(request), (offset, length)),
                     ReadStart::Failed(err) => {
                         let mut head = Vec::new();
-                        let n = read_reply(&self.a.ctx, cookie, offset, length, Err(err), &mut head);
+                        let n =
+                            read_reply(&self.a.ctx, cookie, offset, length, Err(err), &mut head);
                         self.reply(head, buf, n, Some(permit), Some(in_flight));
                         return;
                     }
@@ -399,7 +421,7 @@ impl Conn {
             work,
             buf,
         };
-        self.to_worker(job, pool);
+        self.hand_to_worker(job, pool);
     }
 
     /// Submits a direct read's device reads to the ring.
@@ -461,7 +483,17 @@ impl Conn {
     }
 
     /// A device read of a direct read completed with `res`.
-    pub(super) fn on_read(&mut self, key: usize, req: usize, piece: usize, res: i32, sq: &mut Sq<'_>, handle: &Arc<Handle>, pool: &Arc<Pool>) {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_read(
+        &mut self,
+        key: usize,
+        req: usize,
+        piece: usize,
+        res: i32,
+        sq: &mut Sq<'_>,
+        handle: &Arc<Handle>,
+        pool: &Arc<Pool>,
+    ) {
         let ReqState::Reading {
             direct,
             left,
@@ -545,14 +577,14 @@ impl Conn {
                     work: Work::Rest(rest),
                     buf,
                 };
-                self.to_worker(job, pool);
+                self.hand_to_worker(job, pool);
             }
         }
     }
 
     /// Hands `job` to the pool, or queues it while the connection has
     /// `workers_per_connection` requests there.
-    fn to_worker(&mut self, job: Job, pool: &Arc<Pool>) {
+    fn hand_to_worker(&mut self, job: Job, pool: &Arc<Pool>) {
         self.at_workers += 1;
         if self.at_workers - self.waiting.len() <= self.a.shared.config.workers_per_connection {
             pool.submit(job);
@@ -621,10 +653,10 @@ impl Conn {
             .build()
             .user_data(super::reactor::user_data(Kind::Send, key, 0, 0));
         sq.push(sqe);
+        self.front_since.get_or_insert_with(Instant::now);
         self.sending = Some(Sending {
             _iov: iov,
             _msg: msg,
-            started: Instant::now(),
         });
     }
 
@@ -659,6 +691,7 @@ impl Conn {
             drop(std::mem::take(&mut r.buf));
             drop(r.permit.take());
             drop(r.in_flight.take());
+            self.front_since = None;
         }
         self.sent_front = sent;
         if self.gone {
@@ -708,16 +741,22 @@ impl Conn {
             if now.saturating_duration_since(since) > config.request_timeout && !self.wants_permit {
                 self.stop_reading(Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!("receiving a request took longer than {:?}", config.request_timeout),
+                    format!(
+                        "receiving a request took longer than {:?}",
+                        config.request_timeout
+                    ),
                 )));
             }
         }
-        if let Some(s) = &self.sending {
-            if now.saturating_duration_since(s.started) > config.reply_timeout {
+        if let (Some(_), Some(since)) = (&self.sending, self.front_since) {
+            if now.saturating_duration_since(since) > config.reply_timeout {
                 if self.result.is_ok() {
                     self.result = Err(io::Error::new(
                         io::ErrorKind::TimedOut,
-                        format!("writing a reply took longer than {:?}", config.reply_timeout),
+                        format!(
+                            "writing a reply took longer than {:?}",
+                            config.reply_timeout
+                        ),
                     ));
                 }
                 // The send in flight fails once the socket is shut down.

@@ -105,10 +105,15 @@ pub(crate) struct Handle {
 
 impl Handle {
     pub(crate) fn send(&self, msg: Msg) {
-        self.inbox
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(msg);
+        let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        inbox.push(msg);
+        let first = inbox.len() == 1;
+        drop(inbox);
+        if !first {
+            // The reactor has been woken for the earlier messages and has not taken them
+            // yet: it takes this one with them.
+            return;
+        }
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a live u64 to our own eventfd; a failure (the counter
         // saturated) still leaves the reactor woken.

@@ -87,8 +87,11 @@ impl Pool {
         let mut st = self.lock();
         st.jobs.push_back(job);
         if st.idle >= st.jobs.len() || st.threads >= self.max {
+            let idle = st.idle > 0;
             drop(st);
-            self.work.notify_one();
+            if idle {
+                self.work.notify_one();
+            }
             return;
         }
         st.threads += 1;
@@ -171,10 +174,9 @@ fn run(job: Job) {
         }
         Work::Direct(direct) => {
             let data = buf.data_mut(length as usize);
-            let io = direct
-                .reads()
-                .iter()
-                .try_for_each(|r| pread_full(direct.fd(), &mut data[r.buf_offset..][..r.len], r.offset));
+            let io = direct.reads().iter().try_for_each(|r| {
+                pread_full(direct.fd(), &mut data[r.buf_offset..][..r.len], r.offset)
+            });
             let result = match direct.finish(data, io) {
                 ReadFinished::Done(r) => r,
                 ReadFinished::Again(rest) => rest(data),

@@ -231,13 +231,7 @@ impl Reactor {
         if self.wake_armed {
             let one: u64 = 1;
             // SAFETY: writes 8 bytes from a live u64 to our own eventfd.
-            unsafe {
-                libc::write(
-                    self.handle.wake.as_raw_fd(),
-                    (&one as *const u64).cast(),
-                    8,
-                )
-            };
+            unsafe { libc::write(self.handle.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
         }
         while self.wake_armed || self.timer_armed {
             if self.ring.submit_and_wait(1).is_err() {

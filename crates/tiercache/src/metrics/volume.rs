@@ -144,10 +144,16 @@ impl VolumeMetrics {
     /// Records a finished request of `bytes` bytes (`t` started on this thread, or moved to
     /// it with [`Timer::here`]).
     pub fn finish<T>(&self, t: Timer, op: Op, bytes: u64, r: &io::Result<T>) {
+        self.finish_as(t, op, bytes, r.is_ok());
+    }
+
+    /// [`VolumeMetrics::finish`] of a request that succeeded (`ok`) or failed.
+    pub fn finish_as(&self, t: Timer, op: Op, bytes: u64, ok: bool) {
         let elapsed = t.start.elapsed();
-        let result = match r {
-            Ok(_) => result_of(op, &tally().since(&t.tally)),
-            Err(_) => "error",
+        let result = if ok {
+            result_of(op, &tally().since(&t.tally))
+        } else {
+            "error"
         };
         let s = &self.series[index(op, result)];
         s.latency.observe(elapsed);
