@@ -1,27 +1,50 @@
-//! `tiercache bench --workloads hits`: what tiercache costs on top of the device it reads and
-//! writes, measured against a plain NBD file server and against fio on the file itself.
+//! `tiercache bench --workloads hits`: what tiercache costs on top of the devices it reads and
+//! writes, measured in one run against the physical ceilings (fio on the file itself, no NBD;
+//! `nbdkit memory`, the NBD transport and fio's nbd client with no device behind them) and
+//! against the NBD file servers a user would pick instead (`qemu-nbd`, `nbdkit file`).
 //!
-//! 1. Cached reads: a cache file and a backing file, both written in full (no holes, so every
-//!    read costs real I/O), `tiercache make --writeback`, one random read pass over a region of
-//!    the export (`sequential_cutoff 0`), then a check in tiercache's stats that the whole
-//!    region is cached. Then 4 KiB random reads for three servers on the same cache file, in
-//!    turn per row: tiercache over the region, `nbdkit -r file CACHE cache=none fadvise=random`
-//!    and fio `libaio` with O_DIRECT (no NBD) over the whole cache file. Rows: QD1 and QD32 on
-//!    one connection, and 4 connections × QD8 (fio `numjobs=4`: each job its own connection).
-//! 2. Passthrough: 4 KiB QD1 random writes to the backing file (a region the cache holds
-//!    none of): tiercache in `writearound`, `nbdkit file` on that file (`cache=none`, which
-//!    waits for each write to reach the file, and its default page cache), and fio `libaio`
-//!    O_DIRECT on it.
+//! Set-up: a cache file and a backing file, both written in full (no holes, so every read
+//! costs real I/O), `tiercache make --writeback`, `sequential_cutoff 0`, writeback paused
+//! (`writeback_running 0`, so no background write competes with a measurement), one random
+//! read pass over the first region of the export, then a check in tiercache's stats that the
+//! whole region is cached.
+//!
+//! 1. Cached reads, per row the columns in turn: tiercache over the region; over the whole
+//!    cache file `nbdkit -r file CACHE cache=none fadvise=random`, `qemu-nbd -r --cache=none
+//!    --aio=io_uring -f raw CACHE` (`--aio=native` when io_uring is refused; its column says
+//!    so), `nbdkit memory` of the cache file's size, and fio `libaio` O_DIRECT on the file
+//!    (raw). Rows: 4 KiB random reads at QD1 and QD32 on one connection and 4 connections ×
+//!    QD8 (fio `numjobs=4`: each job its own connection); 128 KiB sequential reads at QD8 on
+//!    one connection (bandwidth).
+//! 2. Writeback writes: 4 KiB random writes at QD32 writing each block of a third region of
+//!    the export once (bounded by size, capped by the step time), absorbed by the cache
+//!    device as dirty data (its stats' dirty bytes must cover what fio wrote, else a notice);
+//!    `nbdkit memory` and raw (on the cache file, once tiercache is stopped for good) write
+//!    as much.
+//! 3. When `tiercache serve --help` offers `--data-path` (probed once): tiercache restarted
+//!    with `--data-path threads` runs the rows of 1 and 2 again (column "tiercache
+//!    (threads)"), then the default server is started again. Without it, a notice.
+//! 4. Passthrough, QD1 4 KiB random reads (`cache_mode none`) and writes (`writearound`) to
+//!    the second region, which the cache holds none of: tiercache against fio on its backing
+//!    device alone, for the local file (raw) and for an NBD export of the same file
+//!    (`nbdkit file cache=none fadvise=random` on a Unix socket) with a second tiercache made
+//!    on it (`--backing nbd+unix:///?socket=...`); the added µs are tiercache's mean and p50
+//!    minus the device's. And the local writearound write against `nbdkit file` serving the
+//!    backing file (`cache=none`, and its default page cache).
 //!
 //! W4's 4 KiB sync-write row (writeback against the fast file alone) is not repeated here: it
 //! is `--workloads W4 --configs ssd,tiercache-writeback`.
 //!
 //! Invariants: numbers come from fio's JSON, server CPU time from `/proc/PID/stat` (utime +
-//! stime of the whole process, all threads) before and after each fio run, hit counts from
-//! tiercache's admin `stats`; every ratio compares figures of the same run; nothing here
-//! asserts a time. Every process is a [`Proc`] (stopped on every exit path) and the scratch
-//! files live in `OUT/hits-scratch`, deleted at the end, also on error. A missing nbdkit
-//! leaves its columns n/a with a notice; any other failure fails the workload.
+//! stime of the whole process, all threads) before and after each fio run, hit, miss and
+//! dirty counts from tiercache's admin `stats`; every ratio and every added µs compares
+//! figures of the same run, and one whose figure is missing is n/a; nothing here asserts a
+//! time. fio never writes to a file a running server uses: raw writes to the cache file and
+//! nbdkit's writes to the backing file come after tiercache is stopped for good, and the
+//! second tiercache is made on the backing file only then. Every process is a [`Proc`]
+//! (stopped on every exit path) and the scratch files live in `OUT/hits-scratch`, deleted at
+//! the end, also on error. A missing nbdkit or qemu-nbd leaves its columns and rows n/a with
+//! a notice (an error under `CI=true`); any other failure fails the workload.
 
 use super::fio::{self, Target};
 use super::procs::{self, Proc, Tiercache};
@@ -30,8 +53,11 @@ use super::scale::{self, Devices};
 use super::Scale;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
 use std::fmt::Write as _;
 use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 use tiercache_units::human;
 
@@ -43,12 +69,19 @@ const BUCKET: u64 = 512 << 10;
 /// Sizes and step length of one scale.
 #[derive(Clone, Copy, Debug, Serialize)]
 struct Params {
-    /// The cached region of the export (reads), and the region written (passthrough).
+    /// The cached region of the export (reads), and the region read and written around the
+    /// cache (passthrough).
     region_bytes: u64,
-    /// The cache file: the region, a quarter more, and 16 MiB, so nothing is evicted.
+    /// The region written in writeback (once per tiercache column), a quarter of the other.
+    write_bytes: u64,
+    /// The cache file: the region, room for two passes of writeback writes, and 16 MiB, so
+    /// nothing is evicted.
     cache_bytes: u64,
-    /// The backing file: two regions (read, then written) and 1 MiB for tiercache's header.
+    /// The backing file: two regions (read, passthrough), the written one, and 1 MiB for
+    /// tiercache's header.
     backing_bytes: u64,
+    /// The cache file of the tiercache in front of the NBD export (passthrough only).
+    remote_cache_bytes: u64,
     step_ms: u64,
 }
 
@@ -58,20 +91,84 @@ fn params(scale: Scale) -> Params {
         Scale::Quick => (256 << 20, 5000),
         Scale::Full => (1 << 30, 30_000),
     };
+    let write = region / 4;
     Params {
         region_bytes: region,
-        cache_bytes: region + region / 4 + (16 << 20),
-        backing_bytes: 2 * region + (1 << 20),
+        write_bytes: write,
+        cache_bytes: region + 2 * write + (16 << 20),
+        backing_bytes: 2 * region + write + (1 << 20),
+        remote_cache_bytes: 32 << 20,
         step_ms,
     }
 }
 
-/// The rows of the read table: name, fio jobs (connections), queue depth per job.
-const READ_ROWS: [(&str, u32, u32); 3] = [
-    ("QD1, 1 connection", 1, 1),
-    ("QD32, 1 connection", 1, 32),
-    ("4 connections × QD8", 4, 8),
+/// The shape of one fio run: a row of a table.
+#[derive(Clone, Copy, Debug, Serialize)]
+struct Shape {
+    row: &'static str,
+    rw: &'static str,
+    bs: &'static str,
+    /// fio jobs: with the nbd engine, each its own connection.
+    numjobs: u32,
+    /// Queue depth per job.
+    iodepth: u32,
+}
+
+impl Shape {
+    const fn new(
+        row: &'static str,
+        rw: &'static str,
+        bs: &'static str,
+        jobs: u32,
+        qd: u32,
+    ) -> Self {
+        Shape {
+            row,
+            rw,
+            bs,
+            numjobs: jobs,
+            iodepth: qd,
+        }
+    }
+
+    /// Reported in IOPS (4 KiB) rather than bandwidth.
+    fn small(&self) -> bool {
+        self.bs == "4k"
+    }
+}
+
+/// The rows of the read table.
+const READ_ROWS: [Shape; 4] = [
+    Shape::new("QD1, 1 connection", "randread", "4k", 1, 1),
+    Shape::new("QD32, 1 connection", "randread", "4k", 1, 32),
+    Shape::new("4 connections × QD8", "randread", "4k", 4, 8),
+    Shape::new(
+        "128 KiB sequential, QD8, 1 connection",
+        "read",
+        "128k",
+        1,
+        8,
+    ),
 ];
+/// The writeback writes.
+const WRITE_ROW: Shape = Shape::new(
+    "4 KiB random writes, QD32, 1 connection",
+    "randwrite",
+    "4k",
+    1,
+    32,
+);
+/// The passthrough rows.
+const PASS_READ: Shape = Shape::new("4 KiB random reads, QD1", "randread", "4k", 1, 1);
+const PASS_WRITE: Shape = Shape::new("4 KiB random writes, QD1", "randwrite", "4k", 1, 1);
+
+/// Column keys (JSON) of the read and write tables.
+const TC: &str = "tiercache";
+const TC_THREADS: &str = "tiercache_threads";
+const KIT_FILE: &str = "nbdkit_file";
+const QEMU: &str = "qemu_nbd";
+const KIT_MEM: &str = "nbdkit_memory";
+const RAW: &str = "raw";
 
 /// One fio run, and the server's CPU time over it.
 #[derive(Clone, Debug, Serialize)]
@@ -83,31 +180,87 @@ struct Point {
     command: String,
 }
 
+/// A column: what fio reaches, and the server process behind it (None: fio on the file).
+struct Server {
+    key: &'static str,
+    name: String,
+    proc_: Option<Proc>,
+    target: Target,
+}
+
+impl Server {
+    fn tiercache(&self) -> bool {
+        self.key.starts_with(TC)
+    }
+
+    fn measure(&self, args: &[String]) -> Result<Point> {
+        measure(&self.target, self.proc_.as_ref(), args)
+    }
+}
+
+/// A column of the read table, in order.
+#[derive(Clone, Debug, Serialize)]
+struct Column {
+    key: &'static str,
+    name: String,
+}
+
 /// One row of the read table.
 #[derive(Clone, Debug, Serialize)]
 struct ReadRow {
-    row: String,
-    numjobs: u32,
-    iodepth: u32,
-    tiercache: Point,
-    /// Hits / (hits + misses) over the tiercache run, from its stats.
-    tiercache_hit_pct: Option<f64>,
-    tiercache_misses: u64,
-    nbdkit: Option<Point>,
-    raw: Point,
-    /// tiercache IOPS / nbdkit IOPS.
-    ratio_nbdkit: Option<f64>,
-    /// tiercache IOPS / raw IOPS.
-    ratio_raw: Option<f64>,
+    #[serde(flatten)]
+    shape: Shape,
+    /// fio's figures by column key, for the columns that ran.
+    points: BTreeMap<&'static str, Point>,
+    /// Per tiercache column: hits / (hits + misses) over its run, from its stats, and misses.
+    hit_pct: BTreeMap<&'static str, f64>,
+    misses: BTreeMap<&'static str, u64>,
+    /// tiercache's IOPS over each other column's (the bandwidth ratio too: same block size).
+    tiercache_over: BTreeMap<&'static str, f64>,
 }
 
-/// One server of the passthrough table.
+/// One server of the writeback write table.
 #[derive(Clone, Debug, Serialize)]
 struct WriteRow {
+    key: &'static str,
+    server: String,
+    point: Option<Point>,
+    /// This IOPS / raw IOPS.
+    over_raw: Option<f64>,
+    /// tiercache: its dirty bytes after the run, from its stats.
+    dirty_after_bytes: Option<u64>,
+}
+
+/// One row of the passthrough table: tiercache against its backing device alone.
+#[derive(Clone, Debug, Serialize)]
+struct PassRow {
+    backing: &'static str,
+    #[serde(flatten)]
+    shape: Shape,
+    tiercache_mode: &'static str,
+    /// fio on the backing device itself.
+    alone: Option<Point>,
+    tiercache: Option<Point>,
+    /// tiercache's mean and p50 latency minus the device's, µs.
+    added_mean_us: Option<f64>,
+    added_p50_us: Option<f64>,
+}
+
+/// One NBD file server against tiercache's local writearound write.
+#[derive(Clone, Debug, Serialize)]
+struct PeerRow {
     server: String,
     point: Point,
-    /// tiercache's mean latency minus this one's, µs (None on tiercache's own row).
-    tiercache_minus_us: Option<f64>,
+    /// tiercache's mean latency minus this one's, µs.
+    tiercache_minus_us: f64,
+}
+
+/// The optional columns available in this run.
+struct Tools {
+    nbdkit: bool,
+    qemu_nbd: bool,
+    /// `tiercache serve` offers `--data-path`.
+    data_path: bool,
 }
 
 fn ratio(a: f64, b: f64) -> Option<f64> {
@@ -134,19 +287,22 @@ fn measure(target: &Target, server: Option<&Proc>, args: &[String]) -> Result<Po
     })
 }
 
-/// fio options of a 4 KiB random step of `p.step_ms` over `[offset, offset + size)`.
-fn job(p: &Params, rw: &str, numjobs: u32, iodepth: u32, offset: u64, size: u64) -> Vec<String> {
+/// fio options of `s` over `[offset, offset + size)`: time-based for `p.step_ms`, or (not
+/// `timed`) each block once, capped at `p.step_ms`.
+fn job(p: &Params, s: &Shape, offset: u64, size: u64, timed: bool) -> Vec<String> {
     let mut v: Vec<String> = vec![
-        format!("--rw={rw}"),
-        "--bs=4k".into(),
-        format!("--numjobs={numjobs}"),
-        format!("--iodepth={iodepth}"),
-        "--time_based".into(),
+        format!("--rw={}", s.rw),
+        format!("--bs={}", s.bs),
+        format!("--numjobs={}", s.numjobs),
+        format!("--iodepth={}", s.iodepth),
         format!("--runtime={}ms", p.step_ms),
         format!("--offset={offset}"),
         format!("--size={size}"),
     ];
-    if rw == "randread" {
+    if timed {
+        v.push("--time_based".into());
+    }
+    if !s.rw.contains("write") {
         v.push("--readonly".into());
     }
     v
@@ -169,31 +325,87 @@ fn evict(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `nbdkit file FILE OPTS` on a Unix socket in `dir`, up and listening.
-fn nbdkit(dir: &Path, name: &str, file: &Path, opts: &[&str]) -> Result<(Proc, Target)> {
+fn nbd_unix(sock: &Path) -> String {
+    format!("nbd+unix:///?socket={}", sock.display())
+}
+
+/// `nbdkit --foreground -U DIR/NAME.sock ARGS` (flags, plugin, parameters), up and listening.
+fn nbdkit<S: AsRef<OsStr>>(dir: &Path, name: &str, args: &[S]) -> Result<(Proc, String)> {
     let sock = dir.join(format!("{name}.sock"));
-    let _ = std::fs::remove_file(&sock);
-    let mut c = std::process::Command::new("nbdkit");
-    c.arg("--foreground")
-        .arg("-U")
-        .arg(&sock)
-        .args(opts.iter().filter(|o| o.starts_with('-')))
-        .arg("file")
-        .arg(file)
-        .args(opts.iter().filter(|o| !o.starts_with('-')));
-    let p = Proc::spawn(&mut c, "nbdkit", None)?;
-    procs::wait_for(&sock, "nbdkit")?;
+    let mut c = Command::new("nbdkit");
+    c.arg("--foreground").arg("-U").arg(&sock).args(args);
     Ok((
-        p,
-        Target::Nbd(format!("nbd+unix:///?socket={}", sock.display())),
+        procs::listen(&mut c, "nbdkit", &sock, None)?,
+        nbd_unix(&sock),
     ))
+}
+
+/// `qemu-nbd -r --cache=none --aio=io_uring -f raw` on `file` (`--aio=native` when io_uring
+/// is refused, with a notice), on a Unix socket in `dir`, taking up to 8 connections. Returns
+/// the server, its URI and its column name.
+fn qemu_nbd(dir: &Path, file: &Path, notices: &mut Vec<String>) -> Result<(Proc, String, String)> {
+    let sock = dir.join("qemu.sock");
+    let start = |aio: &str| {
+        let mut c = Command::new("qemu-nbd");
+        c.args([
+            "--read-only",
+            "--persistent",
+            "--shared=8",
+            "--cache=none",
+            &format!("--aio={aio}"),
+            "--format=raw",
+            "--socket",
+        ])
+        .arg(&sock)
+        .arg(file);
+        procs::listen(&mut c, &format!("qemu-nbd --aio={aio}"), &sock, None)
+    };
+    let (p, name) = match start("io_uring") {
+        Ok(p) => (p, "qemu-nbd (aio=io_uring)".to_string()),
+        Err(e) => {
+            notices.push(format!("qemu-nbd runs with --aio=native: {e:#}"));
+            (
+                start("native")?,
+                "qemu-nbd (aio=native: io_uring refused)".to_string(),
+            )
+        }
+    };
+    Ok((p, nbd_unix(&sock), name))
+}
+
+/// Whether `tiercache serve` offers `--data-path` (its help says so).
+fn offers_data_path(tc: &Tiercache) -> Result<bool> {
+    let help = procs::run_tool(
+        tc.command().args(["serve", "--help"]),
+        "tiercache serve --help",
+    )?;
+    Ok(help.contains("--data-path"))
+}
+
+/// tiercache serving `dev`, as the column `key` (`--data-path threads` for [`TC_THREADS`]).
+fn serve(dev: &Devices, key: &'static str) -> Result<Server> {
+    let (extra, name): (&[&str], _) = if key == TC_THREADS {
+        (&["--data-path", "threads"], "tiercache (threads)")
+    } else {
+        (&[], "tiercache")
+    };
+    let (p, _) = dev.serve(LIMIT, extra)?;
+    Ok(Server {
+        key,
+        name: name.into(),
+        proc_: Some(p),
+        target: Target::Nbd(dev.uri()),
+    })
 }
 
 /// What the workload measured.
 struct Measured {
     cached_after_warm: u64,
+    columns: Vec<Column>,
     reads: Vec<ReadRow>,
     writes: Vec<WriteRow>,
+    passthrough: Vec<PassRow>,
+    peers: Vec<PeerRow>,
 }
 
 /// Runs the hits workload and writes `hits.md` and `hits.json` into `out`.
@@ -202,9 +414,20 @@ pub fn run(tc: &Tiercache, scale: Scale, out: &Path) -> Result<()> {
         bail!("fio is not installed (Debian: apt-get install fio)");
     }
     let mut notices = Vec::new();
-    let have_nbdkit = procs::on_path("nbdkit");
-    if !have_nbdkit {
-        notices.push("nbdkit columns n/a: nbdkit is not installed".to_string());
+    let tools = Tools {
+        nbdkit: procs::optional_tool(
+            "nbdkit",
+            "nbdkit",
+            "nbdkit file and nbdkit memory columns, and the passthrough rows over NBD,",
+            &mut notices,
+        )?,
+        qemu_nbd: procs::optional_tool("qemu-nbd", "qemu-utils", "qemu-nbd column", &mut notices)?,
+        data_path: offers_data_path(tc)?,
+    };
+    if !tools.data_path {
+        notices.push(
+            "no tiercache (threads) column: this tiercache serve has no --data-path option".into(),
+        );
     }
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let out = std::fs::canonicalize(out)?;
@@ -212,15 +435,28 @@ pub fn run(tc: &Tiercache, scale: Scale, out: &Path) -> Result<()> {
     let p = params(scale);
     let t0 = Instant::now();
     let progress = |what: &str| eprintln!("{what} ({:.0} s elapsed)", t0.elapsed().as_secs_f64());
-    let measured = measure_all(tc, &p, &scratch, have_nbdkit, &progress);
+    let measured = measure_all(tc, &p, &scratch, &tools, &mut notices, &progress);
     let _ = std::fs::remove_dir_all(&scratch);
     let m = measured?;
     for r in &m.reads {
-        if r.tiercache_misses > 0 {
+        for (key, misses) in r.misses.iter().filter(|(_, m)| **m > 0) {
             notices.push(format!(
-                "{}: tiercache missed {} reads, so that row is not all hits",
-                r.row, r.tiercache_misses
+                "{}: {key} missed {misses} reads, so that cell is not all hits",
+                r.shape.row
             ));
+        }
+    }
+    for w in &m.writes {
+        if let (Some(pt), Some(dirty)) = (&w.point, w.dirty_after_bytes) {
+            let written = pt.fio.writes * 4096;
+            if dirty < written {
+                notices.push(format!(
+                    "{}: {} of dirty data after {} written, so not every write was absorbed by the cache",
+                    w.server,
+                    human(dirty),
+                    human(written)
+                ));
+            }
         }
     }
     let md = write(&out, scale, &p, &m, &notices)?;
@@ -232,7 +468,8 @@ fn measure_all(
     tc: &Tiercache,
     p: &Params,
     scratch: &Path,
-    have_nbdkit: bool,
+    tools: &Tools,
+    notices: &mut Vec<String>,
     progress: &dyn Fn(&str),
 ) -> Result<Measured> {
     progress(&format!(
@@ -245,9 +482,9 @@ fn measure_all(
     procs::write_whole_file(&dev.cache, p.cache_bytes)?;
     procs::write_whole_file(&dev.backing, p.backing_bytes)?;
     dev.make(BUCKET, LIMIT)?;
-    let (mut server, _) = dev.serve(LIMIT)?;
+    let mut server = serve(&dev, TC)?;
     dev.set("sequential_cutoff", "0")?;
-    let tc = Target::Nbd(dev.uri());
+    dev.set("writeback_running", "0")?;
     let region = p.region_bytes;
 
     progress(&format!(
@@ -255,7 +492,7 @@ fn measure_all(
         human(region)
     ));
     fio::run(
-        &tc,
+        &server.target,
         &[
             "--rw=randread".into(),
             "--bs=64k".into(),
@@ -277,103 +514,379 @@ fn measure_all(
         evict(f)?;
     }
 
+    // The reference servers of the read table, all on the cache file (or its size).
     let kit_dir = scratch.join("kit");
     std::fs::create_dir_all(&kit_dir)?;
-    let kit = have_nbdkit
-        .then(|| {
-            nbdkit(
-                &kit_dir,
-                "read",
-                &dev.cache,
-                &["-r", "cache=none", "fadvise=random"],
-            )
-        })
-        .transpose()?;
-    let raw_cache = Target::Raw(dev.cache.clone());
-    let mut reads = Vec::new();
-    for (row, numjobs, iodepth) in READ_ROWS {
-        progress(&format!(
-            "cached reads, {row}: tiercache, nbdkit, fio on the file"
-        ));
-        let before = Some(scale::stats(&dev)?);
-        let t = measure(
-            &tc,
-            Some(&server),
-            &job(p, "randread", numjobs, iodepth, 0, region),
-        )?;
-        let after = Some(scale::stats(&dev)?);
-        let delta = |k: &str| super::stat(&after, k) - super::stat(&before, k);
-        let (hits, misses) = (delta("cache_hits"), delta("cache_misses"));
-        let whole = job(p, "randread", numjobs, iodepth, 0, p.cache_bytes);
-        let k = kit
-            .as_ref()
-            .map(|(proc_, target)| measure(target, Some(proc_), &whole))
-            .transpose()?;
-        let r = measure(&raw_cache, None, &whole)?;
-        reads.push(ReadRow {
-            row: row.into(),
-            numjobs,
-            iodepth,
-            tiercache_hit_pct: (hits + misses > 0)
-                .then(|| hits as f64 * 100.0 / (hits + misses) as f64),
-            tiercache_misses: misses,
-            ratio_nbdkit: k.as_ref().and_then(|k| ratio(t.fio.iops, k.fio.iops)),
-            ratio_raw: ratio(t.fio.iops, r.fio.iops),
-            tiercache: t,
-            nbdkit: k,
-            raw: r,
+    let mut others: Vec<Server> = Vec::new();
+    let mut columns = vec![Column {
+        key: TC,
+        name: "tiercache".into(),
+    }];
+    if tools.data_path {
+        columns.push(Column {
+            key: TC_THREADS,
+            name: "tiercache (threads)".into(),
         });
     }
-    drop(kit);
+    let mut column = |key: &'static str, name: String, started: Option<(Proc, String)>| {
+        columns.push(Column {
+            key,
+            name: name.clone(),
+        });
+        if let Some((proc_, uri)) = started {
+            others.push(Server {
+                key,
+                name,
+                proc_: Some(proc_),
+                target: Target::Nbd(uri),
+            });
+        }
+    };
+    let cache = dev.cache.as_os_str();
+    let file_args = [
+        OsStr::new("-r"),
+        OsStr::new("file"),
+        cache,
+        OsStr::new("cache=none"),
+        OsStr::new("fadvise=random"),
+    ];
+    let kit_file = tools
+        .nbdkit
+        .then(|| nbdkit(&kit_dir, "file", &file_args))
+        .transpose()?;
+    column(KIT_FILE, "nbdkit file".into(), kit_file);
+    let qemu = tools
+        .qemu_nbd
+        .then(|| qemu_nbd(&kit_dir, &dev.cache, notices))
+        .transpose()?;
+    let qemu_name = qemu
+        .as_ref()
+        .map_or("qemu-nbd".to_string(), |q| q.2.clone());
+    column(QEMU, qemu_name, qemu.map(|(p, uri, _)| (p, uri)));
+    let size = p.cache_bytes.to_string();
+    let kit_mem = tools
+        .nbdkit
+        .then(|| nbdkit(&kit_dir, "memory", &["memory", size.as_str()]))
+        .transpose()?;
+    column(KIT_MEM, "nbdkit memory".into(), kit_mem);
+    column(RAW, "raw".into(), None);
+    let raw_cache = Server {
+        key: RAW,
+        name: "raw".into(),
+        proc_: None,
+        target: Target::Raw(dev.cache.clone()),
+    };
 
-    // Passthrough: the second region of the export, which the cache holds none of. The raw run
-    // goes first and nbdkit's page-cache run last, so that no other run pays for its dirty
-    // pages being written back.
-    progress("passthrough: 4 KiB QD1 random writes, writearound, nbdkit, fio on the file");
-    dev.set("cache_mode", "writearound")?;
-    let w = job(p, "randwrite", 1, 1, region, region);
-    let mut writes = vec![WriteRow {
-        server: "fio libaio O_DIRECT on the file (no NBD)".into(),
-        point: measure(&Target::Raw(dev.backing.clone()), None, &w)?,
-        tiercache_minus_us: None,
-    }];
-    let t = measure(&tc, Some(&server), &w)?;
-    // Nothing more is asked of tiercache: stop it before nbdkit writes to its backing file.
-    server.kill();
-    writes.insert(
-        0,
-        WriteRow {
-            server: "tiercache writearound".into(),
-            point: t,
-            tiercache_minus_us: None,
-        },
-    );
-    if have_nbdkit {
-        for (name, opts) in [
-            ("nbdkit file cache=none", &["cache=none"][..]),
-            ("nbdkit file (page cache)", &[][..]),
+    let mut reads: Vec<ReadRow> = READ_ROWS
+        .iter()
+        .map(|&shape| ReadRow {
+            shape,
+            points: BTreeMap::new(),
+            hit_pct: BTreeMap::new(),
+            misses: BTreeMap::new(),
+            tiercache_over: BTreeMap::new(),
+        })
+        .collect();
+    let mut all: Vec<&Server> = vec![&server];
+    all.extend(others.iter());
+    all.push(&raw_cache);
+    read_pass(p, &dev, &all, &mut reads, progress)?;
+
+    progress("writeback: 4 KiB random writes at QD32, tiercache and nbdkit memory");
+    let mut writes = vec![write_tiercache(p, &dev, &server)?];
+    let mem = others.iter().find(|s| s.key == KIT_MEM);
+    writes.push(WriteRow {
+        key: KIT_MEM,
+        server: "nbdkit memory".into(),
+        point: mem
+            .map(|s| s.measure(&job(p, &WRITE_ROW, 0, p.write_bytes, false)))
+            .transpose()?,
+        over_raw: None,
+        dirty_after_bytes: None,
+    });
+    drop(all);
+    drop(others);
+
+    if tools.data_path {
+        progress("tiercache restarted with --data-path threads: the reads and writes again");
+        drop(server);
+        let threads = serve(&dev, TC_THREADS)?;
+        read_pass(p, &dev, &[&threads], &mut reads, progress)?;
+        writes.insert(1, write_tiercache(p, &dev, &threads)?);
+        drop(threads);
+        server = serve(&dev, TC)?;
+    }
+
+    let (mut passthrough, tc_write) = local_passthrough(p, &dev, &server, progress)?;
+    // Nothing more is asked of tiercache: stop it before anything else writes to its files.
+    drop(server);
+    progress("writeback: fio on the cache file");
+    writes.push(WriteRow {
+        key: RAW,
+        server: "raw".into(),
+        point: Some(raw_cache.measure(&job(p, &WRITE_ROW, 0, p.write_bytes, false))?),
+        over_raw: None,
+        dirty_after_bytes: None,
+    });
+    let raw_iops = writes
+        .last()
+        .and_then(|w| w.point.as_ref())
+        .map(|pt| pt.fio.iops);
+    for w in &mut writes {
+        w.over_raw = w
+            .point
+            .as_ref()
+            .zip(raw_iops)
+            .and_then(|(pt, raw)| ratio(pt.fio.iops, raw));
+    }
+    for r in &mut reads {
+        if let Some(t) = r.points.get(TC).map(|t| t.fio.iops) {
+            r.tiercache_over = r
+                .points
+                .iter()
+                .filter(|(k, _)| **k != TC)
+                .filter_map(|(k, pt)| Some((*k, ratio(t, pt.fio.iops)?)))
+                .collect();
+        }
+    }
+
+    let mut peers = Vec::new();
+    if tools.nbdkit {
+        progress("passthrough: nbdkit file on the backing file");
+        let w = job(p, &PASS_WRITE, region, region, true);
+        for (name, cache_opt) in [
+            ("nbdkit file cache=none", Some("cache=none")),
+            ("nbdkit file (page cache)", None),
         ] {
-            let (kit, target) = nbdkit(&kit_dir, "write", &dev.backing, opts)?;
-            writes.push(WriteRow {
+            let mut args = vec![OsStr::new("file"), dev.backing.as_os_str()];
+            args.extend(cache_opt.map(OsStr::new));
+            let (kit, uri) = nbdkit(&kit_dir, "write", &args)?;
+            let point = measure(&Target::Nbd(uri), Some(&kit), &w)?;
+            peers.push(PeerRow {
                 server: name.into(),
-                point: measure(&target, Some(&kit), &w)?,
-                tiercache_minus_us: None,
+                tiercache_minus_us: tc_write.fio.mean_lat_us - point.fio.mean_lat_us,
+                point,
             });
         }
     }
-    let tc_lat = writes[0].point.fio.mean_lat_us;
-    for r in writes.iter_mut().skip(1) {
-        r.tiercache_minus_us = Some(tc_lat - r.point.fio.mean_lat_us);
-    }
+    passthrough.extend(remote_passthrough(p, tc, &dev, &kit_dir, tools, progress)?);
     Ok(Measured {
         cached_after_warm: cached,
+        columns,
         reads,
         writes,
+        passthrough,
+        peers,
     })
+}
+
+/// Runs every read row on each of `servers` in turn, row by row: tiercache over the cached
+/// region (its hit % from `dev`'s stats around the run), the others over the whole cache file.
+fn read_pass(
+    p: &Params,
+    dev: &Devices,
+    servers: &[&Server],
+    rows: &mut [ReadRow],
+    progress: &dyn Fn(&str),
+) -> Result<()> {
+    let names: Vec<&str> = servers.iter().map(|s| s.name.as_str()).collect();
+    for r in rows {
+        progress(&format!(
+            "cached reads, {}: {}",
+            r.shape.row,
+            names.join(", ")
+        ));
+        for s in servers {
+            if !s.tiercache() {
+                let pt = s.measure(&job(p, &r.shape, 0, p.cache_bytes, true))?;
+                r.points.insert(s.key, pt);
+                continue;
+            }
+            let before = Some(scale::stats(dev)?);
+            let pt = s.measure(&job(p, &r.shape, 0, p.region_bytes, true))?;
+            let after = Some(scale::stats(dev)?);
+            let delta = |k: &str| super::stat(&after, k) - super::stat(&before, k);
+            let (hits, misses) = (delta("cache_hits"), delta("cache_misses"));
+            if hits + misses > 0 {
+                r.hit_pct
+                    .insert(s.key, hits as f64 * 100.0 / (hits + misses) as f64);
+            }
+            r.misses.insert(s.key, misses);
+            r.points.insert(s.key, pt);
+        }
+    }
+    Ok(())
+}
+
+/// The writeback writes on the tiercache `s` serves: the third region of its export.
+fn write_tiercache(p: &Params, dev: &Devices, s: &Server) -> Result<WriteRow> {
+    let offset = 2 * p.region_bytes;
+    let point = s.measure(&job(p, &WRITE_ROW, offset, p.write_bytes, false))?;
+    let dirty = scale::stats(dev)?["devices"][0]["dirty_bytes"]
+        .as_u64()
+        .context("stats have no devices[0].dirty_bytes")?;
+    Ok(WriteRow {
+        key: s.key,
+        server: s.name.clone(),
+        point: Some(point),
+        over_raw: None,
+        dirty_after_bytes: Some(dirty),
+    })
+}
+
+/// The passthrough rows of the local backing file: reads in `cache_mode none` and writes in
+/// `writearound` to the second region, fio on the file first. Also returns tiercache's write.
+fn local_passthrough(
+    p: &Params,
+    dev: &Devices,
+    server: &Server,
+    progress: &dyn Fn(&str),
+) -> Result<(Vec<PassRow>, Point)> {
+    progress("passthrough, local backing file: fio on the file, then tiercache");
+    let raw = Target::Raw(dev.backing.clone());
+    let mut rows = Vec::new();
+    let mut last = None;
+    for (shape, mode) in [(PASS_READ, "none"), (PASS_WRITE, "writearound")] {
+        dev.set("cache_mode", mode)?;
+        let args = job(p, &shape, p.region_bytes, p.region_bytes, true);
+        let alone = measure(&raw, None, &args)?;
+        let t = server.measure(&args)?;
+        last = Some(t.clone());
+        rows.push(pass_row("local file", shape, mode, Some(alone), Some(t)));
+    }
+    Ok((rows, last.context("no passthrough write")?))
+}
+
+fn pass_row(
+    backing: &'static str,
+    shape: Shape,
+    mode: &'static str,
+    alone: Option<Point>,
+    tiercache: Option<Point>,
+) -> PassRow {
+    let both = alone.as_ref().zip(tiercache.as_ref());
+    PassRow {
+        backing,
+        shape,
+        tiercache_mode: mode,
+        added_mean_us: both.map(|(a, t)| t.fio.mean_lat_us - a.fio.mean_lat_us),
+        added_p50_us: both.map(|(a, t)| t.fio.p50_lat_us - a.fio.p50_lat_us),
+        alone,
+        tiercache,
+    }
+}
+
+/// The passthrough rows over NBD: `nbdkit file` serves the backing file (tiercache on it is
+/// stopped) on a Unix socket, a second tiercache is made on that export with a cache file of
+/// its own, and fio on the export runs first, then fio on that tiercache. n/a without nbdkit.
+fn remote_passthrough(
+    p: &Params,
+    tc: &Tiercache,
+    dev: &Devices,
+    kit_dir: &Path,
+    tools: &Tools,
+    progress: &dyn Fn(&str),
+) -> Result<Vec<PassRow>> {
+    const BACKING: &str = "NBD export (nbdkit file)";
+    let shapes = [(PASS_READ, "none"), (PASS_WRITE, "writearound")];
+    if !tools.nbdkit {
+        return Ok(shapes
+            .iter()
+            .map(|&(s, mode)| pass_row(BACKING, s, mode, None, None))
+            .collect());
+    }
+    progress("passthrough, NBD backing device: fio on nbdkit's export, then tiercache on it");
+    let (kit, uri) = nbdkit(
+        kit_dir,
+        "backing",
+        &[
+            OsStr::new("file"),
+            dev.backing.as_os_str(),
+            OsStr::new("cache=none"),
+            OsStr::new("fadvise=random"),
+        ],
+    )?;
+    let dir = kit_dir.join("remote");
+    let remote = Devices::over_nbd(tc, &dir, p.remote_cache_bytes, &dev.backing, uri.clone())?;
+    procs::write_whole_file(&remote.cache, p.remote_cache_bytes)?;
+    remote.make(BUCKET, LIMIT)?;
+    let server = serve(&remote, TC)?;
+    remote.set("sequential_cutoff", "0")?;
+    let alone = Target::Nbd(uri);
+    let mut rows = Vec::new();
+    for (shape, mode) in shapes {
+        remote.set("cache_mode", mode)?;
+        let args = job(p, &shape, p.region_bytes, p.region_bytes, true);
+        let a = measure(&alone, Some(&kit), &args)?;
+        let t = server.measure(&args)?;
+        rows.push(pass_row(BACKING, shape, mode, Some(a), Some(t)));
+    }
+    // tiercache first: it holds connections to nbdkit.
+    drop(server);
+    drop(kit);
+    Ok(rows)
 }
 
 fn cpu(p: Option<&Point>) -> String {
     opt(p.and_then(|p| p.server_cpu_us_per_io), 1)
+}
+
+fn us(p: Option<&Point>, f: fn(&fio::Measured) -> f64) -> String {
+    opt(p.map(|p| f(&p.fio)), 1)
+}
+
+/// A Markdown table head.
+fn head(md: &mut String, cells: &[String]) -> Result<()> {
+    writeln!(
+        md,
+        "| {} |\n|{}",
+        cells.join(" | "),
+        "---|".repeat(cells.len())
+    )?;
+    Ok(())
+}
+
+/// The read rows of one kind (IOPS for 4 KiB, MiB/s otherwise) with every column, the ratios
+/// of tiercache to raw, nbdkit memory, qemu-nbd and nbdkit file, and tiercache's hit %.
+fn read_table(md: &mut String, m: &Measured, small: bool) -> Result<()> {
+    let refs = [RAW, KIT_MEM, QEMU, KIT_FILE];
+    let name = |k: &str| {
+        m.columns
+            .iter()
+            .find(|c| c.key == k)
+            .map_or(k.to_string(), |c| c.name.clone())
+    };
+    let mut h = vec!["row".to_string()];
+    h.extend(m.columns.iter().map(|c| c.name.clone()));
+    h.extend(refs.iter().map(|k| format!("tiercache / {}", name(k))));
+    h.extend(
+        m.columns
+            .iter()
+            .filter(|c| c.key.starts_with(TC))
+            .map(|c| format!("{} hit %", c.name)),
+    );
+    head(md, &h)?;
+    for r in m.reads.iter().filter(|r| r.shape.small() == small) {
+        let value = |p: &Point| if small { p.fio.iops } else { p.fio.bw_mib_s };
+        let mut cells = vec![r.shape.row.to_string()];
+        cells.extend(
+            m.columns
+                .iter()
+                .map(|c| opt(r.points.get(c.key).map(value), 0)),
+        );
+        cells.extend(
+            refs.iter()
+                .map(|k| opt(r.tiercache_over.get(k).copied(), 2)),
+        );
+        cells.extend(
+            m.columns
+                .iter()
+                .filter(|c| c.key.starts_with(TC))
+                .map(|c| opt(r.hit_pct.get(c.key).copied(), 1)),
+        );
+        writeln!(md, "| {} |", cells.join(" | "))?;
+    }
+    Ok(())
 }
 
 /// Writes hits.md and hits.json; returns the Markdown.
@@ -381,12 +894,14 @@ fn write(out: &Path, scale: Scale, p: &Params, m: &Measured, notices: &[String])
     let (date, machine) = (report::date(), report::machine());
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let step_s = p.step_ms as f64 / 1000.0;
+    let threads = m.columns.iter().any(|c| c.key == TC_THREADS);
     let mut md = String::new();
     writeln!(
         md,
         "# tiercache bench: hits ({scale:?} scale, {date})\n\nMachine: {machine}. Command: `{command}`.\n\
          Files on the filesystem of `{}`: cache file {}, backing file {}, both written in full \
-         (no holes), `tiercache make --writeback`, buckets of {}. {step_s} s per fio run. \
+         (no holes), `tiercache make --writeback`, buckets of {}, `sequential_cutoff 0`, \
+         writeback paused (`writeback_running 0`). {step_s} s per time-based fio run. \
          Server CPU: utime + stime of the server process (all threads) over the fio run, per I/O.\n",
         out.display(),
         human(p.cache_bytes),
@@ -398,55 +913,167 @@ fn write(out: &Path, scale: Scale, p: &Params, m: &Measured, notices: &[String])
     }
     writeln!(
         md,
-        "## Cached 4 KiB random reads\n\n\
-         tiercache: the first {} of its export, after one random 64 KiB read pass \
-         (`sequential_cutoff 0`) left {} cached; hit % from its stats over each run. \
-         nbdkit: `nbdkit -r file CACHE cache=none fadvise=random`; raw: fio `--ioengine=libaio \
-         --direct=1` on the cache file; both over the whole cache file. Per row the three run \
-         in turn; ratios are of IOPS.\n\n\
-         | row | tiercache IOPS | nbdkit IOPS | raw IOPS | tiercache/nbdkit | tiercache/raw | tiercache CPU µs/IO | nbdkit CPU µs/IO | tiercache hit % |\n\
-         |---|---|---|---|---|---|---|---|---|",
+        "## Cached reads\n\n\
+         tiercache: the first {} of its export, after one random 64 KiB read pass left {} \
+         cached; hit % from its stats over each run. The others over the whole cache file: \
+         `nbdkit -r file CACHE cache=none fadvise=random`; `qemu-nbd -r --cache=none --aio=… \
+         -f raw CACHE`; `nbdkit memory` of the same size (RAM, no device: the NBD transport's \
+         ceiling); raw: fio `--ioengine=libaio --direct=1` on the cache file (no NBD: the \
+         device's ceiling). Per row the columns run in turn{}. Ratios: tiercache's figure over \
+         the column's, of this run.\n\n### 4 KiB random reads, IOPS\n",
         human(p.region_bytes),
         human(m.cached_after_warm),
+        if threads {
+            "; tiercache (threads) after the others' rows, restarted on the same cache"
+        } else {
+            ""
+        },
     )?;
+    read_table(&mut md, m, true)?;
+    writeln!(md, "\n### Sequential reads, MiB/s\n")?;
+    read_table(&mut md, m, false)?;
+    writeln!(md, "\n### Server CPU µs per I/O (reads)\n")?;
+    let servers: Vec<&Column> = m.columns.iter().filter(|c| c.key != RAW).collect();
+    let mut h = vec!["row".to_string()];
+    h.extend(servers.iter().map(|c| c.name.clone()));
+    head(&mut md, &h)?;
     for r in &m.reads {
+        let mut cells = vec![r.shape.row.to_string()];
+        cells.extend(servers.iter().map(|c| cpu(r.points.get(c.key))));
+        writeln!(md, "| {} |", cells.join(" | "))?;
+    }
+    writeln!(
+        md,
+        "\n## Writeback: {}\n\n\
+         tiercache in writeback writes each 4 KiB block of the {} at offset {} of its export \
+         once, in random order (capped at {step_s} s); with writeback paused the cache device \
+         absorbs them as dirty data (its dirty bytes after the run are shown). `nbdkit memory` \
+         and raw (fio on the cache file, after tiercache is stopped) write as many blocks at \
+         offset 0. × raw: IOPS over raw's.\n",
+        WRITE_ROW.row,
+        human(p.write_bytes),
+        human(2 * p.region_bytes),
+    )?;
+    head(
+        &mut md,
+        &[
+            "server",
+            "IOPS",
+            "mean µs",
+            "p50 µs",
+            "p99 µs",
+            "server CPU µs/IO",
+            "× raw",
+            "dirty after",
+        ]
+        .map(String::from),
+    )?;
+    for w in &m.writes {
+        let pt = w.point.as_ref();
         writeln!(
             md,
-            "| {} | {:.0} | {} | {:.0} | {} | {} | {} | {} | {} |",
-            r.row,
-            r.tiercache.fio.iops,
-            opt(r.nbdkit.as_ref().map(|k| k.fio.iops), 0),
-            r.raw.fio.iops,
-            opt(r.ratio_nbdkit, 2),
-            opt(r.ratio_raw, 2),
-            cpu(Some(&r.tiercache)),
-            cpu(r.nbdkit.as_ref()),
-            opt(r.tiercache_hit_pct, 1),
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            w.server,
+            opt(pt.map(|p| p.fio.iops), 0),
+            us(pt, |f| f.mean_lat_us),
+            us(pt, |f| f.p50_lat_us),
+            us(pt, |f| f.p99_lat_us),
+            cpu(pt),
+            opt(w.over_raw, 2),
+            w.dirty_after_bytes.map_or("n/a".into(), human),
         )?;
     }
     writeln!(
         md,
-        "\n## Passthrough: 4 KiB QD1 random writes to the backing file\n\n\
-         The second {} of the backing file, which the cache holds none of: tiercache in \
-         `writearound` (the file as its local backing device, O_DIRECT), `nbdkit file` on the \
-         same file with `cache=none` (each write goes through the page cache, is waited for with \
-         `sync_file_range` and its pages dropped: no device flush, the closest to O_DIRECT) and \
-         with its default page cache (the write returns once in RAM), and fio `--ioengine=libaio --direct=1` on the file. The last \
-         column is tiercache's mean latency minus the row's.\n\n\
-         | server | IOPS | mean µs | p99 µs | server CPU µs/IO | tiercache − this, µs |\n\
-         |---|---|---|---|---|---|",
+        "\n## Passthrough: QD1 4 KiB I/O around the cache, added latency\n\n\
+         The second {} of the export, which the cache holds none of: reads with `cache_mode \
+         none`, writes with `writearound`. The device alone is fio on the backing device \
+         itself: `--ioengine=libaio --direct=1` on the local file (tiercache opens it \
+         O_DIRECT), and fio's nbd engine on the NBD export (`nbdkit file BACKING cache=none \
+         fadvise=random` on a Unix socket) that a second tiercache, with a {} cache file, \
+         was made on. Added: tiercache minus the device alone, of this run (mean is fio's \
+         `lat`, p50 its `clat`).\n",
         human(p.region_bytes),
+        human(p.remote_cache_bytes),
     )?;
-    for r in &m.writes {
+    head(
+        &mut md,
+        &[
+            "backing device",
+            "I/O",
+            "tiercache mode",
+            "device mean µs",
+            "device p50 µs",
+            "tiercache mean µs",
+            "tiercache p50 µs",
+            "added mean µs",
+            "added p50 µs",
+            "tiercache CPU µs/IO",
+        ]
+        .map(String::from),
+    )?;
+    for r in &m.passthrough {
+        let (a, t) = (r.alone.as_ref(), r.tiercache.as_ref());
         writeln!(
             md,
-            "| {} | {:.0} | {:.1} | {:.0} | {} | {} |",
-            r.server,
-            r.point.fio.iops,
-            r.point.fio.mean_lat_us,
-            r.point.fio.p99_lat_us,
-            cpu(Some(&r.point)),
-            opt(r.tiercache_minus_us, 1),
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            r.backing,
+            r.shape.row,
+            r.tiercache_mode,
+            us(a, |f| f.mean_lat_us),
+            us(a, |f| f.p50_lat_us),
+            us(t, |f| f.mean_lat_us),
+            us(t, |f| f.p50_lat_us),
+            opt(r.added_mean_us, 1),
+            opt(r.added_p50_us, 1),
+            cpu(t),
+        )?;
+    }
+    let tc_write = m
+        .passthrough
+        .iter()
+        .find(|r| r.backing == "local file" && r.shape.rw == "randwrite")
+        .and_then(|r| r.tiercache.as_ref());
+    writeln!(
+        md,
+        "\n### The local writearound write against nbdkit file\n\n\
+         `nbdkit file BACKING` serves the backing file once tiercache is stopped: with \
+         `cache=none` (each write goes through the page cache, is waited for with \
+         `sync_file_range` and its pages dropped: no device flush, the closest to O_DIRECT), \
+         and with its default page cache (the write returns once in RAM).\n"
+    )?;
+    head(
+        &mut md,
+        &[
+            "server",
+            "IOPS",
+            "mean µs",
+            "p50 µs",
+            "p99 µs",
+            "server CPU µs/IO",
+            "tiercache − this (mean), µs",
+        ]
+        .map(String::from),
+    )?;
+    let peer = |md: &mut String, name: &str, pt: Option<&Point>, minus: Option<f64>| {
+        writeln!(
+            md,
+            "| {name} | {} | {} | {} | {} | {} | {} |",
+            opt(pt.map(|p| p.fio.iops), 0),
+            us(pt, |f| f.mean_lat_us),
+            us(pt, |f| f.p50_lat_us),
+            us(pt, |f| f.p99_lat_us),
+            cpu(pt),
+            opt(minus, 1),
+        )
+    };
+    peer(&mut md, "tiercache writearound", tc_write, None)?;
+    for r in &m.peers {
+        peer(
+            &mut md,
+            &r.server,
+            Some(&r.point),
+            Some(r.tiercache_minus_us),
         )?;
     }
     writeln!(
@@ -466,8 +1093,11 @@ fn write(out: &Path, scale: Scale, p: &Params, m: &Measured, notices: &[String])
         "params": p,
         "notices": notices,
         "cached_after_warm_bytes": m.cached_after_warm,
+        "columns": m.columns,
         "reads": m.reads,
         "writes": m.writes,
+        "passthrough": m.passthrough,
+        "passthrough_peers": m.peers,
     });
     std::fs::write(out.join("hits.json"), serde_json::to_string_pretty(&json)?)?;
     Ok(md)
@@ -481,14 +1111,93 @@ mod tests {
     fn regions_fit_their_files() {
         for scale in [Scale::Tiny, Scale::Quick, Scale::Full] {
             let p = params(scale);
-            // The cached region fits the cache with room to spare; both regions fit the export.
-            assert!(p.cache_bytes > p.region_bytes + p.region_bytes / 8);
-            assert!(p.backing_bytes >= 2 * p.region_bytes + (1 << 20));
-            let w = job(&p, "randwrite", 1, 1, p.region_bytes, p.region_bytes);
-            assert!(!w.iter().any(|a| a == "--readonly"));
-            assert!(job(&p, "randread", 4, 8, 0, p.region_bytes)
-                .iter()
-                .any(|a| a == "--readonly"));
+            // The cached region and two passes of writeback writes fit the cache with room to
+            // spare; the three regions fit the export (the backing file less 1 MiB of header).
+            assert!(p.cache_bytes >= p.region_bytes + 2 * p.write_bytes + (16 << 20));
+            assert!(p.backing_bytes >= 2 * p.region_bytes + p.write_bytes + (1 << 20));
+            let w = job(&p, &WRITE_ROW, 2 * p.region_bytes, p.write_bytes, false);
+            assert!(!w.iter().any(|a| a == "--readonly" || a == "--time_based"));
+            for s in READ_ROWS {
+                let r = job(&p, &s, 0, p.region_bytes, true);
+                assert!(r.iter().any(|a| a == "--readonly"));
+                assert!(r.iter().any(|a| a == "--time_based"));
+            }
         }
+    }
+
+    fn point(iops: f64, mean: f64, p50: f64) -> Point {
+        Point {
+            fio: fio::Measured {
+                ios: 100,
+                iops,
+                bw_mib_s: iops / 256.0,
+                mean_lat_us: mean,
+                p50_lat_us: p50,
+                ..fio::Measured::default()
+            },
+            server_cpu_us_per_io: Some(10.0),
+            command: "fio".into(),
+        }
+    }
+
+    #[test]
+    fn added_latency_needs_both_figures() {
+        let r = pass_row(
+            "local file",
+            PASS_READ,
+            "none",
+            Some(point(1.0, 50.0, 40.0)),
+            Some(point(1.0, 70.5, 45.0)),
+        );
+        assert_eq!((r.added_mean_us, r.added_p50_us), (Some(20.5), Some(5.0)));
+        let r = pass_row(
+            "x",
+            PASS_WRITE,
+            "writearound",
+            None,
+            Some(point(1.0, 7.0, 7.0)),
+        );
+        assert_eq!((r.added_mean_us, r.added_p50_us), (None, None));
+    }
+
+    #[test]
+    fn read_tables_show_missing_columns_as_na() {
+        let mut points = BTreeMap::new();
+        points.insert(TC, point(3000.0, 1.0, 1.0));
+        points.insert(RAW, point(6000.0, 1.0, 1.0));
+        let rows = READ_ROWS.map(|shape| ReadRow {
+            shape,
+            points: points.clone(),
+            hit_pct: [(TC, 100.0)].into(),
+            misses: [(TC, 0)].into(),
+            tiercache_over: [(RAW, 0.5)].into(),
+        });
+        let m = Measured {
+            cached_after_warm: 0,
+            columns: [TC, KIT_FILE, QEMU, KIT_MEM, RAW]
+                .map(|key| Column {
+                    key,
+                    name: key.into(),
+                })
+                .to_vec(),
+            reads: rows.to_vec(),
+            writes: Vec::new(),
+            passthrough: Vec::new(),
+            peers: Vec::new(),
+        };
+        let mut md = String::new();
+        read_table(&mut md, &m, true).unwrap();
+        assert!(md.starts_with("| row | tiercache | nbdkit_file | qemu_nbd | nbdkit_memory | raw | tiercache / raw |"), "{md}");
+        assert!(
+            md.contains("| QD1, 1 connection | 3000 | n/a | n/a | n/a | 6000 | 0.50 | n/a | n/a | n/a | 100.0 |"),
+            "{md}"
+        );
+        assert_eq!(md.lines().count(), 5, "{md}");
+        let mut seq = String::new();
+        read_table(&mut seq, &m, false).unwrap();
+        assert!(
+            seq.contains("| 128 KiB sequential, QD8, 1 connection | 12 | n/a"),
+            "{seq}"
+        );
     }
 }
