@@ -418,7 +418,7 @@ pub fn run(tc: &Tiercache, scale: Scale, out: &Path) -> Result<()> {
         nbdkit: procs::optional_tool(
             "nbdkit",
             "nbdkit",
-            "nbdkit file and nbdkit memory columns, and the passthrough rows over NBD,",
+            "the nbdkit columns and the passthrough rows through nbdkit (over NBD, nbdkit file)",
             &mut notices,
         )?,
         qemu_nbd: procs::optional_tool("qemu-nbd", "qemu-utils", "qemu-nbd column", &mut notices)?,
