@@ -119,7 +119,8 @@ pub(super) fn write(
         human(p.region_bytes),
         human(m.cached_after_warm),
         if threads {
-            "; tiercache (threads) after the others' rows, restarted on the same cache"
+            "; tiercache (threads), `serve --data-path threads`, after the others' rows, \
+             restarted on the same cache (the tiercache column has serve's default data path)"
         } else {
             ""
         },
