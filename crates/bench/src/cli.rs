@@ -23,8 +23,8 @@ pub struct BenchArgs {
     pub(crate) scale: Scale,
     /// Workloads to run, comma separated (W1..W7; default all), or `scale` alone: the engine
     /// at real size (the --scale-* options; writes scale.md and scale.json), or `hits` alone:
-    /// cached reads and passthrough writes against nbdkit and fio on the file (sized by
-    /// --scale; writes hits.md and hits.json).
+    /// cached reads, writeback writes and passthrough I/O against fio on the file, nbdkit
+    /// memory, qemu-nbd and nbdkit file (sized by --scale; writes hits.md and hits.json).
     #[arg(long, value_delimiter = ',')]
     pub(crate) workloads: Vec<String>,
     /// Configurations, comma separated, each run on every selected workload (default: hdd,

@@ -47,6 +47,8 @@ pub struct Measured {
     pub iops: f64,
     pub bw_mib_s: f64,
     pub mean_lat_us: f64,
+    /// Completion latency (fio `clat_ns`) percentiles, the largest over the sides that ran.
+    pub p50_lat_us: f64,
     pub p99_lat_us: f64,
     pub runtime_s: f64,
     /// Writes completed (of `ios`).
@@ -140,11 +142,9 @@ fn parse(v: &Value) -> Result<Measured> {
         m.iops += d["iops"].as_f64().unwrap_or(0.0);
         m.bw_mib_s += d["bw_bytes"].as_f64().unwrap_or(0.0) / (1 << 20) as f64;
         lat_weighted += d["lat_ns"]["mean"].as_f64().unwrap_or(0.0) * n;
-        let p99 = d["clat_ns"]["percentile"]["99.000000"]
-            .as_f64()
-            .unwrap_or(0.0)
-            / 1000.0;
-        m.p99_lat_us = m.p99_lat_us.max(p99);
+        let pct = |p: &str| d["clat_ns"]["percentile"][p].as_f64().unwrap_or(0.0) / 1000.0;
+        m.p50_lat_us = m.p50_lat_us.max(pct("50.000000"));
+        m.p99_lat_us = m.p99_lat_us.max(pct("99.000000"));
     }
     if m.ios == 0 {
         bail!("fio completed no I/O");
@@ -288,8 +288,8 @@ mod tests {
     fn parses_read_and_write_sides() {
         let v: Value = serde_json::from_str(
             r#"{"jobs":[{"job_runtime":2000,
-              "read":{"total_ios":100,"iops":50.0,"bw_bytes":204800,"lat_ns":{"mean":2000.0},"clat_ns":{"percentile":{"99.000000":9000}}},
-              "write":{"total_ios":100,"iops":50.0,"bw_bytes":204800,"lat_ns":{"mean":4000.0},"clat_ns":{"percentile":{"99.000000":12000}}}}]}"#,
+              "read":{"total_ios":100,"iops":50.0,"bw_bytes":204800,"lat_ns":{"mean":2000.0},"clat_ns":{"percentile":{"50.000000":1500,"99.000000":9000}}},
+              "write":{"total_ios":100,"iops":50.0,"bw_bytes":204800,"lat_ns":{"mean":4000.0},"clat_ns":{"percentile":{"50.000000":3500,"99.000000":12000}}}}]}"#,
         )
         .unwrap();
         let m = parse(&v).unwrap();
@@ -297,6 +297,7 @@ mod tests {
         assert_eq!(m.ios, 200);
         assert_eq!(m.mean_lat_us, 3.0);
         assert_eq!(m.p99_lat_us, 12.0);
+        assert_eq!(m.p50_lat_us, 3.5);
         assert_eq!(m.runtime_s, 2.0);
         assert_eq!((m.writes, m.syncs), (100, 0));
         assert!(parse(&serde_json::json!({"jobs": []})).is_err());

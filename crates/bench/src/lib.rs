@@ -19,8 +19,9 @@
 //!
 //! `--workloads scale` runs instead the engine-at-real-size measurements of [`scale`] (make,
 //! start, RSS, restart after kill -9, CPU per write on big sparse caches), on their own;
-//! `--workloads hits` runs [`hits`] (cached reads and passthrough writes against nbdkit's file
-//! plugin and fio on the file itself), on its own.
+//! `--workloads hits` runs [`hits`] (cached reads, writeback writes and passthrough I/O
+//! against fio on the file itself, `nbdkit memory`, `qemu-nbd` and nbdkit's file plugin), on
+//! its own.
 
 mod catalogue;
 mod cgroup;

@@ -153,16 +153,45 @@ pub fn on_path(tool: &str) -> bool {
     })
 }
 
-/// Waits (up to 30 s) until `path` exists: a server's socket once it listens.
-pub fn wait_for(path: &Path, what: &str) -> Result<()> {
+/// Whether `tool` can be used, for the optional columns of a report (`package`: the Debian
+/// package that has it). A missing tool is an error under `CI=true` (CI installs every tool, so
+/// a missing one there is a broken CI script, not a reason to leave columns out); elsewhere it
+/// adds a notice saying which columns are n/a, and returns false.
+pub fn optional_tool(
+    tool: &str,
+    package: &str,
+    columns: &str,
+    notices: &mut Vec<String>,
+) -> Result<bool> {
+    if on_path(tool) {
+        return Ok(true);
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        bail!("{tool} is required under CI=true (Debian: apt-get install {package})");
+    }
+    notices.push(format!(
+        "{columns} n/a: {tool} is not installed (Debian: apt-get install {package})"
+    ));
+    Ok(false)
+}
+
+/// Starts `cmd`, a server that creates `sock` (its Unix socket, or another file it creates
+/// once it serves) when it is up, and waits up to 30 s for it. A stale `sock` is removed
+/// first; a server that exits before creating it is an error saying how it exited.
+pub fn listen(cmd: &mut Command, what: &str, sock: &Path, limit: Option<&Limiter>) -> Result<Proc> {
+    let _ = std::fs::remove_file(sock);
+    let mut p = Proc::spawn(cmd, what, limit)?;
     let t = Instant::now();
-    while !path.exists() {
+    while !sock.exists() {
+        if let Some(how) = p.exited() {
+            bail!("{what} exited ({how}) before creating {}", sock.display());
+        }
         if t.elapsed() > Duration::from_secs(30) {
-            bail!("{what} did not come up (no {})", path.display());
+            bail!("{what} did not come up (no {})", sock.display());
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    Ok(())
+    Ok(p)
 }
 
 /// utime + stime of a process (all its threads), in seconds.
@@ -416,9 +445,7 @@ pub fn start(
         .arg("--socket")
         .arg(sock)
         .args(extra);
-        let p = Proc::spawn(&mut c, &format!("tiercache emulate {kind}"), limit)?;
-        wait_for(sock, "the emulated disk")?;
-        Ok(p)
+        listen(&mut c, &format!("tiercache emulate {kind}"), sock, limit)
     };
     let hdd_flags: &[&str] = if config.nonrot {
         &["--rotational", "false"]
@@ -466,8 +493,7 @@ pub fn start(
                 .arg("cache=writeback")
                 .arg("cache-on-read=true")
                 .arg(format!("cache-max-size={}", sizes.cache_bytes));
-            let kit = Proc::spawn(&mut c, "nbdkit", limit)?;
-            wait_for(&sock, "nbdkit")?;
+            let kit = listen(&mut c, "nbdkit", &sock, limit)?;
             Ok(Running {
                 uri: format!("nbd+unix:///?socket={}", sock.display()),
                 admin: None,
@@ -510,8 +536,7 @@ pub fn start(
                 .arg("--admin")
                 .arg(&admin)
                 .args(&tc.serve_args);
-            let server = Proc::spawn(&mut c, "tiercache serve", limit)?;
-            wait_for(&admin, "tiercache serve")?;
+            let server = listen(&mut c, "tiercache serve", &admin, limit)?;
             let running = Running {
                 uri: format!("nbd+unix:///data?socket={}", sock.display()),
                 admin: Some(admin),

@@ -238,7 +238,10 @@ fn backing_for(cache: u64) -> u64 {
 pub(super) struct Devices {
     dir: PathBuf,
     pub(super) cache: PathBuf,
+    /// The backing file (the one served at `backing_uri` when that is set).
     pub(super) backing: PathBuf,
+    /// How tiercache reaches the backing device when it is an NBD export (None: the file).
+    backing_uri: Option<String>,
     socket: PathBuf,
     tc: Tiercache,
 }
@@ -256,15 +259,45 @@ impl Devices {
             dir: dir.to_path_buf(),
             cache: dir.join("cache.img"),
             backing: dir.join("backing.img"),
+            backing_uri: None,
             socket: dir.join("tc.sock"),
             tc: tc.clone(),
         };
         for (p, len) in [(&d.cache, cache_bytes), (&d.backing, backing_bytes)] {
-            std::fs::File::create(p)
-                .and_then(|f| f.set_len(len))
-                .with_context(|| format!("creating sparse {}", p.display()))?;
+            sparse(p, len)?;
         }
         Ok(d)
+    }
+
+    /// A sparse cache file in `dir` (removed when dropped, like `dir`) in front of the NBD
+    /// export `uri`, which serves the file `backing` (left alone when dropped).
+    pub(super) fn over_nbd(
+        tc: &Tiercache,
+        dir: &Path,
+        cache_bytes: u64,
+        backing: &Path,
+        uri: String,
+    ) -> Result<Devices> {
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let d = Devices {
+            dir: dir.to_path_buf(),
+            cache: dir.join("cache.img"),
+            backing: backing.to_path_buf(),
+            backing_uri: Some(uri),
+            socket: dir.join("tc.sock"),
+            tc: tc.clone(),
+        };
+        sparse(&d.cache, cache_bytes)?;
+        Ok(d)
+    }
+
+    /// The backing device as `make` and `serve` take it.
+    fn backing_arg(&self) -> &std::ffi::OsStr {
+        match &self.backing_uri {
+            Some(uri) => uri.as_ref(),
+            None => self.backing.as_os_str(),
+        }
     }
 
     pub(super) fn uri(&self) -> String {
@@ -275,15 +308,24 @@ impl Devices {
         procs::admin_socket(&self.socket)
     }
 
-    /// `tiercache make ... --writeback` with `bucket` bytes per bucket; its wall time.
+    /// `tiercache make ... --writeback` with `bucket` bytes per bucket; its wall time. With
+    /// `--force`: the devices are the harness's own scratch files, and a backing file reached
+    /// over NBD may hold the header of a device made on it before.
     pub(super) fn make(&self, bucket: u64, limit: Duration) -> Result<f64> {
         let mut c = self.tc.command();
-        c.args(["make", "--label", LABEL, "--writeback", "--bucket-size"])
-            .arg(bucket.to_string())
-            .arg("--backing")
-            .arg(&self.backing)
-            .arg("--cache")
-            .arg(&self.cache);
+        c.args([
+            "make",
+            "--force",
+            "--label",
+            LABEL,
+            "--writeback",
+            "--bucket-size",
+        ])
+        .arg(bucket.to_string())
+        .arg("--backing")
+        .arg(self.backing_arg())
+        .arg("--cache")
+        .arg(&self.cache);
         match procs::run_tool_within(&mut c, "tiercache make", limit)? {
             Some(t) => Ok(t.as_secs_f64()),
             None => Err(timeout("make", limit)),
@@ -300,8 +342,8 @@ impl Devices {
     /// off: these benches measure the cache's own paths (hits, fills, starts), and on a
     /// loaded machine a cache file slower than 20 ms per write would send misses around
     /// the cache instead of caching them (a CI run of the hits bench left a quarter of its
-    /// warmed region uncached that way).
-    pub(super) fn serve(&self, limit: Duration) -> Result<(Proc, f64)> {
+    /// warmed region uncached that way). `extra`: more options of `serve`.
+    pub(super) fn serve(&self, limit: Duration, extra: &[&str]) -> Result<(Proc, f64)> {
         // A killed server leaves its sockets behind.
         let _ = std::fs::remove_file(&self.socket);
         let _ = std::fs::remove_file(self.admin());
@@ -310,7 +352,7 @@ impl Devices {
             .arg("--cache")
             .arg(&self.cache)
             .arg("--backing")
-            .arg(&self.backing)
+            .arg(self.backing_arg())
             .arg("--socket")
             .arg(&self.socket)
             .arg("--admin")
@@ -320,7 +362,8 @@ impl Devices {
                 "0",
                 "--congested-write-threshold-us",
                 "0",
-            ]);
+            ])
+            .args(extra);
         let t = Instant::now();
         let mut server = Proc::spawn(&mut c, "tiercache serve", None)?;
         let answered = connect_loop(self.uri());
@@ -348,6 +391,12 @@ impl Devices {
             }
         }
     }
+}
+
+fn sparse(path: &Path, len: u64) -> Result<()> {
+    std::fs::File::create(path)
+        .and_then(|f| f.set_len(len))
+        .with_context(|| format!("creating sparse {}", path.display()))
 }
 
 impl Drop for Devices {
@@ -464,7 +513,7 @@ fn size_row(
     eprintln!("    make");
     row.make_s = Some(dev.make(row.bucket_bytes, limit)?);
     eprintln!("    start (empty)");
-    let (mut server, start_s) = dev.serve(limit)?;
+    let (mut server, start_s) = dev.serve(limit, &[])?;
     row.start_s = Some(start_s);
     row.start_peak_rss_bytes = status_bytes(server.pid(), "VmHWM:");
     let serving = status_bytes(server.pid(), "VmRSS:");
@@ -502,7 +551,7 @@ fn size_row(
 
     eprintln!("    kill -9, restart");
     server.kill();
-    let (mut server, restart_s) = dev.serve(limit)?;
+    let (mut server, restart_s) = dev.serve(limit, &[])?;
     row.restart_s = Some(restart_s);
     row.restart_peak_rss_bytes = status_bytes(server.pid(), "VmHWM:");
     row.restart_cached_bytes = Some(cached_bytes(&dev)?);
@@ -522,7 +571,7 @@ fn cpu_row(
 ) -> Result<()> {
     let dev = Devices::create(tc, dir, row.cache_bytes, row.backing_bytes)?;
     dev.make(row.bucket_bytes, limit)?;
-    let (mut server, _) = dev.serve(limit)?;
+    let (mut server, _) = dev.serve(limit, &[])?;
     eprintln!("    fill until {FULL_IN_USE_PCT} % of the buckets hold data");
     // In chunks of 1/16 of the cache (each its own seed), checking in_use between chunks.
     let chunk = (row.cache_bytes / 16).max(1 << 20) / BLOCK * BLOCK;

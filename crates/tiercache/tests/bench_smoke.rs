@@ -5,12 +5,14 @@
 //! ratios against `hdd+nonrot`, and the `+memlimit` variants when root; results.md has the
 //! tables; the charts `w1.svg` (bars), `w4.svg` and `w6.svg` (time series) exist, are SVG with a
 //! legend entry per configuration, and are embedded in results.md; no mount or loop device is
-//! left behind), that `--workloads hits` fills its two tables from a fully cached region, and
-//! that bad options fail with a clear message. It asserts no timing.
+//! left behind), that `--workloads hits` fills its tables (cached reads from a fully cached
+//! region, writeback writes absorbed as dirty data, passthrough over a local file and over
+//! NBD), and that bad options fail with a clear message. It asserts no timing.
 //!
 //! Needs fio; W3 needs root, nbdfuse, losetup, mkfs.ext4, mount and fusermount3; the
-//! `+memlimit` run uses nbdkit. Under `CI=true` (which runs as root) anything missing fails the
-//! test; otherwise the test prints SKIP for what it cannot run.
+//! `+memlimit` run uses nbdkit, the hits run nbdkit and qemu-nbd. Under `CI=true` (which runs
+//! as root) anything missing fails the test; otherwise the test prints SKIP for what it cannot
+//! run.
 
 use serde_json::Value;
 use std::path::Path;
@@ -272,9 +274,9 @@ fn bench_tiny_writes_well_formed_results() {
 }
 
 #[test]
-fn bench_hits_tiny_fills_both_tables() {
+fn bench_hits_tiny_fills_its_tables() {
     let ci = test_support::ci();
-    for tool in ["fio", "nbdkit"] {
+    for tool in ["fio", "nbdkit", "qemu-nbd"] {
         if !have(tool) {
             assert!(!ci, "{tool} is required under CI=true");
             println!("SKIP: {tool} is not installed");
@@ -293,39 +295,76 @@ fn bench_hits_tiny_fills_both_tables() {
     )
     .expect("hits.json parses");
     let md = std::fs::read_to_string(out.path().join("hits.md")).expect("hits.md");
+    // tiercache (threads) is a column only when `serve` has --data-path.
+    let threads = json["columns"]
+        .as_array()
+        .expect("columns")
+        .iter()
+        .any(|c| c["key"] == "tiercache_threads");
+    let mut tiercaches = vec!["tiercache"];
+    tiercaches.extend(threads.then_some("tiercache_threads"));
     let reads = json["reads"].as_array().expect("reads");
-    assert_eq!(reads.len(), 3, "{json}");
+    assert_eq!(reads.len(), 4, "{json}");
+    assert_eq!(reads[3]["bs"], "128k");
     for r in reads {
-        for server in ["tiercache", "nbdkit", "raw"] {
-            assert!(r[server]["iops"].as_f64().is_some_and(|v| v > 0.0), "{r}");
-            assert!(r[server]["command"]
+        let points = &r["points"];
+        for server in ["nbdkit_file", "qemu_nbd", "nbdkit_memory", "raw"]
+            .iter()
+            .chain(&tiercaches)
+        {
+            assert!(
+                points[server]["iops"].as_f64().is_some_and(|v| v > 0.0),
+                "{r}"
+            );
+            assert!(points[server]["command"]
                 .as_str()
                 .is_some_and(|c| c.starts_with("fio ")));
         }
         // The region was verified cached before the runs, and every read of it hit.
-        assert_eq!(r["tiercache_misses"], 0, "{r}");
-        assert_eq!(r["tiercache_hit_pct"].as_f64(), Some(100.0), "{r}");
-        assert!(r["tiercache"]["server_cpu_us_per_io"].is_number(), "{r}");
-        assert!(r["raw"]["server_cpu_us_per_io"].is_null(), "{r}");
+        for t in &tiercaches {
+            assert_eq!(r["misses"][t], 0, "{r}");
+            assert_eq!(r["hit_pct"][t].as_f64(), Some(100.0), "{r}");
+            assert!(points[t]["server_cpu_us_per_io"].is_number(), "{r}");
+        }
+        assert!(points["raw"]["server_cpu_us_per_io"].is_null(), "{r}");
+        for k in ["raw", "nbdkit_memory", "qemu_nbd", "nbdkit_file"] {
+            assert!(r["tiercache_over"][k].is_number(), "{r}");
+        }
+    }
+    let writes = json["writes"].as_array().expect("writes");
+    assert_eq!(writes.len(), 3 + usize::from(threads), "{json}");
+    for w in writes {
+        assert!(w["point"]["iops"].as_f64().is_some_and(|v| v > 0.0), "{w}");
+        assert!(w["over_raw"].is_number(), "{w}");
+        // Writeback absorbed every write: the dirty bytes cover what fio wrote.
+        if tiercaches.contains(&w["key"].as_str().unwrap_or_default()) {
+            let written = w["point"]["writes"].as_u64().unwrap_or(0) * 4096;
+            assert!(w["dirty_after_bytes"].as_u64() >= Some(written), "{w}");
+        }
+    }
+    let pass = json["passthrough"].as_array().expect("passthrough");
+    assert_eq!(pass.len(), 4, "{json}");
+    for r in pass {
+        for side in ["alone", "tiercache"] {
+            assert!(
+                r[side]["mean_lat_us"].as_f64().is_some_and(|v| v > 0.0),
+                "{r}"
+            );
+        }
         assert!(
-            r["ratio_nbdkit"].is_number() && r["ratio_raw"].is_number(),
+            r["added_mean_us"].is_number() && r["added_p50_us"].is_number(),
             "{r}"
         );
     }
-    let writes = json["writes"].as_array().expect("writes");
-    assert_eq!(writes.len(), 4, "{json}");
-    assert_eq!(writes[0]["server"], "tiercache writearound");
-    for w in &writes[1..] {
+    let peers = json["passthrough_peers"].as_array().expect("peers");
+    assert_eq!(peers.len(), 2, "{json}");
+    for w in peers {
         assert!(w["tiercache_minus_us"].is_number(), "{w}");
     }
-    for w in writes {
-        assert!(
-            w["point"]["mean_lat_us"].as_f64().is_some_and(|v| v > 0.0),
-            "{w}"
-        );
-    }
     for heading in [
-        "## Cached 4 KiB random reads",
+        "### 4 KiB random reads",
+        "### Sequential reads",
+        "## Writeback",
         "## Passthrough",
         "--workloads W4",
     ] {
