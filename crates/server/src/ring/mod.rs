@@ -149,7 +149,6 @@ impl Rings {
             pool,
         };
         for i in 0..count.max(1) {
-            let ring = reactor::new_ring(RING_ENTRIES)?;
             // SAFETY: eventfd returns a new descriptor we own, or -1 (checked).
             let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
             if fd < 0 {
@@ -164,26 +163,50 @@ impl Rings {
                 wake,
                 connections: AtomicUsize::new(0),
             });
+            // The ring is made on its reactor's thread (a single-issuer ring belongs to the
+            // thread that made it), which reports whether that worked.
+            let (ready_tx, ready) = std::sync::mpsc::channel();
             let started = std::thread::Builder::new()
                 .name(format!("nbd-ring-{i}"))
                 .spawn({
                     let handle = Arc::clone(&handle);
                     let pool = Arc::clone(&rings.pool);
-                    move || reactor::Reactor::new(ring, handle, pool).run()
+                    move || match reactor::new_ring(RING_ENTRIES) {
+                        Ok(ring) => {
+                            let _ = ready_tx.send(Ok(()));
+                            reactor::Reactor::new(ring, handle, pool).run();
+                        }
+                        Err(err) => {
+                            let _ = ready_tx.send(Err(err));
+                        }
+                    }
                 });
-            match started {
+            let result = match started {
                 Ok(t) => {
-                    rings.handles.push(handle);
-                    rings
-                        .threads
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push(t);
+                    let ready = ready.recv().unwrap_or_else(|_| {
+                        Err(io::Error::other("an io_uring event loop ended at its start"))
+                    });
+                    match ready {
+                        Ok(()) => {
+                            rings.handles.push(handle);
+                            rings
+                                .threads
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .push(t);
+                            Ok(())
+                        }
+                        Err(err) => {
+                            let _ = t.join();
+                            Err(err)
+                        }
+                    }
                 }
-                Err(err) => {
-                    rings.stop(None);
-                    return Err(err);
-                }
+                Err(err) => Err(err),
+            };
+            if let Err(err) = result {
+                rings.stop(None);
+                return Err(err);
             }
         }
         Ok(rings)

@@ -45,9 +45,17 @@ fn decode(user_data: u64) -> (u64, usize, usize, usize) {
 const TICK_MAX: Duration = Duration::from_millis(100);
 const TICK_WAITING: Duration = Duration::from_millis(2);
 
-/// Sets up a ring and checks that it has every operation the data path uses.
+/// Sets up a ring, on the thread that will use it, and checks that it has every operation
+/// the data path uses. Completions are run when the reactor asks for them (single issuer,
+/// deferred task work: no interruption of the reactor per completion) where the kernel has it
+/// (6.1), else cooperatively (5.19), else the kernel's default.
 pub(super) fn new_ring(entries: u32) -> io::Result<IoUring> {
-    let ring = IoUring::builder().build(entries)?;
+    let ring = IoUring::builder()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(entries)
+        .or_else(|_| IoUring::builder().setup_coop_taskrun().build(entries))
+        .or_else(|_| IoUring::builder().build(entries))?;
     let mut probe = io_uring::Probe::new();
     ring.submitter().register_probe(&mut probe)?;
     for (code, name) in [
