@@ -397,7 +397,7 @@ impl BlockDevice for FileDevice {
         Ok(self.size.fetch_max(size, Ordering::Relaxed).max(size))
     }
 
-    fn read_fd(&self, offset: u64, len: usize) -> Option<std::os::fd::RawFd> {
+    fn direct_fd(&self, offset: u64, len: usize) -> Option<std::os::fd::RawFd> {
         check_range(self.size.load(Ordering::Relaxed), offset, len as u64).ok()?;
         // Every fd_for alignment is at most 4 KiB, which callers' buffers meet.
         (self.dio_mem_align <= 4096).then(|| self.fd_for(offset, len).0.as_raw_fd())

@@ -87,20 +87,29 @@ pub trait BlockDevice: Send + Sync + Debug {
     /// A short human-readable description ("file /path (O_DIRECT)", "memory 64 MiB", ...).
     fn describe(&self) -> String;
 
-    /// A descriptor the caller may read `len` bytes at `offset` from itself (with asynchronous
-    /// I/O such as io_uring), into a buffer aligned to 4 KiB, instead of calling
-    /// [`read_at`](Self::read_at); it stays open as long as the device. `None` (the default):
-    /// reads must go through `read_at` (a device that is not a plain file or adds behaviour
-    /// of its own). A wrapper that only observes forwards it and accounts the read in
-    /// [`read_done`](Self::read_done).
-    fn read_fd(&self, _offset: u64, _len: usize) -> Option<std::os::fd::RawFd> {
+    /// A descriptor the caller may read or write `len` bytes at `offset` through itself (with
+    /// asynchronous I/O such as io_uring), with a buffer aligned to 4 KiB, instead of calling
+    /// [`read_at`](Self::read_at) or [`write_at`](Self::write_at); it stays open as long as the
+    /// device. `None` (the default): I/O must go through those calls (a device that is not a
+    /// plain file or adds behaviour of its own). A wrapper that only observes forwards it and
+    /// accounts the I/O in [`direct_done`](Self::direct_done).
+    fn direct_fd(&self, _offset: u64, _len: usize) -> Option<std::os::fd::RawFd> {
         None
     }
 
-    /// A read of `len` bytes at `offset` that the caller made itself through
-    /// [`read_fd`](Self::read_fd) has ended after `took` (`ok`: whole and without error).
-    /// Wrappers that count or time I/O account it here as if it had gone through `read_at`.
-    fn read_done(&self, _offset: u64, _len: usize, _took: std::time::Duration, _ok: bool) {}
+    /// A read (`write` false) or write of `len` bytes at `offset` that the caller made itself
+    /// through [`direct_fd`](Self::direct_fd) has ended after `took` (`ok`: whole and without
+    /// error). Wrappers that count or time I/O account it here as if it had gone through
+    /// `read_at` or `write_at`.
+    fn direct_done(
+        &self,
+        _write: bool,
+        _offset: u64,
+        _len: usize,
+        _took: std::time::Duration,
+        _ok: bool,
+    ) {
+    }
 }
 
 /// Largest buffer the default `write_zeroes` allocates.
@@ -151,10 +160,17 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     fn describe(&self) -> String {
         (**self).describe()
     }
-    fn read_fd(&self, offset: u64, len: usize) -> Option<std::os::fd::RawFd> {
-        (**self).read_fd(offset, len)
+    fn direct_fd(&self, offset: u64, len: usize) -> Option<std::os::fd::RawFd> {
+        (**self).direct_fd(offset, len)
     }
-    fn read_done(&self, offset: u64, len: usize, took: std::time::Duration, ok: bool) {
-        (**self).read_done(offset, len, took, ok)
+    fn direct_done(
+        &self,
+        write: bool,
+        offset: u64,
+        len: usize,
+        took: std::time::Duration,
+        ok: bool,
+    ) {
+        (**self).direct_done(write, offset, len, took, ok)
     }
 }

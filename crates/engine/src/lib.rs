@@ -67,7 +67,7 @@ pub use check::{check_device, CheckReport};
 pub use checkpoint::{load as load_metadata, Loaded};
 pub use cost::DevCost;
 pub use degraded::{Degraded, HealthReport};
-pub use io::{Hit, Piece, ReadPlan, SlowRead, Volume};
+pub use io::{Absorb, Hit, Piece, ReadPlan, SlowRead, SlowWrite, Volume, WritePlan};
 pub use knobs::{
     Knob, Tunables, DEFAULT_SEQUENTIAL_CUTOFF, DEFAULT_WRITEBACK_DELAY_SECS,
     DEFAULT_WRITEBACK_PERCENT,

@@ -38,15 +38,35 @@ impl RangeLocks {
     }
 }
 
-impl Drop for RangeGuard<'_> {
-    fn drop(&mut self) {
-        let mut held = self.locks.held.lock();
+impl RangeLocks {
+    /// Takes blocks `[b0, b1)` of `dev` if no held range overlaps them, without waiting (for
+    /// a caller that must not block: the staged write). The caller gives the range back with
+    /// [`RangeLocks::unlock`].
+    pub fn try_lock(&self, dev: DevId, b0: BackingBlock, b1: BackingBlock) -> bool {
+        assert!(b0 < b1, "empty range lock");
+        let mut held = self.held.lock();
+        if held.iter().any(|&(d, s, e)| d == dev && s < b1 && b0 < e) {
+            return false;
+        }
+        held.push((dev, b0, b1));
+        true
+    }
+
+    /// Gives back a range taken by `try_lock` (or a guard's).
+    pub fn unlock(&self, range: (DevId, BackingBlock, BackingBlock)) {
+        let mut held = self.held.lock();
         let i = held
             .iter()
-            .position(|r| *r == self.range)
-            .expect("guard's range is held");
+            .position(|r| *r == range)
+            .expect("the range is held");
         held.swap_remove(i);
-        self.locks.cv.notify_all();
+        self.cv.notify_all();
+    }
+}
+
+impl Drop for RangeGuard<'_> {
+    fn drop(&mut self) {
+        self.locks.unlock(self.range);
     }
 }
 

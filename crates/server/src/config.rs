@@ -173,4 +173,6 @@ pub(crate) struct Shared {
     pub(crate) rings: Option<crate::ring::Rings>,
     /// Reads served by the io_uring data path's direct device reads so far.
     pub(crate) direct_reads: AtomicU64,
+    /// Writes absorbed so far by the io_uring data path's own device writes.
+    pub(crate) direct_writes: AtomicU64,
 }

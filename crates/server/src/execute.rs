@@ -74,7 +74,19 @@ pub(crate) fn execute(
         ValidRequest::Cache { offset, length } => export.cache(offset, u64::from(length)),
         ValidRequest::Disconnect => unreachable!("the reader handles disconnect"),
     };
-    match outcome {
+    simple_reply(ctx, cookie, outcome, head);
+    0
+}
+
+/// The reply to a request without data (all but reads and block status) that ended with
+/// `result`.
+pub(crate) fn simple_reply(
+    ctx: &TransmissionContext,
+    cookie: u64,
+    result: std::io::Result<()>,
+    head: &mut Vec<u8>,
+) {
+    match result {
         Ok(()) => encode_simple_reply(cookie, None, head),
         Err(err) => error_reply(
             ctx,
@@ -84,7 +96,6 @@ pub(crate) fn execute(
             head,
         ),
     }
-    0
 }
 
 /// The reply to a read of `length` bytes at `offset` that ended with `result`: its header (or

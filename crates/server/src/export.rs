@@ -54,13 +54,19 @@ pub trait Export: Send + Sync + 'static {
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
     /// Starts a read of `len` bytes at `offset` for a server that does its own asynchronous
-    /// I/O (the io_uring data path; see [`ReadStart`]). Called on the data path's event-loop
+    /// I/O (the io_uring data path; see [`Start`]). Called on the data path's event-loop
     /// thread, so it must not block. The default: the whole read through [`Export::read`], on
     /// a worker thread.
-    fn start_read(&self, _offset: u64, _len: usize) -> ReadStart {
-        ReadStart::Whole
+    fn start_read(&self, _offset: u64, _len: usize) -> Start {
+        Start::Whole
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()>;
+    /// Starts a write of `len` bytes at `offset` on the io_uring data path (see [`Start`]);
+    /// called on the event-loop thread, so it must not block. The default: the whole write
+    /// through [`Export::write`], on a worker thread.
+    fn start_write(&self, _offset: u64, _len: usize, _fua: bool) -> Start {
+        Start::Whole
+    }
     fn flush(&self) -> io::Result<()>;
     fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool, no_hole: bool) -> io::Result<()>;
@@ -71,50 +77,57 @@ pub trait Export: Send + Sync + 'static {
     fn block_status(&self, offset: u64, len: u64) -> io::Result<Vec<(u64, u32)>>;
 }
 
-/// How a read goes on the io_uring data path ([`Export::start_read`]).
-pub enum ReadStart {
-    /// Through [`Export::read`], on a worker thread.
+/// How a read or write goes on the io_uring data path ([`Export::start_read`],
+/// [`Export::start_write`]).
+pub enum Start {
+    /// Through [`Export::read`] or [`Export::write`], on a worker thread.
     Whole,
-    /// The rest of the read, decided already (the export noted the request), on a worker
-    /// thread: it may block.
-    Rest(ReadRest),
-    /// Device reads the server submits itself, then [`DirectRead::finish`].
-    Direct(Box<dyn DirectRead>),
-    /// The read fails at once.
+    /// The rest of the request, decided already (the export noted it), on a worker thread:
+    /// it may block.
+    Rest(Rest),
+    /// Device I/O the server submits itself, then [`DirectIo::finish`].
+    Direct(Box<dyn DirectIo>),
+    /// The request fails at once.
     Failed(io::Error),
 }
 
-/// The rest of a read, run on a worker thread into the reply's buffer.
-pub type ReadRest = Box<dyn FnOnce(&mut [u8]) -> io::Result<()> + Send>;
+/// The rest of a request, run on a worker thread with the request's buffer (a read's reply
+/// data to fill, a write's payload).
+pub type Rest = Box<dyn FnOnce(&mut [u8]) -> io::Result<()> + Send>;
 
-/// One device read of a [`DirectRead`]: `len` bytes at `offset` of its descriptor into the
-/// reply's buffer at `buf_offset`.
+/// One device I/O of a [`DirectIo`]: `len` bytes at `offset` of its descriptor, to or from
+/// the request's buffer at `buf_offset`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceRead {
+pub struct DeviceIo {
     pub offset: u64,
     pub buf_offset: usize,
     pub len: usize,
 }
 
-/// A read the server carries out with its own asynchronous I/O: every [`DeviceRead`] from
-/// [`DirectRead::fd`] into the reply buffer (4 KiB-aligned), then `finish`. Dropping it
-/// unfinished (its connection went away) abandons it.
-pub trait DirectRead: Send {
-    /// The descriptor to read from; open at least as long as `self` lives.
+/// A request the server carries out with its own asynchronous I/O: every [`DeviceIo`]
+/// through [`DirectIo::fd`] (reads into the reply buffer, or with [`DirectIo::writes`] writes
+/// from the payload; 4 KiB-aligned), then `finish`. Dropping it unfinished (its connection
+/// went away) abandons it.
+pub trait DirectIo: Send {
+    /// The descriptor; open at least as long as `self` lives.
     fn fd(&self) -> std::os::fd::RawFd;
-    fn reads(&self) -> &[DeviceRead];
-    /// After every read ended: `result` is the first error among them (`Ok` if all were read
-    /// whole). Checks and accounts the data; `Again`: the data must be read once more the slow
-    /// way (on a worker thread).
+    fn pieces(&self) -> &[DeviceIo];
+    /// Whether the pieces are written (from the buffer) rather than read (into it).
+    fn writes(&self) -> bool {
+        false
+    }
+    /// After every piece ended: `result` is the first error among them (`Ok` if all were
+    /// whole). Checks and accounts the request; `Again`: the rest must be done the slow way,
+    /// on a worker thread, with the same buffer.
     fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished;
 }
 
-/// What a finished [`DirectRead`] leaves to do.
+/// What a finished [`DirectIo`] leaves to do.
 pub enum Finished {
-    /// The reply's data is in the buffer (or the read failed).
+    /// Done: a read's data is in the buffer (or the request failed).
     Done(io::Result<()>),
-    /// Read again, on a worker thread.
-    Again(ReadRest),
+    /// The rest, on a worker thread.
+    Again(Rest),
 }
 
 /// Builds what a client learns about an export during the handshake.

@@ -71,6 +71,9 @@ pub struct ServerStats {
     /// Reads served so far by the io_uring data path's own device reads (cache hits read
     /// with no thread hand-over).
     pub direct_reads: u64,
+    /// Writes carried out so far by the io_uring data path's own device writes (writes the
+    /// cache absorbed with no thread hand-over).
+    pub direct_writes: u64,
 }
 
 /// A running server.
@@ -119,6 +122,7 @@ pub fn start(
         next_id: AtomicU64::new(0),
         rings,
         direct_reads: AtomicU64::new(0),
+        direct_writes: AtomicU64::new(0),
     });
     let listener = Arc::new(listener);
     let accept_thread = {
@@ -428,5 +432,6 @@ fn stats_of(shared: &Shared) -> ServerStats {
         workers_extra: shared.threads.used() + shared.rings.as_ref().map_or(0, |r| r.workers()),
         ring_threads: shared.rings.as_ref().map_or(0, |r| r.count()),
         direct_reads: shared.direct_reads.load(Ordering::Relaxed),
+        direct_writes: shared.direct_writes.load(Ordering::Relaxed),
     }
 }

@@ -10,7 +10,7 @@
 mod support;
 
 use nbd_proto::NbdErrno;
-use server::{DataPath, DeviceRead, DirectRead, Export, Finished, ReadStart, ServerConfig};
+use server::{DataPath, DeviceIo, DirectIo, Export, Finished, ServerConfig, Start};
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
@@ -58,16 +58,16 @@ impl FileExport {
 
 struct Direct {
     fd: std::os::fd::RawFd,
-    reads: Vec<DeviceRead>,
+    reads: Vec<DeviceIo>,
     offset: u64,
     export: Arc<FileExport>,
 }
 
-impl DirectRead for Direct {
+impl DirectIo for Direct {
     fn fd(&self) -> std::os::fd::RawFd {
         self.fd
     }
-    fn reads(&self) -> &[DeviceRead] {
+    fn pieces(&self) -> &[DeviceIo] {
         &self.reads
     }
     fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished {
@@ -111,12 +111,12 @@ impl Export for Shared {
         }
         self.0.file.read_exact_at(buf, offset)
     }
-    fn start_read(&self, offset: u64, len: usize) -> ReadStart {
+    fn start_read(&self, offset: u64, len: usize) -> Start {
         if offset >= GATED_FROM {
-            return ReadStart::Whole;
+            return Start::Whole;
         }
-        let mut reads: Vec<DeviceRead> = (0..len / 4096)
-            .map(|i| DeviceRead {
+        let mut reads: Vec<DeviceIo> = (0..len / 4096)
+            .map(|i| DeviceIo {
                 offset: offset + (i * 4096) as u64,
                 buf_offset: i * 4096,
                 len: 4096,
@@ -126,7 +126,7 @@ impl Export for Shared {
         if offset == FAIL_AT {
             reads[0].offset = 1 << 40;
         }
-        ReadStart::Direct(Box::new(Direct {
+        Start::Direct(Box::new(Direct {
             fd: self.0.file.as_raw_fd(),
             reads,
             offset,

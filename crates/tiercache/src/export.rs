@@ -7,8 +7,8 @@
 //! served it, how long it took), since every client request passes here.
 
 use crate::metrics::volume::{Op, Timer, VolumeMetrics};
-use engine::{Hit, ReadPlan, SlowRead, Volume};
-use server::{DeviceRead, DirectRead, Finished, ReadRest, ReadStart, ValidRequest};
+use engine::{Absorb, Hit, ReadPlan, SlowRead, SlowWrite, Volume, WritePlan};
+use server::{DeviceIo, DirectIo, Finished, Rest, Start, ValidRequest};
 use std::io;
 use std::sync::Arc;
 
@@ -41,12 +41,12 @@ impl VolumeExport {
     }
 
     /// The rest of a read the plan left to the slow path, on a worker.
-    fn rest(&self, slow: SlowRead, t: Timer) -> ReadRest {
+    fn rest(&self, slow: SlowRead, t: Timer) -> Rest {
         rest(self.vol.clone(), Arc::clone(&self.metrics), slow, t)
     }
 }
 
-fn rest(vol: Volume, metrics: Arc<VolumeMetrics>, slow: SlowRead, t: Timer) -> ReadRest {
+fn rest(vol: Volume, metrics: Arc<VolumeMetrics>, slow: SlowRead, t: Timer) -> Rest {
     Box::new(move |buf| {
         let t = t.here();
         let r = vol.read_slow(slow, buf).map_err(io::Error::from);
@@ -55,21 +55,74 @@ fn rest(vol: Volume, metrics: Arc<VolumeMetrics>, slow: SlowRead, t: Timer) -> R
     })
 }
 
-/// A hit the server reads from the cache device itself (the io_uring data path).
-struct DirectHit {
-    hit: Hit,
+fn write_rest(vol: Volume, metrics: Arc<VolumeMetrics>, slow: SlowWrite, t: Timer) -> Rest {
+    Box::new(move |data| {
+        let t = t.here();
+        let r = vol.write_slow(slow, data).map_err(io::Error::from);
+        metrics.finish(t, Op::Write, data.len() as u64, &r);
+        r
+    })
+}
+
+/// A write the cache absorbs, written to the cache device by the server itself (the io_uring
+/// data path).
+struct DirectAbsorb {
+    absorb: Absorb,
     fd: std::os::fd::RawFd,
-    reads: Vec<DeviceRead>,
+    pieces: Vec<DeviceIo>,
     vol: Volume,
     metrics: Arc<VolumeMetrics>,
     t: Timer,
 }
 
-impl DirectRead for DirectHit {
+impl DirectIo for DirectAbsorb {
     fn fd(&self) -> std::os::fd::RawFd {
         self.fd
     }
-    fn reads(&self) -> &[DeviceRead] {
+    fn pieces(&self) -> &[DeviceIo] {
+        &self.pieces
+    }
+    fn writes(&self) -> bool {
+        true
+    }
+    fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished {
+        let DirectAbsorb {
+            absorb,
+            vol,
+            metrics,
+            t,
+            ..
+        } = *self;
+        let n = buf.len() as u64;
+        match absorb.finish(buf, result) {
+            Ok(None) => {
+                metrics.finish_as(t, Op::Write, n, true);
+                Finished::Done(Ok(()))
+            }
+            Ok(Some(slow)) => Finished::Again(write_rest(vol, metrics, slow, t)),
+            Err(err) => {
+                metrics.finish_as(t, Op::Write, n, false);
+                Finished::Done(Err(io::Error::from(err)))
+            }
+        }
+    }
+}
+
+/// A hit the server reads from the cache device itself (the io_uring data path).
+struct DirectHit {
+    hit: Hit,
+    fd: std::os::fd::RawFd,
+    reads: Vec<DeviceIo>,
+    vol: Volume,
+    metrics: Arc<VolumeMetrics>,
+    t: Timer,
+}
+
+impl DirectIo for DirectHit {
+    fn fd(&self) -> std::os::fd::RawFd {
+        self.fd
+    }
+    fn pieces(&self) -> &[DeviceIo] {
         &self.reads
     }
     fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished {
@@ -145,25 +198,25 @@ impl server::Export for VolumeExport {
     /// The engine's staged read: a hit whose cache device has a descriptor is read by the
     /// server itself (`DirectHit`); anything else continues on a worker from where the plan
     /// left it (the request is noted once).
-    fn start_read(&self, offset: u64, len: usize) -> ReadStart {
+    fn start_read(&self, offset: u64, len: usize) -> Start {
         let t = self.metrics.start();
         match self.vol.plan_read(offset, len) {
             Err(err) => {
                 let r = self.fail(t, len as u64, err);
-                ReadStart::Failed(r)
+                Start::Failed(r)
             }
             Ok(ReadPlan::Hit(hit)) => match hit.fd() {
                 Some(fd) => {
                     let reads = hit
                         .pieces()
                         .iter()
-                        .map(|p| DeviceRead {
+                        .map(|p| DeviceIo {
                             offset: p.dev_offset,
                             buf_offset: p.buf_offset,
                             len: p.len,
                         })
                         .collect();
-                    ReadStart::Direct(Box::new(DirectHit {
+                    Start::Direct(Box::new(DirectHit {
                         hit,
                         fd,
                         reads,
@@ -174,7 +227,7 @@ impl server::Export for VolumeExport {
                 }
                 None => {
                     let (vol, metrics) = (self.vol.clone(), Arc::clone(&self.metrics));
-                    ReadStart::Rest(Box::new(move |buf| {
+                    Start::Rest(Box::new(move |buf| {
                         let t = t.here();
                         let r = hit
                             .read_blocking(buf)
@@ -185,12 +238,56 @@ impl server::Export for VolumeExport {
                     }))
                 }
             },
-            Ok(ReadPlan::Slow(slow)) => ReadStart::Rest(self.rest(slow, t)),
+            Ok(ReadPlan::Slow(slow)) => Start::Rest(self.rest(slow, t)),
         }
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
         let n = data.len() as u64;
         self.timed(Op::Write, n, || self.vol.write(offset, data, fua))
+    }
+    /// The engine's staged write: a write the cache absorbs, on a cache device with a
+    /// descriptor, is written by the server itself (`DirectAbsorb`); anything else continues
+    /// on a worker from where the plan left it.
+    fn start_write(&self, offset: u64, len: usize, fua: bool) -> Start {
+        let t = self.metrics.start();
+        let (vol, metrics) = (self.vol.clone(), Arc::clone(&self.metrics));
+        match self.vol.plan_write(offset, len, fua) {
+            Err(err) => {
+                self.metrics.finish_as(t, Op::Write, len as u64, false);
+                Start::Failed(io::Error::from(err))
+            }
+            Ok(WritePlan::Absorb(absorb)) => match absorb.fd() {
+                Some(fd) => {
+                    let pieces = absorb
+                        .pieces()
+                        .iter()
+                        .map(|p| DeviceIo {
+                            offset: p.dev_offset,
+                            buf_offset: p.buf_offset,
+                            len: p.len,
+                        })
+                        .collect();
+                    Start::Direct(Box::new(DirectAbsorb {
+                        absorb,
+                        fd,
+                        pieces,
+                        vol,
+                        metrics,
+                        t,
+                    }))
+                }
+                None => Start::Rest(Box::new(move |data| {
+                    let t = t.here();
+                    let r = absorb
+                        .write_blocking(data)
+                        .and_then(|again| again.map_or(Ok(()), |s| vol.write_slow(s, data)))
+                        .map_err(io::Error::from);
+                    metrics.finish(t, Op::Write, data.len() as u64, &r);
+                    r
+                })),
+            },
+            Ok(WritePlan::Slow(slow)) => Start::Rest(write_rest(vol, metrics, slow, t)),
+        }
     }
     fn flush(&self) -> io::Result<()> {
         self.timed(Op::Flush, 0, || self.vol.flush())

@@ -226,10 +226,17 @@ impl Rig {
     }
 
     /// Starts `serve` with extra options; every write is cached (no sequential cutoff: the
-    /// tests write megabytes at once).
+    /// tests write megabytes at once), and reads are not routed around a slow cache device
+    /// unless the test sets its own threshold (the FUSE-backed cache device of a loaded
+    /// machine can be slower than the default 2 ms, which would keep reads off the failing
+    /// device these tests watch).
     fn serve(&mut self, extra: &[&str]) {
         self.step(&format!("tiercache serve {extra:?}"));
-        self.f.start_with(extra);
+        let mut args = extra.to_vec();
+        if !args.contains(&"--congested-read-threshold-us") {
+            args.extend(["--congested-read-threshold-us", "0"]);
+        }
+        self.f.start_with(&args);
         self.f.tc_admin(&["set", "data", "sequential_cutoff", "0"]);
     }
 

@@ -15,11 +15,13 @@
 //! - every write to the backing device invalidates the readahead windows it overlaps after it
 //!   completes.
 
+mod absorb;
 mod around;
 mod plan;
 mod read;
 mod write;
 
+pub use absorb::{Absorb, SlowWrite, WritePlan};
 pub use plan::{Hit, Piece, ReadPlan, SlowRead};
 
 use crate::policy::WriteRoute as Route;
@@ -521,25 +523,42 @@ impl Volume {
 /// may promote), counted so a detach can wait for those that started before it (see
 /// `CacheSet::detach`). Taken before the request reads `detaching`, given back at once when
 /// it finds it set (the request then keeps out of the cache), so the count drains.
-pub(crate) struct CacheUse<'a>(Option<&'a Backing>);
+/// It owns a reference to the device so that a staged read can carry it to the thread that
+/// finishes the request.
+pub(crate) struct CacheUse(Option<Arc<Backing>>);
 
-impl CacheUse<'_> {
+impl std::fmt::Debug for CacheUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.detaching() {
+            "CacheUse(detaching)"
+        } else {
+            "CacheUse"
+        })
+    }
+}
+
+impl CacheUse {
+    /// A use that holds nothing (what a request that already gave its use away keeps).
+    pub(crate) fn none() -> CacheUse {
+        CacheUse(None)
+    }
+
     /// The device is being detached: keep out of the cache.
     pub(crate) fn detaching(&self) -> bool {
         self.0.is_none()
     }
 }
 
-impl Drop for CacheUse<'_> {
+impl Drop for CacheUse {
     fn drop(&mut self) {
-        if let Some(b) = self.0 {
+        if let Some(b) = &self.0 {
             b.cache_users.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
 
 impl Backing {
-    pub(crate) fn cache_use(&self) -> CacheUse<'_> {
+    pub(crate) fn cache_use(self: &Arc<Self>) -> CacheUse {
         // SeqCst on both sides: either this request sees `detaching`, or the detach sees
         // this request in `cache_users` and waits for it.
         self.cache_users.fetch_add(1, Ordering::SeqCst);
@@ -547,7 +566,7 @@ impl Backing {
             self.cache_users.fetch_sub(1, Ordering::SeqCst);
             CacheUse(None)
         } else {
-            CacheUse(Some(self))
+            CacheUse(Some(Arc::clone(self)))
         }
     }
 

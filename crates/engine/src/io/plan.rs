@@ -52,6 +52,8 @@ pub struct SlowRead {
     pub(super) route: Route,
     /// The lock-free hit was tried (and missed): the slow path need not try it again.
     pub(super) tried_fast: bool,
+    /// Held until the read is done: a detach waits for it (see `CacheUse`).
+    pub(super) _use: Option<super::CacheUse>,
 }
 
 /// How a `SlowRead` goes.
@@ -92,6 +94,8 @@ pub struct Hit {
     pieces: smallvec::SmallVec<[Piece; 4]>,
     /// The cache-device I/O, timed from the plan; `None` once ended.
     timed: Option<Timed>,
+    /// Held until the read is done, as by every read (see `CacheUse`).
+    cache_use: super::CacheUse,
 }
 
 impl std::fmt::Debug for Hit {
@@ -114,33 +118,34 @@ impl Volume {
 
     pub(super) fn plan_read_unguarded(&self, offset: u64, len: usize) -> Result<ReadPlan> {
         self.check(offset, len as u64)?;
-        let slow = |route, tried_fast| {
+        let slow = |route, tried_fast, cache_use| {
             Ok(ReadPlan::Slow(SlowRead {
                 offset,
                 len,
                 route,
                 tried_fast,
+                _use: cache_use,
             }))
         };
         if len == 0 {
-            return slow(Route::Nothing, false);
+            return slow(Route::Nothing, false, None);
         }
         if self.inner.is_degraded() {
-            return slow(Route::Degraded, false);
+            return slow(Route::Degraded, false, None);
         }
-        let read = self.route_read(offset, len as u64);
+        let (read, cache_use) = self.route_read(offset, len as u64);
         if self.cache_congested(Kind::Read, len as u64) {
-            return slow(Route::AroundCongestion(read), false);
+            return slow(Route::AroundCongestion(read), false, Some(cache_use));
         }
         let bs = self.inner.block_size();
         if !offset.is_multiple_of(bs) || !(len as u64).is_multiple_of(bs) {
             // Partial blocks are cut out of whole ones: the slow path's job.
-            return slow(Route::Normal(read), false);
+            return slow(Route::Normal(read), false, Some(cache_use));
         }
         let (b0, b1) = BackingBlock::touched_by(offset, len as u64, bs);
         let mut crcs = Crcs::new();
         let Some(segs) = self.lock_free_hit(b0, b1, &mut crcs) else {
-            return slow(Route::Normal(read), true);
+            return slow(Route::Normal(read), true, Some(cache_use));
         };
         let inner = &*self.inner;
         let pieces = segs
@@ -162,6 +167,7 @@ impl Volume {
             crcs,
             pieces,
             timed: Some(inner.cache.begin()),
+            cache_use,
         }))
     }
 
@@ -202,7 +208,7 @@ impl Hit {
         let mut fds = self
             .pieces
             .iter()
-            .map(|p| cache.read_fd(p.dev_offset, p.len));
+            .map(|p| cache.direct_fd(p.dev_offset, p.len));
         let first = fds.next()??;
         fds.all(|fd| fd == Some(first)).then_some(first)
     }
@@ -249,7 +255,7 @@ impl Hit {
         if let Some(t) = &self.timed {
             let took = cache.elapsed(t);
             for p in &self.pieces {
-                cache.read_done(p.dev_offset, p.len, io.is_ok(), took);
+                cache.direct_done(false, (p.dev_offset, p.len), io.is_ok(), took);
             }
         }
         self.finish_io(buf, io)
@@ -330,6 +336,10 @@ impl Hit {
                 len: self.len,
                 route: Route::Reread(self.read, again),
                 tried_fast: true,
+                _use: Some(std::mem::replace(
+                    &mut self.cache_use,
+                    super::CacheUse::none(),
+                )),
             }));
         }
         vol.count_read(self.read, self.len as u64, true, false);

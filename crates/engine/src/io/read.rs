@@ -106,20 +106,23 @@ impl Volume {
     }
 
     /// How a read of `len` bytes at `offset` treats the cache: notes it in the stream
-    /// detector (once per request) and decides the bypass.
-    pub(super) fn route_read(&self, offset: u64, len: u64) -> Read {
+    /// detector (once per request) and decides the bypass. The read holds the returned
+    /// `CacheUse` until it is done (it may promote).
+    pub(super) fn route_read(&self, offset: u64, len: u64) -> (Read, super::CacheUse) {
         let stream = self.note_io(offset, len).bytes;
-        let bypass = if self.backing.cache_use().detaching() {
+        let cache_use = self.backing.cache_use();
+        let bypass = if cache_use.detaching() {
             Some(crate::policy::Bypass::Detaching)
         } else {
             crate::policy::read_bypass(self.mode(), self.seq_bypass(stream))
         };
         let streaming = stream > len && stream >= READAHEAD_AFTER_BYTES;
-        match bypass {
+        let read = match bypass {
             Some(why) if streaming => Read::Ahead(why),
             Some(why) => Read::Bypass(why),
             None => Read::Cached { stream: streaming },
-        }
+        };
+        (read, cache_use)
     }
 
     /// Counts a read of `len` bytes in the hit statistics (not a prefetch): a hit or a miss,

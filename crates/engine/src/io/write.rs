@@ -8,6 +8,7 @@
 //! - data is written to the cache before its index entry is inserted, and the entry's journal
 //!   record is what makes it survive a crash (see `docs/durability.md`).
 
+use super::absorb::WritePlan;
 use super::Volume;
 use crate::alloc::WritePoint;
 use crate::format::BackingState;
@@ -17,6 +18,14 @@ use crate::types::{IoContext, Result};
 use crate::units::BackingBlock;
 use blockdev::BlockDevice;
 use std::sync::atomic::Ordering;
+
+/// What `insert_written` did.
+pub(super) enum Inserted {
+    /// Nothing (a collided promotion, a degraded set).
+    No,
+    /// Inserted; `commit`: the journal's buffer wants a commit now.
+    Yes { commit: bool },
+}
 
 impl Volume {
     /// Writes whole blocks to the cache at write point `point` and inserts them (dirty at
@@ -51,44 +60,66 @@ impl Volume {
                 .cache
                 .write_at(chunk, off)
                 .ctx(|| format!("writing cache device at {off}"))?;
-            let crcs: Vec<u32> = chunk.chunks(bs as usize).map(crc32c::crc32c).collect();
-            let mut st = inner.state.lock();
-            if let Some(id) = promotion {
-                if st.promotions.get(&id).is_none_or(|p| p.collided) {
-                    drop(st);
-                    return Ok(done);
-                }
-            }
-            if st.uncertain.is_some() {
-                // Degraded since the loop checked: nothing more enters the cache.
-                return Ok(done);
-            }
-            let dev = self.backing.id;
-            let b = block + done;
-            let ext = crate::index::Extent {
-                len: n,
-                cache_block: cb,
-                dirty,
-            };
-            st.collide(dev, b, b + u64::from(n));
-            if let Some(id) = promotion {
-                // Our own insert must not mark our own promotion collided.
-                st.promotions
-                    .get_mut(&id)
-                    .expect("promotion registered")
-                    .collided = false;
-            }
-            let now = inner.now_ns();
-            st.insert_extent(dev, b, ext, crcs, now);
-            let pending = st.journal.buf.buf.len();
-            drop(st);
+            let inserted = self.insert_written(block + done, grant.cb, chunk, dirty, promotion)?;
             drop(grant);
-            done += u64::from(n);
-            if pending > crate::journal::JOURNAL_BUF_MAX {
-                inner.commit_to(u64::MAX)?;
+            match inserted {
+                Inserted::No => return Ok(done),
+                Inserted::Yes { commit } => {
+                    done += u64::from(n);
+                    if commit {
+                        inner.commit_to(u64::MAX)?;
+                    }
+                }
             }
         }
         Ok(done)
+    }
+
+    /// Inserts `chunk`, just written to the cache at `cb`, as the blocks from `block`: dirty
+    /// or clean; with `promotion`, only if that promotion did not collide; not at all once the
+    /// set is degraded. `commit`: the journal's buffer is past its bound, the caller commits.
+    pub(super) fn insert_written(
+        &self,
+        block: BackingBlock,
+        cb: crate::units::CacheBlock,
+        chunk: &[u8],
+        dirty: bool,
+        promotion: Option<u64>,
+    ) -> Result<Inserted> {
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        let n = (chunk.len() as u64 / bs) as u32;
+        let crcs: Vec<u32> = chunk.chunks(bs as usize).map(crc32c::crc32c).collect();
+        let mut st = inner.state.lock();
+        if let Some(id) = promotion {
+            if st.promotions.get(&id).is_none_or(|p| p.collided) {
+                return Ok(Inserted::No);
+            }
+        }
+        if st.uncertain.is_some() {
+            // Degraded since the caller checked: nothing more enters the cache.
+            return Ok(Inserted::No);
+        }
+        let dev = self.backing.id;
+        let ext = crate::index::Extent {
+            len: n,
+            cache_block: cb,
+            dirty,
+        };
+        st.collide(dev, block, block + u64::from(n));
+        if let Some(id) = promotion {
+            // Our own insert must not mark our own promotion collided.
+            st.promotions
+                .get_mut(&id)
+                .expect("promotion registered")
+                .collided = false;
+        }
+        let now = inner.now_ns();
+        st.insert_extent(dev, block, ext, crcs, now);
+        let pending = st.journal.buf.buf.len();
+        Ok(Inserted::Yes {
+            commit: pending > crate::journal::JOURNAL_BUF_MAX,
+        })
     }
 
     // ----- writes -----
@@ -101,40 +132,14 @@ impl Volume {
     }
 
     fn write_unguarded(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.check(offset, data.len() as u64)?;
-        if data.is_empty() {
-            return Ok(());
-        }
-        let len = data.len() as u64;
-        if self.inner.is_degraded() {
-            self.degraded_change(offset, len, Some(data), false)?;
-            if fua {
-                self.flush()?;
-            }
-            return Ok(());
-        }
-        let seen = self.note_io(offset, len);
-        let cache_use = self.backing.cache_use();
-        let sequential = self.seq_bypass(seen.bytes);
-        let shape = crate::policy::WriteShape {
-            sequential,
-            interleaved: sequential && self.streams_interleaved(),
-            sync: fua,
-            reordered: sequential && seen.reordered && self.reordering_costs_seeks(),
+        let slow = match self.plan_write_unguarded(offset, data.len() as u64, fua)? {
+            WritePlan::Absorb(a) => match a.write_blocking(data)? {
+                None => return Ok(()),
+                Some(slow) => slow,
+            },
+            WritePlan::Slow(slow) => slow,
         };
-        let mut route = self.route(shape, cache_use.detaching());
-        if route == Route::Through && self.cache_congested(crate::cachedev::Kind::Write, len) {
-            // The slow cache device would hold the write up; the backing device has it.
-            route = Route::Bypass(Bypass::Congested);
-        }
-        if let Route::Bypass(why) = route {
-            self.backing.counters.bypass(why, len);
-        }
-        self.write_range(offset, len, Some(data), route)?;
-        if fua {
-            self.flush()?;
-        }
-        Ok(())
+        self.write_slow_unguarded(slow, data)
     }
 
     /// Where a write goes, from the mode, the write's shape and the dirty limit. A
@@ -142,7 +147,7 @@ impl Volume {
     /// `policy::route_write`) does so over dirty blocks too (as bcache does unless partial
     /// RAID stripes are expensive): the dirty copies are dropped, their record waiting for
     /// one backing flush per commit, and the disk gets the whole stream, without holes.
-    fn route(&self, shape: crate::policy::WriteShape, detaching: bool) -> Route {
+    pub(super) fn route(&self, shape: crate::policy::WriteShape, detaching: bool) -> Route {
         let inner = &*self.inner;
         crate::policy::route_write(
             self.mode(),

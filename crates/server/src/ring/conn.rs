@@ -9,14 +9,14 @@
 //! gone (a failed send, a hung-up socket) nothing more is started and replies are dropped;
 //! the connection is finished only when nothing of it is in flight anywhere.
 
-use super::pool::{Finished, Job, Work};
+use super::pool::{Answer, Finished, Job, Work};
 use super::reactor::{Kind, Sq};
 use super::{Adopted, Handle, Pool};
 use crate::budget::{Account, Permit};
-use crate::execute::{error_reply, permit_bytes, read_reply, PAYLOAD_BYTES_MAX};
+use crate::execute::{error_reply, permit_bytes, PAYLOAD_BYTES_MAX};
 use crate::iobuf::IoBuf;
 use crate::table::InFlight;
-use crate::{DirectRead, Finished as ReadFinished, ReadStart};
+use crate::{DirectIo, Finished as ReadFinished, Start};
 use io_uring::{opcode, types};
 use nbd_proto::{Decoded, NbdErrno, Request, ValidRequest};
 use slab::Slab;
@@ -48,11 +48,10 @@ struct Req {
 }
 
 enum ReqState {
-    /// Its device reads in flight on the ring.
-    Reading {
-        direct: Box<dyn DirectRead>,
-        offset: u64,
-        length: u32,
+    /// Its device I/O in flight on the ring.
+    Direct {
+        direct: Box<dyn DirectIo>,
+        answer: Answer,
         /// Pieces not yet read whole, and bytes of each already read.
         left: usize,
         done: Vec<usize>,
@@ -369,40 +368,86 @@ impl Conn {
                 return;
             }
         };
-        let (work, read) = match request {
+        let export = &self.a.export;
+        let (answer, started) = match request {
             ValidRequest::Read { offset, length, .. } => {
                 buf.slice(length as usize);
-                let export = &self.a.export;
                 let started = catch_unwind(AssertUnwindSafe(|| {
                     export.start_read(offset, length as usize)
-                }))
-                .unwrap_or_else(|_| {
-                    log::error!("the export panicked starting request {cookie:#x}");
-                    ReadStart::Failed(io::Error::other("internal error"))
-                });
-                match started {
-                    ReadStart::Direct(direct)
-                        if (1..=PIECES_MAX).contains(&direct.reads().len()) =>
-                    {
-                        self.read_direct(
-                            key, cookie, offset, length, direct, permit, in_flight, buf, sq,
-                        );
-                        return;
-                    }
-                    ReadStart::Direct(direct) => (Work::Direct(direct), (offset, length)),
-                    ReadStart::Rest(rest) => (Work::Rest(rest), (offset, length)),
-                    ReadStart::Whole => (Work::Execute(request), (offset, length)),
-                    ReadStart::Failed(err) => {
-                        let mut head = Vec::new();
-                        let n =
-                            read_reply(&self.a.ctx, cookie, offset, length, Err(err), &mut head);
-                        self.reply(head, buf, n, Some(permit), Some(in_flight));
-                        return;
-                    }
-                }
+                }));
+                (Answer::Read { offset, length }, started)
             }
-            other => (Work::Execute(other), (0, 0)),
+            ValidRequest::Write {
+                offset,
+                length,
+                fua,
+            } => {
+                let started = catch_unwind(AssertUnwindSafe(|| {
+                    export.start_write(offset, length as usize, fua)
+                }));
+                (Answer::Write { length }, started)
+            }
+            other => {
+                self.send_to_pool(
+                    key,
+                    cookie,
+                    permit,
+                    in_flight,
+                    buf,
+                    Work::Execute(other),
+                    None,
+                    handle,
+                    pool,
+                );
+                return;
+            }
         };
+        let started = started.unwrap_or_else(|_| {
+            log::error!("the export panicked starting request {cookie:#x}");
+            Start::Failed(io::Error::other("internal error"))
+        });
+        let work = match started {
+            Start::Direct(direct) if (1..=PIECES_MAX).contains(&direct.pieces().len()) => {
+                self.direct(key, cookie, answer, direct, permit, in_flight, buf, sq);
+                return;
+            }
+            Start::Direct(direct) => Work::Direct(direct),
+            Start::Rest(rest) => Work::Rest(rest),
+            Start::Whole => Work::Execute(request),
+            Start::Failed(err) => {
+                let mut head = Vec::new();
+                let n = answer.reply(&self.a.ctx, cookie, Err(err), &mut head);
+                self.reply(head, buf, n, Some(permit), Some(in_flight));
+                return;
+            }
+        };
+        self.send_to_pool(
+            key,
+            cookie,
+            permit,
+            in_flight,
+            buf,
+            work,
+            Some(answer),
+            handle,
+            pool,
+        );
+    }
+
+    /// Hands a request to the worker pool.
+    #[allow(clippy::too_many_arguments)]
+    fn send_to_pool(
+        &mut self,
+        key: usize,
+        cookie: u64,
+        permit: Permit,
+        in_flight: InFlight,
+        buf: IoBuf,
+        work: Work,
+        answer: Option<Answer>,
+        handle: &Arc<Handle>,
+        pool: &Arc<Pool>,
+    ) {
         let req = self.reqs.insert(Req {
             cookie,
             permit,
@@ -417,37 +462,35 @@ impl Conn {
             export: Arc::clone(&self.a.export),
             ctx: self.a.ctx,
             cookie,
-            read,
+            answer: answer.unwrap_or(Answer::Write { length: 0 }),
             work,
             buf,
         };
         self.hand_to_worker(job, pool);
     }
 
-    /// Submits a direct read's device reads to the ring.
+    /// Submits a direct request's device I/O to the ring.
     #[allow(clippy::too_many_arguments)]
-    fn read_direct(
+    fn direct(
         &mut self,
         key: usize,
         cookie: u64,
-        offset: u64,
-        length: u32,
-        direct: Box<dyn DirectRead>,
+        answer: Answer,
+        direct: Box<dyn DirectIo>,
         permit: Permit,
         in_flight: InFlight,
         buf: IoBuf,
         sq: &mut Sq<'_>,
     ) {
-        let n = direct.reads().len();
+        let n = direct.pieces().len();
         let req = self.reqs.insert(Req {
             cookie,
             permit,
             in_flight,
             buf,
-            state: ReqState::Reading {
+            state: ReqState::Direct {
                 direct,
-                offset,
-                length,
+                answer,
                 left: n,
                 done: vec![0; n],
                 result: Ok(()),
@@ -458,33 +501,40 @@ impl Conn {
         }
     }
 
-    /// Submits (the rest of) piece `piece` of direct read `req`.
+    /// Submits (the rest of) piece `piece` of direct request `req`.
     fn submit_piece(&mut self, key: usize, req: usize, piece: usize, sq: &mut Sq<'_>) {
         let r = &mut self.reqs[req];
-        let ReqState::Reading {
+        let ReqState::Direct {
             direct,
-            length,
+            answer,
             done,
             ..
         } = &r.state
         else {
-            unreachable!("pieces belong to direct reads");
+            unreachable!("pieces belong to direct requests");
         };
-        let d = direct.reads()[piece];
-        let fd = direct.fd();
+        let d = direct.pieces()[piece];
+        let fd = types::Fd(direct.fd());
         let done = done[piece];
-        let data = r.buf.data_mut(*length as usize);
+        let data = r.buf.data_mut(answer.len());
         let target = &mut data[d.buf_offset + done..d.buf_offset + d.len];
-        let sqe = opcode::Read::new(types::Fd(fd), target.as_mut_ptr(), target.len() as u32)
-            .offset(d.offset + done as u64)
-            .build()
-            .user_data(super::reactor::user_data(Kind::Read, key, req, piece));
-        sq.push(sqe);
+        let at = d.offset + done as u64;
+        let user_data = super::reactor::user_data(Kind::Device, key, req, piece);
+        let sqe = if direct.writes() {
+            opcode::Write::new(fd, target.as_ptr(), target.len() as u32)
+                .offset(at)
+                .build()
+        } else {
+            opcode::Read::new(fd, target.as_mut_ptr(), target.len() as u32)
+                .offset(at)
+                .build()
+        };
+        sq.push(sqe.user_data(user_data));
     }
 
-    /// A device read of a direct read completed with `res`.
+    /// A device I/O of a direct request completed with `res`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn on_read(
+    pub(super) fn on_device(
         &mut self,
         key: usize,
         req: usize,
@@ -494,7 +544,7 @@ impl Conn {
         handle: &Arc<Handle>,
         pool: &Arc<Pool>,
     ) {
-        let ReqState::Reading {
+        let ReqState::Direct {
             direct,
             left,
             done,
@@ -502,14 +552,14 @@ impl Conn {
             ..
         } = &mut self.reqs[req].state
         else {
-            unreachable!("pieces belong to direct reads");
+            unreachable!("pieces belong to direct requests");
         };
-        let want = direct.reads()[piece].len;
+        let want = direct.pieces()[piece].len;
         match res {
             n if n > 0 => {
                 done[piece] += n as usize;
                 if done[piece] < want {
-                    // A short read: the rest of the piece.
+                    // A short transfer: the rest of the piece.
                     self.submit_piece(key, req, piece, sq);
                     return;
                 }
@@ -518,7 +568,7 @@ impl Conn {
                 if result.is_ok() {
                     *result = Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
-                        "device read past its end",
+                        "device I/O past its end",
                     ));
                 }
             }
@@ -530,27 +580,27 @@ impl Conn {
         }
         *left -= 1;
         if *left == 0 {
-            self.read_finished(key, req, handle, pool);
+            self.direct_finished(key, req, handle, pool);
         }
     }
 
-    /// Every device read of direct read `req` ended: finish it and answer (or hand it to a
-    /// worker to read again).
-    fn read_finished(&mut self, key: usize, req: usize, handle: &Arc<Handle>, pool: &Arc<Pool>) {
+    /// Every device I/O of direct request `req` ended: finish it and answer (or hand its rest
+    /// to a worker).
+    fn direct_finished(&mut self, key: usize, req: usize, handle: &Arc<Handle>, pool: &Arc<Pool>) {
         let state = std::mem::replace(&mut self.reqs[req].state, ReqState::AtWorker);
-        let ReqState::Reading {
+        let ReqState::Direct {
             direct,
-            offset,
-            length,
+            answer,
             result,
             ..
         } = state
         else {
             unreachable!("checked by the caller");
         };
+        let reads = !direct.writes();
         let r = &mut self.reqs[req];
         let cookie = r.cookie;
-        let data = r.buf.data_mut(length as usize);
+        let data = r.buf.data_mut(answer.len());
         let finished = catch_unwind(AssertUnwindSafe(|| direct.finish(data, result)))
             .unwrap_or_else(|_| {
                 log::error!("the export panicked finishing request {cookie:#x}");
@@ -560,9 +610,14 @@ impl Conn {
             ReadFinished::Done(result) => {
                 let r = self.reqs.remove(req);
                 let mut head = Vec::new();
-                let n = read_reply(&self.a.ctx, cookie, offset, length, result, &mut head);
+                let n = answer.reply(&self.a.ctx, cookie, result, &mut head);
                 self.reply(head, r.buf, n, Some(r.permit), Some(r.in_flight));
-                self.a.shared.direct_reads.fetch_add(1, Ordering::Relaxed);
+                let counter = if reads {
+                    &self.a.shared.direct_reads
+                } else {
+                    &self.a.shared.direct_writes
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
             }
             ReadFinished::Again(rest) => {
                 let buf = std::mem::take(&mut self.reqs[req].buf);
@@ -573,7 +628,7 @@ impl Conn {
                     export: Arc::clone(&self.a.export),
                     ctx: self.a.ctx,
                     cookie,
-                    read: (offset, length),
+                    answer,
                     work: Work::Rest(rest),
                     buf,
                 };

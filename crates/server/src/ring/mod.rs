@@ -184,7 +184,9 @@ impl Rings {
             let result = match started {
                 Ok(t) => {
                     let ready = ready.recv().unwrap_or_else(|_| {
-                        Err(io::Error::other("an io_uring event loop ended at its start"))
+                        Err(io::Error::other(
+                            "an io_uring event loop ended at its start",
+                        ))
                     });
                     match ready {
                         Ok(()) => {

@@ -8,9 +8,9 @@
 //! to `workers_max`, and all exit once the pool is stopped and its queue is empty.
 
 use super::{Handle, Msg};
-use crate::execute::{error_reply, execute, read_reply};
+use crate::execute::{error_reply, execute, read_reply, simple_reply};
 use crate::iobuf::IoBuf;
-use crate::{DirectRead, Export, Finished as ReadFinished, ReadRest};
+use crate::{DirectIo, Export, Finished as DirectFinished, Rest};
 use nbd_proto::{NbdErrno, TransmissionContext, ValidRequest};
 use std::collections::VecDeque;
 use std::io;
@@ -21,11 +21,48 @@ use std::sync::{Arc, Condvar, Mutex};
 pub(crate) enum Work {
     /// A whole request through the export's blocking calls.
     Execute(ValidRequest),
-    /// The rest of a read the export started (`Export::start_read`).
-    Rest(ReadRest),
-    /// A direct read whose device reads are done here with `pread` (too many pieces for
-    /// the ring), then finished.
-    Direct(Box<dyn DirectRead>),
+    /// The rest of a read or write the export started (`Export::start_read`,
+    /// `Export::start_write`).
+    Rest(Rest),
+    /// A direct request whose device I/O is done here with `pread`/`pwrite` (too many pieces
+    /// for the ring), then finished.
+    Direct(Box<dyn DirectIo>),
+}
+
+/// How a started request is answered.
+#[derive(Clone, Copy)]
+pub(crate) enum Answer {
+    /// A read of `length` bytes at `offset`: the data reply.
+    Read { offset: u64, length: u32 },
+    /// A write of `length` bytes: a simple reply.
+    Write { length: u32 },
+}
+
+impl Answer {
+    pub(crate) fn len(self) -> usize {
+        match self {
+            Answer::Read { length, .. } | Answer::Write { length } => length as usize,
+        }
+    }
+
+    /// The reply to the request ending with `result`; returns the data bytes after `head`.
+    pub(crate) fn reply(
+        self,
+        ctx: &TransmissionContext,
+        cookie: u64,
+        result: io::Result<()>,
+        head: &mut Vec<u8>,
+    ) -> usize {
+        match self {
+            Answer::Read { offset, length } => {
+                read_reply(ctx, cookie, offset, length, result, head)
+            }
+            Answer::Write { .. } => {
+                simple_reply(ctx, cookie, result, head);
+                0
+            }
+        }
+    }
 }
 
 pub(crate) struct Job {
@@ -36,8 +73,8 @@ pub(crate) struct Job {
     pub(crate) export: Arc<dyn Export>,
     pub(crate) ctx: TransmissionContext,
     pub(crate) cookie: u64,
-    /// A read's offset and length (for its reply), else zeroes.
-    pub(crate) read: (u64, u32),
+    /// How a started request (`Rest`, `Direct`) is answered (`Execute` answers itself).
+    pub(crate) answer: Answer,
     pub(crate) work: Work,
     /// The write payload, or the read's reply buffer (already sized).
     pub(crate) buf: IoBuf,
@@ -161,7 +198,7 @@ fn run(job: Job) {
         export,
         ctx,
         cookie,
-        read: (offset, length),
+        answer,
         work,
         mut buf,
     } = job;
@@ -169,19 +206,25 @@ fn run(job: Job) {
     let outcome = catch_unwind(AssertUnwindSafe(|| match work {
         Work::Execute(request) => execute(&*export, &ctx, cookie, request, &mut buf, &mut head),
         Work::Rest(rest) => {
-            let result = rest(buf.data_mut(length as usize));
-            read_reply(&ctx, cookie, offset, length, result, &mut head)
+            let result = rest(buf.data_mut(answer.len()));
+            answer.reply(&ctx, cookie, result, &mut head)
         }
         Work::Direct(direct) => {
-            let data = buf.data_mut(length as usize);
-            let io = direct.reads().iter().try_for_each(|r| {
-                pread_full(direct.fd(), &mut data[r.buf_offset..][..r.len], r.offset)
+            let data = buf.data_mut(answer.len());
+            let (fd, write) = (direct.fd(), direct.writes());
+            let io = direct.pieces().iter().try_for_each(|r| {
+                let part = &mut data[r.buf_offset..][..r.len];
+                if write {
+                    pwrite_full(fd, part, r.offset)
+                } else {
+                    pread_full(fd, part, r.offset)
+                }
             });
             let result = match direct.finish(data, io) {
-                ReadFinished::Done(r) => r,
-                ReadFinished::Again(rest) => rest(data),
+                DirectFinished::Done(r) => r,
+                DirectFinished::Again(rest) => rest(data),
             };
-            read_reply(&ctx, cookie, offset, length, result, &mut head)
+            answer.reply(&ctx, cookie, result, &mut head)
         }
     }));
     let data_len = outcome.unwrap_or_else(|_| {
@@ -201,18 +244,41 @@ fn run(job: Job) {
 
 /// Reads `buf.len()` bytes at `offset` of `fd` (retrying short reads and interruptions).
 fn pread_full(fd: std::os::fd::RawFd, buf: &mut [u8], offset: u64) -> io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
+    transfer_full(buf.len(), |done| {
         // SAFETY: reads into the live, writable rest of `buf`; `fd` is kept open by the
-        // DirectRead that named it.
-        let n = unsafe {
+        // DirectIo that named it.
+        unsafe {
             libc::pread(
                 fd,
                 buf[done..].as_mut_ptr().cast(),
                 buf.len() - done,
                 (offset + done as u64) as libc::off_t,
             )
-        };
+        }
+    })
+}
+
+/// Writes `buf` at `offset` of `fd` (retrying short writes and interruptions).
+fn pwrite_full(fd: std::os::fd::RawFd, buf: &[u8], offset: u64) -> io::Result<()> {
+    transfer_full(buf.len(), |done| {
+        // SAFETY: writes from the live rest of `buf`; `fd` is kept open by the DirectIo that
+        // named it.
+        unsafe {
+            libc::pwrite(
+                fd,
+                buf[done..].as_ptr().cast(),
+                buf.len() - done,
+                (offset + done as u64) as libc::off_t,
+            )
+        }
+    })
+}
+
+/// Repeats `io(bytes done so far)` until `len` bytes are done.
+fn transfer_full(len: usize, mut io: impl FnMut(usize) -> isize) -> io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        let n = io(done);
         match n {
             0 => return Err(io::ErrorKind::UnexpectedEof.into()),
             n if n > 0 => done += n as usize,

@@ -23,7 +23,8 @@ pub(super) enum Kind {
     Timer = 2,
     Recv = 3,
     Send = 4,
-    Read = 5,
+    /// A direct request's device read or write.
+    Device = 5,
 }
 
 /// User data: kind (4 bits), piece (12), request (16), connection (32).
@@ -60,6 +61,7 @@ pub(super) fn new_ring(entries: u32) -> io::Result<IoUring> {
     ring.submitter().register_probe(&mut probe)?;
     for (code, name) in [
         (opcode::Read::CODE, "read"),
+        (opcode::Write::CODE, "write"),
         (opcode::Recv::CODE, "recv"),
         (opcode::SendMsg::CODE, "sendmsg"),
         (opcode::Timeout::CODE, "timeout"),
@@ -220,13 +222,21 @@ impl Reactor {
             k if k == Kind::Timer as u64 => self.timer_armed = false,
             k if k == Kind::Recv as u64 => self.conns[conn].on_recv(res),
             k if k == Kind::Send as u64 => self.conns[conn].on_send(res),
-            k if k == Kind::Read as u64 => {
+            k if k == Kind::Device as u64 => {
                 let mut sq = Sq {
                     ring: &self.ring,
                     // SAFETY: only this thread uses the ring's submission queue.
                     sq: unsafe { self.ring.submission_shared() },
                 };
-                self.conns[conn].on_read(conn, req, piece, res, &mut sq, &self.handle, &self.pool);
+                self.conns[conn].on_device(
+                    conn,
+                    req,
+                    piece,
+                    res,
+                    &mut sq,
+                    &self.handle,
+                    &self.pool,
+                );
                 sq.sq.sync();
             }
             other => log::error!("io_uring completion of unknown kind {other}"),

@@ -241,16 +241,24 @@ impl BlockDevice for TimedDevice {
     fn describe(&self) -> String {
         self.inner.describe()
     }
-    fn read_fd(&self, offset: u64, len: usize) -> Option<std::os::fd::RawFd> {
-        self.inner.read_fd(offset, len)
+    fn direct_fd(&self, offset: u64, len: usize) -> Option<std::os::fd::RawFd> {
+        self.inner.direct_fd(offset, len)
     }
-    /// A read made by the caller through `read_fd` (the io_uring data path): timed, counted
-    /// and tallied on the thread that finished it, like one through `read_at`.
-    fn read_done(&self, offset: u64, len: usize, took: std::time::Duration, ok: bool) {
-        self.inner.read_done(offset, len, took, ok);
-        self.record(READ, len as u64, took, ok);
-        if ok {
-            self.tally(false, offset, len as u64);
+    /// An I/O made by the caller through `direct_fd` (the io_uring data path): timed, counted
+    /// and tallied on the thread that finished it, like one through `read_at` or `write_at`
+    /// (a failed write counts as written, as there).
+    fn direct_done(
+        &self,
+        write: bool,
+        offset: u64,
+        len: usize,
+        took: std::time::Duration,
+        ok: bool,
+    ) {
+        self.inner.direct_done(write, offset, len, took, ok);
+        self.record(if write { WRITE } else { READ }, len as u64, took, ok);
+        if ok || write {
+            self.tally(write, offset, len as u64);
         }
     }
 }

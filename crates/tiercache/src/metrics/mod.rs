@@ -364,6 +364,9 @@ pub struct ListenerSample {
     /// Reads served by the io_uring data path's own cache-device reads.
     #[serde(default)]
     pub direct_reads: u64,
+    /// Writes absorbed by the io_uring data path's own cache-device writes.
+    #[serde(default)]
+    pub direct_writes: u64,
 }
 
 impl ListenerSample {
@@ -380,6 +383,7 @@ impl ListenerSample {
             workers_extra: s.workers_extra as u64,
             ring_threads: s.ring_threads as u64,
             direct_reads: s.direct_reads,
+            direct_writes: s.direct_writes,
         }
     }
 }

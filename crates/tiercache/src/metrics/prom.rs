@@ -554,7 +554,7 @@ impl Collector for SampleCollector {
                 (lis(&x.listener), U(get(x)))
             })?;
         }
-        let listener_counters: [Row<super::ListenerSample, u64>; 5] = [
+        let listener_counters: [Row<super::ListenerSample, u64>; 6] = [
             (
                 "tiercache_connections_refused",
                 "Connections closed on arrival (no room, or no thread).",
@@ -579,6 +579,11 @@ impl Collector for SampleCollector {
                 "tiercache_direct_reads",
                 "Reads served by the io_uring data path's own cache-device reads (hits with no thread hand-over).",
                 |l| l.direct_reads,
+            ),
+            (
+                "tiercache_direct_writes",
+                "Writes the cache absorbed through the io_uring data path's own cache-device writes (no thread hand-over).",
+                |l| l.direct_writes,
             ),
         ];
         for (name, help, get) in listener_counters {
@@ -629,6 +634,7 @@ mod tests {
             workers_extra: 0,
             ring_threads: 2,
             direct_reads: 0,
+            direct_writes: 0,
         });
         s
     }
