@@ -1350,6 +1350,67 @@ fn a_staged_hit_is_read_by_the_caller_from_the_cache_devices_descriptor() {
     assert!(hit.finish(one, Err(err)).is_err());
 }
 
+/// The staged write: a writeback write of whole blocks is planned as an `Absorb` (once the
+/// device is marked dirty), written by the caller through the cache device's descriptor and
+/// finished into the index; an overlapping write meanwhile is planned slow (the range is
+/// held); a failed device write finishes into a `SlowWrite` that puts the data on the backing
+/// device. Every read afterwards returns what was written last.
+#[test]
+fn a_staged_write_is_written_by_the_caller_and_inserted_at_finish() {
+    use blockdev::FileDevice;
+    use engine::WritePlan;
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let cache: Arc<dyn BlockDevice> =
+        Arc::new(FileDevice::create(&dir.path().join("cache.img"), 16 << 20).unwrap());
+    let backing: Arc<dyn BlockDevice> =
+        Arc::new(FileDevice::create(&dir.path().join("backing.img"), 4 << 20).unwrap());
+    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, no_threads());
+    // The first dirty write marks the header (the slow path).
+    vol.write(0, &data(30, 0, 4096), false).unwrap();
+    let d = aligned(16 << 10);
+    d.copy_from_slice(&data(31, 16, 16 << 10));
+    let WritePlan::Absorb(absorb) = vol.plan_write(8192, d.len(), false).unwrap() else {
+        panic!("a writeback write of whole blocks is absorbed");
+    };
+    assert!(
+        matches!(
+            vol.plan_write(12288, 4096, false).unwrap(),
+            WritePlan::Slow(_)
+        ),
+        "an overlapping write waits for the range: planned slow"
+    );
+    let fd = absorb.fd().expect("a file cache device has a descriptor");
+    // SAFETY: the descriptor stays open while `vol` lives; the File is never closed.
+    let file = std::mem::ManuallyDrop::new(unsafe {
+        <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd)
+    });
+    for p in absorb.pieces() {
+        file.write_all_at(&d[p.buf_offset..p.buf_offset + p.len], p.dev_offset)
+            .unwrap();
+    }
+    assert!(absorb.finish(d, Ok(())).unwrap().is_none());
+    let got = aligned(16 << 10);
+    vol.read(8192, got).unwrap();
+    assert!(got[..] == d[..]);
+    // A failed device write: the data goes to the backing device instead.
+    let e = aligned(8192);
+    e.copy_from_slice(&data(32, 64, 8192));
+    let WritePlan::Absorb(absorb) = vol.plan_write(64 << 10, e.len(), false).unwrap() else {
+        panic!("absorbed");
+    };
+    let err = std::io::Error::other("injected device error");
+    let slow = absorb
+        .finish(e, Err(err))
+        .unwrap()
+        .expect("the rest, the slow way");
+    vol.write_slow(slow, e).unwrap();
+    let got = aligned(8192);
+    vol.read(64 << 10, got).unwrap();
+    assert!(got[..] == e[..]);
+    assert!(vol.status().stats.total.bypassed_full >= 8192);
+}
+
 /// A zeroed buffer of `len` bytes at a 4 KiB-aligned address.
 fn aligned(len: usize) -> &'static mut [u8] {
     let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();

@@ -35,6 +35,7 @@ struct FileExport {
     opened: Condvar,
     whole_reads: AtomicU64,
     agains: AtomicU64,
+    direct_writes: AtomicU64,
 }
 
 impl FileExport {
@@ -47,6 +48,7 @@ impl FileExport {
             opened: Condvar::new(),
             whole_reads: AtomicU64::new(0),
             agains: AtomicU64::new(0),
+            direct_writes: AtomicU64::new(0),
         })
     }
 
@@ -61,6 +63,7 @@ struct Direct {
     reads: Vec<DeviceIo>,
     offset: u64,
     export: Arc<FileExport>,
+    write: bool,
 }
 
 impl DirectIo for Direct {
@@ -70,7 +73,14 @@ impl DirectIo for Direct {
     fn pieces(&self) -> &[DeviceIo] {
         &self.reads
     }
+    fn writes(&self) -> bool {
+        self.write
+    }
     fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished {
+        if self.write {
+            self.export.direct_writes.fetch_add(1, Ordering::SeqCst);
+            return Finished::Done(result);
+        }
         if self.offset == AGAIN_AT {
             // Spoil the data, then ask for it again: the worker must bring the right bytes.
             buf.fill(0xEE);
@@ -131,6 +141,24 @@ impl Export for Shared {
             reads,
             offset,
             export: Arc::clone(&self.0),
+            write: false,
+        }))
+    }
+    fn start_write(&self, offset: u64, len: usize, _fua: bool) -> Start {
+        let reads = (0..len / 4096)
+            .map(|i| DeviceIo {
+                offset: offset + (i * 4096) as u64,
+                buf_offset: i * 4096,
+                len: 4096,
+            })
+            .rev()
+            .collect();
+        Start::Direct(Box::new(Direct {
+            fd: self.0.file.as_raw_fd(),
+            reads,
+            offset,
+            export: Arc::clone(&self.0),
+            write: true,
         }))
     }
     fn write(&self, offset: u64, data: &[u8], _fua: bool) -> io::Result<()> {
@@ -255,6 +283,36 @@ fn a_direct_read_read_again_or_failed_is_answered_right() {
     let (cookie, error, got) = recv_reply(&mut c);
     assert_eq!((cookie, error), (4, None));
     assert!(got == data[8192..][..4096]);
+}
+
+/// Direct writes: pieces written from the payload in any order land in place, and a direct
+/// read of them afterwards sees them.
+#[test]
+fn direct_writes_land_in_place() {
+    let data = pattern(SIZE as usize, 14);
+    let export = FileExport::new(&data);
+    let Some(srv) = serve(&export, DataPath::Uring) else {
+        return;
+    };
+    let mut c = RawClient::connect_unix(&srv.socket, "file", true).unwrap();
+    let payload = pattern(16384, 99);
+    let written = c
+        .call(nbd_proto::Command::Write, 0, 40960, 16384, &payload)
+        .unwrap();
+    assert_eq!(written.error, None);
+    let mut out = Vec::new();
+    read_request(7, 40960 - 4096, 16384 + 8192, &mut out);
+    c.stream.write_all(&out).unwrap();
+    let (cookie, error, got) = recv_reply(&mut c);
+    assert_eq!((cookie, error), (7, None));
+    assert!(got[..4096] == data[40960 - 4096..40960], "the block before");
+    assert!(got[4096..4096 + 16384] == payload[..], "the written blocks");
+    assert!(
+        got[4096 + 16384..] == data[40960 + 16384..][..4096],
+        "the block after"
+    );
+    assert_eq!(export.direct_writes.load(Ordering::SeqCst), 1);
+    assert_eq!(srv.handle().stats().direct_writes, 1);
 }
 
 #[test]

@@ -5,9 +5,10 @@
 //!
 //! 1. **plan** (`Volume::plan_write`): the bounds check, the stream detector (once per
 //!    request), the route (`policy::route_write`: mode, shape, dirty limit, congestion). A
-//!    write routed to the cache whose range lock is free right now, whose device header is
-//!    already marked dirty and for which the write point has room without reclaiming becomes
-//!    an [`Absorb`]: its range locked, its cache blocks allocated (their buckets pinned), its
+//!    write of whole blocks routed to the cache whose range lock is free right now, whose
+//!    device header is already marked dirty and for which the write point has room without
+//!    reclaiming becomes an [`Absorb`] (with FUA too: its flush is what is left once it is in
+//!    the cache): its range locked, its cache blocks allocated (their buckets pinned), its
 //!    cache-device writes listed as [`Piece`]s. Everything else is a [`SlowWrite`], carried
 //!    out by `Volume::write_slow` (which may wait for the range, reclaim, write the header,
 //!    write the backing device, flush);
@@ -15,8 +16,9 @@
 //!    [`Absorb::write_blocking`];
 //! 3. **finish** (`Absorb::finish`): the blocks are inserted dirty (`insert_written`, the same
 //!    insert as every cache write), the range and the pins given back. A failed cache write,
-//!    a set degraded meanwhile, a header no longer marked dirty or a journal buffer past its
-//!    bound hand back a `SlowWrite` that completes the request the synchronous way.
+//!    a set degraded meanwhile, a header no longer marked dirty, a journal buffer past its
+//!    bound or a FUA write's flush hand back a `SlowWrite` that completes the request the
+//!    synchronous way.
 //!
 //! Invariants: as for every write, the data is on the cache device before its index entry
 //! exists, and the range is locked from before the first byte is written until the entry is
@@ -60,7 +62,8 @@ enum How {
     Nothing,
     Degraded,
     Range(Route),
-    /// The write is in the cache; the journal's buffer wants a commit before the reply.
+    /// The write is in the cache; the journal's buffer wants a commit before the reply (and
+    /// a FUA write its flush).
     Commit,
 }
 
@@ -75,6 +78,9 @@ pub struct Absorb {
     pieces: smallvec::SmallVec<[Piece; 2]>,
     timed: Option<Timed>,
     cache_use: Option<CacheUse>,
+    /// FUA: once inserted, the journal is committed and the cache device flushed (a
+    /// worker's job: `How::Commit`).
+    fua: bool,
 }
 
 impl std::fmt::Debug for Absorb {
@@ -136,12 +142,13 @@ impl Volume {
         }
         let bs = self.inner.block_size();
         let whole = offset.is_multiple_of(bs) && len.is_multiple_of(bs);
-        if route != Route::Back || fua || !whole {
+        if route != Route::Back || !whole {
             return slow(How::Range(route), Some(cache_use));
         }
         match self.try_absorb(offset, len) {
             Some(mut a) => {
                 a.cache_use = Some(cache_use);
+                a.fua = fua;
                 Ok(WritePlan::Absorb(a))
             }
             None => slow(How::Range(route), Some(cache_use)),
@@ -170,6 +177,7 @@ impl Volume {
             pieces: smallvec::SmallVec::new(),
             timed: None,
             cache_use: None,
+            fua: false,
         };
         let nblocks = len / bs;
         {
@@ -216,7 +224,7 @@ impl Volume {
     pub(super) fn write_slow_unguarded(&self, slow: SlowWrite, data: &[u8]) -> Result<()> {
         debug_assert_eq!(data.len() as u64, slow.len);
         match slow.how {
-            How::Nothing => return Ok(()),
+            How::Nothing => {}
             How::Degraded => self.degraded_change(slow.offset, slow.len, Some(data), false)?,
             How::Range(route) => self.write_range(slow.offset, slow.len, Some(data), route)?,
             How::Commit => self.inner.commit_to(u64::MAX)?,
@@ -298,7 +306,7 @@ impl Absorb {
             Some(SlowWrite {
                 offset: a.offset,
                 len: a.len,
-                fua: false,
+                fua: a.fua,
                 how,
                 _use: a.cache_use.take(),
             })
