@@ -169,8 +169,11 @@ pub(crate) struct Shared {
     pub(crate) table: Table,
     pub(crate) stopping: AtomicBool,
     pub(crate) next_id: AtomicU64,
-    /// The io_uring data path (`None`: every connection is served by threads).
-    pub(crate) rings: Option<crate::ring::Rings>,
+    /// Event-loop threads of the io_uring data path (0: every connection is served by
+    /// threads); the loops themselves are the server's (`ServerHandle`), not shared here.
+    pub(crate) ring_threads: usize,
+    /// Worker threads of the io_uring data path's pool now.
+    pub(crate) ring_workers: Arc<std::sync::atomic::AtomicUsize>,
     /// Reads served by the io_uring data path's direct device reads so far.
     pub(crate) direct_reads: AtomicU64,
     /// Writes absorbed so far by the io_uring data path's own device writes.

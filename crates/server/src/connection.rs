@@ -120,8 +120,14 @@ pub fn client_certificate_fix(handshake_error: &str) -> Option<&'static str> {
 /// Serves one connection until it ends; errors are logged, never propagated. A client that
 /// hung up (its socket closed under a reply, as `nbdinfo` does after NBD_OPT_ABORT) is a normal
 /// end, logged at debug level like a clean close; anything else is worth an info line.
-pub(crate) fn serve(stream: &Arc<Stream>, id: u64, activity: &Arc<Activity>, shared: &Arc<Shared>) {
-    match serve_inner(stream, id, activity, shared) {
+pub(crate) fn serve(
+    stream: &Arc<Stream>,
+    id: u64,
+    activity: &Arc<Activity>,
+    shared: &Arc<Shared>,
+    rings: Option<&crate::ring::Rings>,
+) {
+    match serve_inner(stream, id, activity, shared, rings) {
         Ok(()) => log::debug!("connection {id} closed"),
         Err(err) if client_hung_up(&err) => log::debug!("connection {id} closed: {err}"),
         Err(err) => log::info!("connection {id} ended: {err}"),
@@ -155,6 +161,7 @@ fn serve_inner(
     id: u64,
     activity: &Arc<Activity>,
     shared: &Arc<Shared>,
+    rings: Option<&crate::ring::Rings>,
 ) -> io::Result<()> {
     let config = &shared.config;
     let registry = &shared.registry;
@@ -240,9 +247,7 @@ fn serve_inner(
         ctx.structured_replies,
         ctx.flags.0
     );
-    if let (Some(rings), Incoming::Plain(_), Outgoing::Plain) =
-        (&shared.rings, &incoming, &outgoing)
-    {
+    if let (Some(rings), Incoming::Plain(_), Outgoing::Plain) = (rings, &incoming, &outgoing) {
         // The io_uring data path serves the transmission phase; this thread waits for it.
         let outcome = Arc::new(crate::ring::Outcome::default());
         rings.adopt(crate::ring::Adopted {

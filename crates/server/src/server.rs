@@ -80,6 +80,8 @@ pub struct ServerStats {
 pub struct ServerHandle {
     local: LocalAddr,
     shared: Arc<Shared>,
+    /// The io_uring data path's event loops (`None`: threads serve every connection).
+    rings: Option<Arc<Rings>>,
     listener: Arc<Listener>,
     socket_file: Option<UnixSocketFile>,
     accept_thread: JoinHandle<()>,
@@ -102,7 +104,8 @@ pub fn start(
             log::warn!("{warning}");
         }
     }
-    let rings = start_rings(&config)?;
+    let ring_workers = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let rings = start_rings(&config, &ring_workers)?.map(Arc::new);
     let shared = Arc::new(Shared {
         budget: Budget::new(BudgetLimits::new(
             config.bytes_in_flight_max,
@@ -120,7 +123,8 @@ pub fn start(
         registry: registry.clone(),
         stopping: AtomicBool::new(false),
         next_id: AtomicU64::new(0),
-        rings,
+        ring_threads: rings.as_ref().map_or(0, |r| r.count()),
+        ring_workers,
         direct_reads: AtomicU64::new(0),
         direct_writes: AtomicU64::new(0),
     });
@@ -128,9 +132,10 @@ pub fn start(
     let accept_thread = {
         let shared = Arc::clone(&shared);
         let listener = Arc::clone(&listener);
+        let rings = rings.clone();
         thread::Builder::new()
             .name("nbd-accept".into())
-            .spawn(move || accept_loop(&listener, &shared))
+            .spawn(move || accept_loop(&listener, &shared, rings.as_ref()))
     };
     let accept_thread = match accept_thread {
         Ok(thread) => thread,
@@ -138,11 +143,15 @@ pub fn start(
             if let Some(file) = &socket_file {
                 let _ = file.remove_if_ours();
             }
+            if let Some(rings) = &rings {
+                rings.stop(None);
+            }
             return Err(err);
         }
     };
     Ok(ServerHandle {
         local,
+        rings,
         shared,
         listener,
         socket_file,
@@ -152,7 +161,10 @@ pub fn start(
 
 /// The io_uring data path as `config.data_path` asks: `None` for threads, or where io_uring
 /// is unavailable under `Auto` (logged once, with why).
-fn start_rings(config: &ServerConfig) -> io::Result<Option<Rings>> {
+fn start_rings(
+    config: &ServerConfig,
+    workers: &Arc<std::sync::atomic::AtomicUsize>,
+) -> io::Result<Option<Rings>> {
     if config.data_path == DataPath::Threads {
         log::info!("data path: threads (leader/followers per connection)");
         return Ok(None);
@@ -162,7 +174,7 @@ fn start_rings(config: &ServerConfig) -> io::Result<Option<Rings>> {
     } else {
         thread::available_parallelism().map_or(1, |n| n.get())
     };
-    match Rings::start(count, config.workers_max) {
+    match Rings::start(count, config.workers_max, Arc::clone(workers)) {
         Ok(rings) => {
             log::info!(
                 "data path: io_uring, {} event loop(s){}",
@@ -236,7 +248,7 @@ impl Default for AcceptLogs {
     }
 }
 
-fn accept_loop(listener: &Listener, shared: &Arc<Shared>) {
+fn accept_loop(listener: &Listener, shared: &Arc<Shared>, rings: Option<&Arc<Rings>>) {
     let mut logs = AcceptLogs::default();
     loop {
         let accepted = listener.accept();
@@ -244,7 +256,7 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>) {
             return;
         }
         match accepted {
-            Ok((stream, client)) => admit(stream, client, shared, &mut logs),
+            Ok((stream, client)) => admit(stream, client, shared, rings, &mut logs),
             Err(err) => {
                 let exhausted = matches!(
                     err.raw_os_error(),
@@ -263,7 +275,13 @@ fn accept_loop(listener: &Listener, shared: &Arc<Shared>) {
 
 /// Serves a new connection if there is room (made by evicting idle ones if need be), else
 /// closes it.
-fn admit(stream: Stream, client: ClientKey, shared: &Arc<Shared>, logs: &mut AcceptLogs) {
+fn admit(
+    stream: Stream,
+    client: ClientKey,
+    shared: &Arc<Shared>,
+    rings: Option<&Arc<Rings>>,
+    logs: &mut AcceptLogs,
+) {
     let table = &shared.table;
     let refused = |logs: &mut AcceptLogs, why: &dyn std::fmt::Display| {
         table.counters.refused.fetch_add(1, Ordering::Relaxed);
@@ -292,16 +310,17 @@ fn admit(stream: Stream, client: ClientKey, shared: &Arc<Shared>, logs: &mut Acc
     let stream = Arc::new(stream);
     let activity = Arc::new(Activity::new());
     let spawn = {
-        let (shared, stream, activity) = (
+        let (shared, stream, activity, rings) = (
             Arc::clone(shared),
             Arc::clone(&stream),
             Arc::clone(&activity),
+            rings.cloned(),
         );
         move || {
             thread::Builder::new()
                 .name(format!("nbd-conn-{id}"))
                 .spawn(move || {
-                    connection::serve(&stream, id, &activity, &shared);
+                    connection::serve(&stream, id, &activity, &shared, rings.as_deref());
                     // Closes the socket (ours is the last reference but the table's) and frees
                     // the place; at shutdown the entry was already taken and is joined.
                     drop(stream);
@@ -401,7 +420,7 @@ impl ServerHandle {
                 log::error!("connection {id} thread panicked");
             }
         }
-        if let Some(rings) = &self.shared.rings {
+        if let Some(rings) = &self.rings {
             rings.stop(limit.map(|limit| started + limit));
         }
         abandoned
@@ -429,8 +448,8 @@ fn stats_of(shared: &Shared) -> ServerStats {
         connections_idle_closed: counters.idle_closed.load(Ordering::Relaxed),
         bytes_in_flight: shared.budget.bytes_held(),
         bytes_in_flight_peak: shared.budget.bytes_held_peak(),
-        workers_extra: shared.threads.used() + shared.rings.as_ref().map_or(0, |r| r.workers()),
-        ring_threads: shared.rings.as_ref().map_or(0, |r| r.count()),
+        workers_extra: shared.threads.used() + shared.ring_workers.load(Ordering::Relaxed),
+        ring_threads: shared.ring_threads,
         direct_reads: shared.direct_reads.load(Ordering::Relaxed),
         direct_writes: shared.direct_writes.load(Ordering::Relaxed),
     }

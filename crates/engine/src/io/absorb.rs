@@ -346,6 +346,9 @@ impl Absorb {
         self.release();
         Ok(if commit {
             again(self, How::Commit)
+        } else if self.fua {
+            // Durable before the reply: the flush commits the journal and flushes the device.
+            again(self, How::Nothing)
         } else {
             None
         })

@@ -6,12 +6,14 @@
 //! follows (lease, socket, table) is unchanged. On its reactor the connection is a state
 //! machine (`conn`): one `recv` at a time fills its read buffer, requests are decoded from it,
 //! and each is started at once:
-//! - a read the export can serve from a descriptor ([`crate::Export::start_read`] →
-//!   `Direct`: a cache hit) is read with io_uring straight into its reply buffer, finished
-//!   (checksums, statistics) on the reactor and answered, with no thread hand-over;
-//! - anything that may block (a miss, a write, a flush, a trim, block status) goes to the
-//!   server-wide worker pool (`pool`) and comes back to the reactor as a finished reply, so a
-//!   miss waiting on a slow disk never holds up the hits behind it;
+//! - a read or write the export can carry out on a descriptor ([`crate::Export::start_read`],
+//!   [`crate::Export::start_write`] → `Direct`: a cache hit, a write the cache absorbs) is
+//!   read into its reply buffer or written from its payload with io_uring, finished
+//!   (checksums, index, statistics) on the reactor and answered, with no thread hand-over;
+//! - anything that may block (a miss, a write around the cache, a flush, a trim, block
+//!   status, the rest of a direct request that needs more) goes to the server-wide worker
+//!   pool (`pool`) and comes back to the reactor as a finished reply, so a miss waiting on a
+//!   slow disk never holds up the hits behind it;
 //! - replies are sent by the reactor, many in one `sendmsg`, in the order they finish.
 //!
 //! Invariants: everything a connection owns is touched by its reactor thread alone (workers
@@ -141,8 +143,12 @@ pub(crate) struct Rings {
 impl Rings {
     /// Starts `count` reactors (at least one); fails if io_uring cannot be set up or lacks an
     /// operation the data path needs.
-    pub(crate) fn start(count: usize, workers_max: usize) -> io::Result<Rings> {
-        let pool = Pool::new(workers_max);
+    pub(crate) fn start(
+        count: usize,
+        workers_max: usize,
+        workers: Arc<AtomicUsize>,
+    ) -> io::Result<Rings> {
+        let pool = Pool::new(workers_max, workers);
         let mut rings = Rings {
             handles: Vec::new(),
             threads: Mutex::new(Vec::new()),
@@ -217,11 +223,6 @@ impl Rings {
     /// Reactor threads.
     pub(crate) fn count(&self) -> usize {
         self.handles.len()
-    }
-
-    /// Worker threads of the pool now.
-    pub(crate) fn workers(&self) -> usize {
-        self.pool.threads()
     }
 
     /// Serves `conn`'s transmission phase on the reactor with the fewest connections; the

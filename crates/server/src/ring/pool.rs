@@ -101,23 +101,22 @@ pub(crate) struct Pool {
     state: Mutex<State>,
     work: Condvar,
     max: usize,
+    /// Threads now, for the server's statistics.
+    gauge: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Pool {
-    pub(crate) fn new(max: usize) -> Arc<Pool> {
+    pub(crate) fn new(max: usize, gauge: Arc<std::sync::atomic::AtomicUsize>) -> Arc<Pool> {
         Arc::new(Pool {
             state: Mutex::new(State::default()),
             work: Condvar::new(),
             max: max.max(1),
+            gauge,
         })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub(crate) fn threads(&self) -> usize {
-        self.lock().threads
     }
 
     pub(crate) fn submit(self: &Arc<Self>, job: Job) {
@@ -132,6 +131,8 @@ impl Pool {
             return;
         }
         st.threads += 1;
+        self.gauge
+            .store(st.threads, std::sync::atomic::Ordering::Relaxed);
         drop(st);
         let pool = Arc::clone(self);
         let started = std::thread::Builder::new()
@@ -141,6 +142,8 @@ impl Pool {
             log::warn!("could not start a worker: {err}");
             let mut st = self.lock();
             st.threads -= 1;
+            self.gauge
+                .store(st.threads, std::sync::atomic::Ordering::Relaxed);
             if st.threads == 0 {
                 // Nobody could run the queue: answer its jobs with errors.
                 let jobs: Vec<Job> = st.jobs.drain(..).collect();
@@ -163,6 +166,8 @@ impl Pool {
             }
             if st.stopping {
                 st.threads -= 1;
+                self.gauge
+                    .store(st.threads, std::sync::atomic::Ordering::Relaxed);
                 return;
             }
             st.idle += 1;
