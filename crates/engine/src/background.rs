@@ -1,6 +1,7 @@
-//! The background threads: writeback (paced by the writeback rate), maintenance (space,
-//! commits, checkpoints) and the cache device's watchdog (`health`). The work itself lives in
-//! `space`, `writeback` and `health`; none of it runs while the set is degraded except the
+//! The background threads: writeback (paced by the writeback rate; it also runs the backing
+//! headers' owner watch and dirty marks), maintenance (space, commits, checkpoints) and the
+//! cache device's watchdog (`health`). The work itself lives in `space`, `writeback`, `owner`
+//! and `health`; none of it runs while the set is degraded except the
 //! watchdog.
 //!
 //! Invariants: every step a thread takes is bounded (see `space` and `writeback`), runs under
@@ -41,6 +42,12 @@ pub fn writeback_thread(inner: &Arc<Inner>) {
             sleep(inner, Duration::from_millis(100));
             continue;
         }
+        // The backing headers' owner watch and dirty marks (`owner`): a read of each header
+        // every `owner_check_ms`, a header write only at a transition.
+        let _ = contain(inner, "owner", || {
+            crate::owner::tick(inner);
+            Ok(())
+        });
         if !owed.is_zero() {
             if matches!(current_rate(inner), WritebackRate::Share(_)) {
                 let t = Instant::now();

@@ -28,6 +28,8 @@ pub const META_BLOCK: u64 = 4096;
 pub const SB_OFFSET: u64 = 4096;
 pub const BACKING_HEADER_OFFSETS: [u64; 2] = [0, 4096];
 pub const BACKING_DATA_OFFSET: u64 = 8192;
+/// The backing header's dirty amount when none is recorded.
+const DIRTY_UNKNOWN: u64 = u64::MAX;
 pub use crate::knobs::LABEL_BYTES;
 /// Most backing devices one cache set tracks.
 pub const MAX_DEVS: usize = 256;
@@ -474,6 +476,13 @@ pub struct BackingHeader {
     /// Copies in the cache set that attach must drop first. Headers written before this field
     /// existed end before it and decode as `None`.
     pub stale: StaleCopies,
+    /// How much dirty data the owning set held for the device when it last wrote the header
+    /// (meaningful while `state` is `Dirty`; see `owner.rs` for when it is rewritten). `None`:
+    /// not recorded (a header written before this field existed).
+    pub dirty_bytes: Option<u64>,
+    /// The name of the host whose cache set owns the device (`Config::host_name`; empty when
+    /// detached or not recorded), so that a refused attach on another host can name it.
+    pub owner_host: String,
 }
 
 impl BackingHeader {
@@ -495,6 +504,8 @@ impl BackingHeader {
         w.u64(t.writeback_delay_secs);
         w.u8(u8::from(t.writeback_running));
         w.u8(self.stale.code());
+        w.u64(self.dirty_bytes.unwrap_or(DIRTY_UNKNOWN));
+        w.fixed_str(&self.owner_host, LABEL_BYTES);
         let mut out = frame(BACKING_MAGIC, BACKING_VERSION, self.seq, &w.buf);
         out.resize(META_BLOCK as usize, 0);
         out
@@ -543,6 +554,15 @@ impl BackingHeader {
             None => StaleCopies::None,
             Some(c) => StaleCopies::from_code(c).ok_or(format!("unknown stale-copies code {c}"))?,
         };
+        // Both or neither: a header ends after the stale byte (written before these fields
+        // existed) or holds both.
+        let (dirty_bytes, owner_host) = if r.remaining() == 0 {
+            (None, String::new())
+        } else {
+            let d = r.u64().ok_or_else(short)?;
+            let l = r.fixed_str(LABEL_BYTES).ok_or_else(short)?;
+            ((d != DIRTY_UNKNOWN).then_some(d), l)
+        };
         if data_offset != BACKING_DATA_OFFSET
             || data_size % 512 != 0
             || data_offset.checked_add(data_size).is_none()
@@ -560,6 +580,8 @@ impl BackingHeader {
             label,
             tunables,
             stale,
+            dirty_bytes,
+            owner_host,
         })
     }
 
@@ -749,6 +771,8 @@ mod tests {
             label: String::new(),
             tunables: Tunables::default(),
             stale: StaleCopies::None,
+            dirty_bytes: None,
+            owner_host: String::new(),
         };
         assert!(BackingHeader::decode(&h.encode()).is_err());
         h.write(&dev).unwrap();
@@ -774,6 +798,8 @@ mod tests {
                 writeback_running: false,
             },
             stale: StaleCopies::Clean,
+            dirty_bytes: Some(12 << 20),
+            owner_host: "host-a".into(),
         };
         h.write(&dev).unwrap();
         assert_eq!(BackingHeader::read(&dev).unwrap().0, h);
@@ -781,5 +807,37 @@ mod tests {
             detect_signature(&dev).unwrap(),
             Some("tiercache backing device")
         );
+    }
+
+    /// A header written before the dirty amount and the owner's label existed (its payload
+    /// ends after the stale byte) still decodes: amount unknown, no label. One that ends
+    /// inside the new fields is refused.
+    #[test]
+    fn backing_header_without_dirty_amount_decodes() {
+        let h = BackingHeader {
+            seq: 3,
+            dev_uuid: Uuid::new_v4(),
+            set_uuid: Uuid::new_v4(),
+            data_offset: BACKING_DATA_OFFSET,
+            data_size: 1 << 20,
+            mode: CacheMode::Writeback,
+            state: BackingState::Dirty,
+            label: "old".into(),
+            tunables: Tunables::default(),
+            stale: StaleCopies::None,
+            dirty_bytes: Some(4096),
+            owner_host: "a".into(),
+        };
+        let full = h.encode();
+        let (_, payload) = unframe(BACKING_MAGIC, BACKING_VERSION, &full).unwrap();
+        let old_len = payload.len() - 8 - LABEL_BYTES;
+        let old = frame(BACKING_MAGIC, BACKING_VERSION, 3, &payload[..old_len]);
+        let got = BackingHeader::decode(&old).unwrap();
+        assert_eq!(got.dirty_bytes, None);
+        assert_eq!(got.owner_host, "");
+        assert_eq!(got.state, BackingState::Dirty);
+        let cut = frame(BACKING_MAGIC, BACKING_VERSION, 3, &payload[..old_len + 8]);
+        assert!(BackingHeader::decode(&cut).is_err());
+        assert_eq!(BackingHeader::decode(&full).unwrap(), h);
     }
 }

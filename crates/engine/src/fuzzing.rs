@@ -740,15 +740,25 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
                 label: "slow".into(),
                 tunables: Tunables::default(),
                 stale: StaleCopies::Clean,
+                dirty_bytes: Some(4096),
+                owner_host: "fast".into(),
             };
             let block = h.encode();
             let payload = crate::codec::unframe(BACKING_MAGIC, BACKING_VERSION, &block)
                 .expect("own frame")
                 .1;
-            // Without the tunables and the stale-copies byte: an older header.
-            let short = &payload[..payload.len() - 22];
+            // Without the tunables, the stale-copies byte, the dirty amount and the owner's
+            // label: an older header; and one without only the last two.
+            let tail = 8 + crate::format::LABEL_BYTES;
+            let short = &payload[..payload.len() - 22 - tail];
+            let no_amount = &payload[..payload.len() - tail];
             let framed = &block[..FRAME_HEADER_BYTES + payload.len()];
-            vec![with(6 | (3 << 3), payload), with(6, short), framed.to_vec()]
+            vec![
+                with(6 | (3 << 3), payload),
+                with(6, short),
+                framed.to_vec(),
+                with(6, no_amount),
+            ]
         }
         "engine_checkpoint" => {
             let chunk = &b.chunk_payloads[0];

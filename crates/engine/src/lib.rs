@@ -49,6 +49,7 @@ mod index;
 mod io;
 mod journal;
 pub mod knobs;
+mod owner;
 pub mod policy;
 mod rangelock;
 mod readahead;
@@ -73,8 +74,8 @@ pub use knobs::{
     DEFAULT_WRITEBACK_PERCENT,
 };
 pub use set::{
-    check_format_backing, format_backing, CacheSet, FormatOptions, MissingVolume, Occupancy,
-    RecoveryReport,
+    check_format_backing, format_backing, AttachOptions, CacheSet, FormatOptions, MissingVolume,
+    Occupancy, RecoveryReport,
 };
 pub use state::{
     Backing, Config, DevKnobs, DevStatus, WritebackError, DEFAULT_CACHE_IO_TIMEOUT_MS,

@@ -69,6 +69,33 @@ pub struct CacheSet {
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
+/// How [`CacheSet::attach_with`] treats a backing device whose header names another cache
+/// set (a disk handed over from another host). By default it is refused.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttachOptions {
+    /// Take the device over when its owner's header says it holds no dirty data for it (the
+    /// operator guarantees that owner is stopped for good). After writing its own name into
+    /// the header, the attach waits twice `Config::owner_check_ms`, so that an owner still
+    /// serving it notices and gives it up before this set serves it.
+    pub take_over: bool,
+    /// With `take_over`: take it over even when the owner's header says it holds dirty data,
+    /// giving that data up (the device serves what it holds, older data where the owner's
+    /// cache had newer).
+    pub discard_dirty: bool,
+}
+
+/// What `plan_attach` decided.
+struct Plan {
+    header: BackingHeader,
+    notes: Vec<String>,
+    /// The data size the device has room for now (bigger than the header's if it grew).
+    grown: u64,
+    /// The id this set knows the device by, if any.
+    known: Option<DevId>,
+    /// The header as its previous owner left it, when this attach takes it over.
+    taken_from: Option<BackingHeader>,
+}
+
 /// What open found and how long recovery took.
 #[derive(Clone, Debug)]
 pub struct RecoveryReport {
@@ -146,6 +173,8 @@ pub fn format_backing(
         label: label.to_string(),
         tunables: Tunables::default(),
         stale: StaleCopies::None,
+        dirty_bytes: None,
+        owner_host: String::new(),
     };
     h.write(dev)?;
     Ok(h)
@@ -370,10 +399,28 @@ impl CacheSet {
 
     /// Attaches a backing device (formatted with [`format_backing`]) and returns its volume.
     pub fn attach(&self, dev: Arc<dyn BlockDevice>) -> Result<crate::Volume> {
-        crate::guard::contain(&self.inner, "attach", || self.attach_unguarded(dev))
+        self.attach_with(dev, AttachOptions::default())
     }
 
-    fn attach_unguarded(&self, dev: Arc<dyn BlockDevice>) -> Result<crate::Volume> {
+    /// Attaches a backing device, taking it over from another cache set if `opts` say so
+    /// (see [`AttachOptions`]). Everything is checked before anything is written.
+    pub fn attach_with(
+        &self,
+        dev: Arc<dyn BlockDevice>,
+        opts: AttachOptions,
+    ) -> Result<crate::Volume> {
+        crate::guard::contain(&self.inner, "attach", || self.attach_unguarded(dev, opts))
+    }
+
+    /// Checks whether [`CacheSet::attach_with`] would take the device, writing nothing: its
+    /// header, the set's state, and whether another set owns it (and may give it up). `serve`
+    /// checks every device this way before it attaches any.
+    pub fn check_attach(&self, dev: &dyn BlockDevice, opts: AttachOptions) -> Result<()> {
+        self.plan_attach(dev, opts).map(|_| ())
+    }
+
+    /// Reads the header and decides what attaching means (see `check_attach`).
+    fn plan_attach(&self, dev: &dyn BlockDevice, opts: AttachOptions) -> Result<Plan> {
         let inner = &self.inner;
         inner.check_failed()?;
         if inner.is_degraded() {
@@ -382,24 +429,10 @@ impl CacheSet {
                     .into(),
             ));
         }
-        let (mut header, notes) = BackingHeader::read(&*dev)?;
-        for n in notes {
-            log::warn!("{n}");
-        }
-        // A device that grew while it was not served is picked up now.
-        let grown = grown_data_size(&*dev, header.data_size)?;
-        if grown > header.data_size {
-            log::info!(
-                "backing device {} grew from {} to {} data bytes",
-                header.dev_uuid,
-                header.data_size,
-                grown
-            );
-            header.data_size = grown;
-            header.write(&*dev)?;
-        }
+        let (header, notes) = BackingHeader::read(dev)?;
         let set_uuid = self.set_uuid();
-        check_backing_fits(header.data_size, inner.block_size())?;
+        let grown = grown_data_size(dev, header.data_size)?;
+        check_backing_fits(grown.max(header.data_size), inner.block_size())?;
         if inner
             .backings
             .read()
@@ -418,31 +451,100 @@ impl CacheSet {
                 .find(|(_, u)| **u == header.dev_uuid)
                 .map(|(d, _)| *d)
         };
+        let mut taken_from = None;
+        if !(known.is_some() && header.set_uuid == set_uuid) {
+            if header.set_uuid == set_uuid && header.state == BackingState::Dirty {
+                return Err(Error::State(format!(
+                    "backing device {} is marked dirty for this cache set, but the cache holds no record of it; its dirty data is lost",
+                    header.dev_uuid
+                )));
+            }
+            if !header.set_uuid.is_nil() && header.set_uuid != set_uuid {
+                let owner = crate::owner::owner_name(&header);
+                if !opts.take_over {
+                    return Err(Error::State(format!(
+                        "backing device {} belongs to {owner}; detach it there first (if that host is gone for good, --take-over takes it: see docs/deploy.md)",
+                        header.dev_uuid
+                    )));
+                }
+                if header.state == BackingState::Dirty && !opts.discard_dirty {
+                    return Err(Error::State(format!(
+                        "backing device {} belongs to {owner}, which holds {}: its newest data is only in that cache. Detach it there; if that host and its cache device are gone for good, --take-over --discard-dirty gives that data up",
+                        header.dev_uuid,
+                        crate::owner::dirty_amount(&header)
+                    )));
+                }
+                taken_from = Some(header.clone());
+            }
+        }
+        Ok(Plan {
+            header,
+            notes,
+            grown,
+            known,
+            taken_from,
+        })
+    }
+
+    fn attach_unguarded(
+        &self,
+        dev: Arc<dyn BlockDevice>,
+        opts: AttachOptions,
+    ) -> Result<crate::Volume> {
+        let inner = &self.inner;
+        let Plan {
+            mut header,
+            notes,
+            grown,
+            known,
+            taken_from,
+        } = self.plan_attach(&*dev, opts)?;
+        for n in notes {
+            log::warn!("{n}");
+        }
+        let set_uuid = self.set_uuid();
+        let owner_host = inner.config.host_name.clone();
+        // A device that grew while it was not served is picked up now.
+        if grown > header.data_size {
+            log::info!(
+                "backing device {} grew from {} to {} data bytes",
+                header.dev_uuid,
+                header.data_size,
+                grown
+            );
+            header.data_size = grown;
+            header.write(&*dev)?;
+        }
         let id = match known {
             Some(id) if header.set_uuid == set_uuid => {
-                if header.stale != StaleCopies::None {
-                    inner.forget_stale_copies(id, header.stale)?;
+                if header.stale != StaleCopies::None || header.owner_host != owner_host {
+                    if header.stale != StaleCopies::None {
+                        inner.forget_stale_copies(id, header.stale)?;
+                    }
                     let dirty = inner.state.lock().index.dev_dirty_blocks(id) > 0;
                     header.stale = StaleCopies::None;
+                    header.owner_host = owner_host;
                     if !dirty {
                         header.state = BackingState::Clean;
+                        header.dirty_bytes = Some(0);
                     }
                     header.write(&*dev)?;
                 }
                 id
             }
             _ => {
-                if header.set_uuid == set_uuid && header.state == BackingState::Dirty {
-                    return Err(Error::State(format!(
-                        "backing device {} is marked dirty for this cache set, but the cache holds no record of it; its dirty data is lost",
-                        header.dev_uuid
-                    )));
-                }
-                if !header.set_uuid.is_nil() && header.set_uuid != set_uuid {
-                    return Err(Error::State(format!(
-                        "backing device {} belongs to cache set {}; detach it there first",
-                        header.dev_uuid, header.set_uuid
-                    )));
+                if let Some(from) = &taken_from {
+                    log::warn!(
+                        "backing device {}: taking it over from {}, which holds {}{}",
+                        header.dev_uuid,
+                        crate::owner::owner_name(from),
+                        crate::owner::dirty_amount(from),
+                        if from.state == BackingState::Dirty {
+                            "; that data is given up (--discard-dirty)"
+                        } else {
+                            ""
+                        }
+                    );
                 }
                 let mut drop_all = None;
                 let id = {
@@ -485,9 +587,20 @@ impl CacheSet {
                 let mut c = inner.commit_lock.lock();
                 inner.commit_locked(&mut c)?;
                 header.set_uuid = set_uuid;
+                header.owner_host = owner_host;
                 header.state = BackingState::Clean;
+                header.dirty_bytes = Some(0);
                 header.stale = StaleCopies::None;
                 header.write(&*dev)?;
+                drop(c);
+                if taken_from.is_some() && inner.config.owner_check_ms > 0 {
+                    // A set that still serves the device (it must not: see docs/deploy.md)
+                    // reads the header every owner_check_ms and gives the device up when it
+                    // sees this one's name there; this set serves it only after that.
+                    std::thread::sleep(std::time::Duration::from_millis(
+                        inner.config.owner_check_ms.saturating_mul(2) + 200,
+                    ));
+                }
                 id
             }
         };
@@ -521,9 +634,17 @@ impl CacheSet {
             writeback_error: Mutex::new(None),
             io_epoch: std::time::Instant::now(),
             last_done_ns: AtomicU64::new(0),
+            dirty_writers: AtomicU64::new(0),
+            amount_written_ns: AtomicU64::new(inner.now_ns()),
+            owner_checked_ns: AtomicU64::new(inner.now_ns()),
+            lost: AtomicBool::new(false),
+            lost_why: Mutex::new(None),
         });
         if dirty > 0 {
-            backing.set_state(BackingState::Dirty)?;
+            backing.update_header(|h| {
+                h.state = BackingState::Dirty;
+                h.dirty_bytes = Some(dirty * inner.block_size());
+            })?;
         }
         inner.backings.write().insert(id, backing.clone());
         Ok(crate::Volume {
@@ -613,7 +734,9 @@ impl CacheSet {
             }
             b.update_header(|h| {
                 h.set_uuid = Uuid::nil();
+                h.owner_host.clear();
                 h.state = BackingState::Clean;
+                h.dirty_bytes = Some(0);
             })
         })();
         if res.is_err() {
@@ -710,10 +833,13 @@ impl CacheSet {
         inner.checkpoint_now(&mut || {})?;
         for b in inner.backings.read().values() {
             let dirty = inner.state.lock().index.dev_dirty_blocks(b.id);
-            b.set_state(if dirty > 0 {
-                BackingState::Dirty
-            } else {
-                BackingState::Clean
+            b.update_header(|h| {
+                h.state = if dirty > 0 {
+                    BackingState::Dirty
+                } else {
+                    BackingState::Clean
+                };
+                h.dirty_bytes = Some(dirty * inner.block_size());
             })?;
         }
         *inner.failed.lock() = Some("the cache set was closed".into());

@@ -83,6 +83,12 @@ pub struct Config {
     /// The decisions every volume's policy takes ([`crate::policy::Measured`]; tests may
     /// script their own to check what the mechanism does with each answer).
     pub decisions: Arc<dyn crate::policy::Decisions>,
+    /// How often each attached backing device's header is read to see whether another set
+    /// took it over (0: never; see `owner`). A take-over waits twice this before it serves.
+    pub owner_check_ms: u64,
+    /// This host's name, recorded in the header of every backing device the set owns (a
+    /// refused attach on another host names it). At most `LABEL_BYTES`; empty: not recorded.
+    pub host_name: String,
 }
 
 impl Default for Config {
@@ -102,6 +108,8 @@ impl Default for Config {
             admission: Default::default(),
             replacement: Default::default(),
             decisions: Arc::new(crate::policy::Measured),
+            owner_check_ms: 1000,
+            host_name: String::new(),
         }
     }
 }
@@ -317,6 +325,16 @@ pub struct Backing {
     /// ns of that clock: what `cost::service_ns` needs to leave queueing out of the samples.
     pub(crate) io_epoch: std::time::Instant,
     pub(crate) last_done_ns: AtomicU64,
+    /// Writes between their look at the header's dirty mark and their dirty insert (see
+    /// `owner`).
+    pub(crate) dirty_writers: AtomicU64,
+    /// When the header's dirty amount was last written, and the owner last checked (ns of
+    /// `Inner::now_ns`).
+    pub(crate) amount_written_ns: AtomicU64,
+    pub(crate) owner_checked_ns: AtomicU64,
+    /// Another set took the device over: it is given up for good (`owner`), and why.
+    pub(crate) lost: AtomicBool,
+    pub(crate) lost_why: Mutex<Option<String>>,
 }
 
 impl Backing {

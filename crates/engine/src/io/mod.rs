@@ -255,6 +255,9 @@ impl Volume {
 
     fn check(&self, offset: u64, len: u64) -> Result<()> {
         self.inner.check_failed()?;
+        if let Some(why) = self.backing.taken_over() {
+            return Err(Error::State(why));
+        }
         if !offset.is_multiple_of(512) || !len.is_multiple_of(512) {
             return Err(Error::Invalid(format!(
                 "offset {offset} and length {len} must be multiples of 512"
@@ -412,6 +415,9 @@ impl Volume {
 
     fn flush_unguarded(&self) -> Result<()> {
         self.inner.check_failed()?;
+        if let Some(why) = self.backing.taken_over() {
+            return Err(Error::State(why));
+        }
         if self.inner.is_degraded() {
             return self.degraded_flush();
         }

@@ -11,7 +11,6 @@
 use super::absorb::WritePlan;
 use super::Volume;
 use crate::alloc::WritePoint;
-use crate::format::BackingState;
 use crate::policy::{Bypass, WriteRoute as Route};
 use crate::stats::Counters;
 use crate::types::{IoContext, Result};
@@ -301,9 +300,9 @@ impl Volume {
             Route::Bypass(_) => Ok(0),
             Route::Through => self.cache_insert(block, data, WritePoint::Clean, None),
             Route::Back => {
-                if self.backing.header.lock().state != BackingState::Dirty {
-                    self.backing.set_state(BackingState::Dirty)?;
-                }
+                // Counted until the insert is done, so the header is never marked clean
+                // between its dirty mark and this data (see `owner`).
+                let _writer = self.backing.dirty_write(inner, len)?;
                 if inner.state.lock().index.dev_dirty_blocks(dev) == 0 {
                     self.backing
                         .dirty_since_ns
