@@ -426,9 +426,14 @@ fn handle(
         "attach" => {
             let set = set()?;
             let path = PathBuf::from(field("path")?);
+            let flag = |k: &str| req.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
+            let opts = engine::AttachOptions {
+                take_over: flag("take_over"),
+                discard_dirty: flag("take_over") && flag("discard_dirty"),
+            };
             let dev = ctl.open_backing(&path)?;
             let vol = set
-                .attach(dev)
+                .attach_with(dev, opts)
                 .with_context(|| format!("attaching {}", path.display()))?;
             ctl.volumes_changed();
             Ok(json!({"ok": true, "name": vol.name()}))

@@ -405,7 +405,7 @@ pub fn clear_stats(a: &Admin, device: &str) -> Result<()> {
     Ok(())
 }
 
-pub fn attach(a: &Admin, path: &Path) -> Result<()> {
+pub fn attach(a: &Admin, path: &Path, take_over: bool, discard_dirty: bool) -> Result<()> {
     // The server opens the path from its own working directory (/ under systemd): a relative
     // path is made absolute here, where the operator typed it. An NBD URI is sent as it is.
     let spec = path.to_string_lossy();
@@ -416,7 +416,12 @@ pub fn attach(a: &Admin, path: &Path) -> Result<()> {
     };
     let r = request(
         &a.socket,
-        &json!({"cmd": "attach", "path": path.to_string_lossy()}),
+        &json!({
+            "cmd": "attach",
+            "path": path.to_string_lossy(),
+            "take_over": take_over,
+            "discard_dirty": discard_dirty,
+        }),
         &mut |_| {},
     )?;
     if a.json {

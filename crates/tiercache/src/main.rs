@@ -272,6 +272,17 @@ enum Cmd {
         /// (`tiercache attach`); its data stays in the cache meanwhile.
         #[arg(long)]
         allow_missing: bool,
+        /// Take over a --backing device whose header names another cache set (its host is
+        /// gone for good: you guarantee it is stopped), if that header says the set holds no
+        /// dirty data for it; else the start is refused, naming the set and the amount. The
+        /// other set's cache is never read. Not a config key. See docs/deploy.md.
+        #[arg(long)]
+        take_over: bool,
+        /// With --take-over: also take a device whose other set holds dirty data for it, giving
+        /// that data up (the device serves what it holds, older data where that cache had
+        /// newer). Not a config key.
+        #[arg(long, requires = "take_over")]
+        discard_dirty: bool,
         /// Read settings from a TOML file: the keys are the long options above with '_' for
         /// '-' (cache, backing = [...], socket, tcp, admin, socket_mode, ..., request_memory,
         /// io_error_limit, ..., congested_write_threshold_us, admission = "ghost",
@@ -435,11 +446,20 @@ enum Cmd {
     ///
     /// The device is one formatted by `make` (alone, without --cache, or with this set's
     /// cache device), one detached from this set, or one this set lists as missing. A device
-    /// whose header names another cache set is refused. Name it in `serve --backing` (or the
-    /// config file) too, so that it is served after a restart.
+    /// whose header names another cache set is refused, unless --take-over. Name it in `serve
+    /// --backing` (or the config file) too, so that it is served after a restart.
     Attach {
         #[command(flatten)]
         admin: AdminArgs,
+        /// Take over a device whose header names another cache set (its host is gone for
+        /// good: you guarantee it is stopped), if that header says the set holds no dirty data
+        /// for it; else refused, naming the set and the amount. See docs/deploy.md.
+        #[arg(long)]
+        take_over: bool,
+        /// With --take-over: also when the other set holds dirty data for it, giving that data
+        /// up.
+        #[arg(long, requires = "take_over")]
+        discard_dirty: bool,
         /// The backing device: a block device, an image file or an NBD URI, as `make
         /// --backing` took it (a relative path is taken from the current directory).
         #[arg(value_name = "BACKING", value_hint = clap::ValueHint::AnyPath)]
@@ -842,10 +862,12 @@ fn show(path: &Path, as_json: bool) -> Result<()> {
             "dev_uuid": h.dev_uuid.to_string(),
             "dev_label": h.label,
             "cset_uuid": (!h.set_uuid.is_nil()).then(|| h.set_uuid.to_string()),
+            "cset_host": h.owner_host,
             "data_offset": h.data_offset,
             "data_size": h.data_size,
             "cache_mode": h.mode.name(),
             "state": format!("{:?}", h.state).to_lowercase(),
+            "dirty_bytes": h.dirty_bytes,
             "stale_copies": without_cache::stale_name(h.stale),
             "warnings": notes,
         })),
@@ -869,12 +891,19 @@ fn show(path: &Path, as_json: bool) -> Result<()> {
                     h.set_uuid.to_string()
                 }
             );
+            if !h.owner_host.is_empty() {
+                println!("cset.host       {}", h.owner_host);
+            }
             println!("dev.data_offset {}", h.data_offset);
             println!("dev.data_size   {} ({})", h.data_size, human(h.data_size));
             println!("cache_mode      {}", h.mode);
             println!(
                 "state           {}",
-                format!("{:?}", h.state).to_lowercase()
+                match (h.state, h.dirty_bytes) {
+                    (engine::format::BackingState::Dirty, Some(n)) =>
+                        format!("dirty ({} when the cache set last recorded it)", human(n)),
+                    (state, _) => format!("{state:?}").to_lowercase(),
+                }
             );
             println!(
                 "stale_copies    {} (cached copies the next attach drops)",
@@ -1071,6 +1100,8 @@ fn main() -> ExitCode {
             without_cache_if_missing,
             without_cache_discard_dirty,
             allow_missing,
+            take_over,
+            discard_dirty,
             config,
         } => (|| {
             let flags = serve::ServeConfig {
@@ -1110,6 +1141,8 @@ fn main() -> ExitCode {
                 ublk,
                 ublk_queues,
                 ublk_first_id,
+                take_over,
+                discard_dirty,
             };
             let cfg = match config {
                 Some(f) => serve::ServeConfig::from_file(&f)?.overridden_by(flags),
@@ -1205,7 +1238,16 @@ fn main() -> ExitCode {
         Cmd::Detach { admin, device } => {
             done(admin.target().and_then(|a| client::detach(&a, &device)))
         }
-        Cmd::Attach { admin, path } => done(admin.target().and_then(|a| client::attach(&a, &path))),
+        Cmd::Attach {
+            admin,
+            path,
+            take_over,
+            discard_dirty,
+        } => done(
+            admin
+                .target()
+                .and_then(|a| client::attach(&a, &path, take_over, discard_dirty)),
+        ),
         Cmd::Resize { admin, device } => {
             done(admin.target().and_then(|a| client::resize(&a, &device)))
         }

@@ -154,6 +154,30 @@ pub struct ServeConfig {
     pub ublk_queues: Option<u16>,
     /// The N of the first volume's `/dev/ublkbN` (default 0).
     pub ublk_first_id: Option<u32>,
+    /// Take over backing devices whose header names another cache set, when it says that set
+    /// holds no dirty data for them (`serve --take-over`; see docs/deploy.md). Command line
+    /// only, never a config key: a take-over is decided once, for one start.
+    #[serde(skip)]
+    pub take_over: bool,
+    /// With `take_over`: also when that set holds dirty data, which is given up
+    /// (`--discard-dirty`). Command line only.
+    #[serde(skip)]
+    pub discard_dirty: bool,
+}
+
+/// This host's name (`gethostname`), cut to what a backing header records; empty if unknown.
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname writes at most that much.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return String::new();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let mut name = String::from_utf8_lossy(&buf[..end]).into_owned();
+    while name.len() > engine::format::LABEL_BYTES {
+        name.pop();
+    }
+    name
 }
 
 /// Whether the TCP listener offers TLS: the NBD spec's NOTLS, SELECTIVETLS and FORCEDTLS.
@@ -249,6 +273,8 @@ impl ServeConfig {
             ublk: flags.ublk || self.ublk,
             ublk_queues: pick(flags.ublk_queues, self.ublk_queues),
             ublk_first_id: pick(flags.ublk_first_id, self.ublk_first_id),
+            take_over: flags.take_over,
+            discard_dirty: flags.discard_dirty,
         }
     }
 
@@ -331,10 +357,22 @@ impl ServeConfig {
             .unwrap_or_else(|| admin_for(&self.socket()))
     }
 
+    /// How `serve` treats backing devices another cache set owns.
+    pub fn attach_options(&self) -> engine::AttachOptions {
+        engine::AttachOptions {
+            take_over: self.take_over,
+            discard_dirty: self.take_over && self.discard_dirty,
+        }
+    }
+
     /// The cache set's settings: the engine's defaults, with the failure and congestion
-    /// limits this configuration sets (checked against the ranges `--help` gives).
+    /// limits this configuration sets (checked against the ranges `--help` gives), and this
+    /// host's name (recorded in the backing headers the set owns).
     pub fn engine_config(&self) -> Result<Config> {
-        let mut c = Config::default();
+        let mut c = Config {
+            host_name: host_name(),
+            ..Config::default()
+        };
         let at_most = |what: &str, v: u64, max: u64| {
             if v > max {
                 anyhow::bail!("{what} {v} is too large (at most {max})")
@@ -699,6 +737,8 @@ pub struct Running {
     pub metrics: Arc<Metrics>,
     /// Backing devices named at start that have not answered yet.
     pending: std::sync::Mutex<Vec<Pending>>,
+    /// How they are attached when they answer (`--take-over`).
+    attach: engine::AttachOptions,
 }
 
 impl Running {
@@ -842,7 +882,12 @@ pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> 
             }
             run(
                 cfg,
-                running(Source::WithoutCache(without), metrics, Vec::new()),
+                running(
+                    Source::WithoutCache(without),
+                    metrics,
+                    Vec::new(),
+                    Default::default(),
+                ),
                 on_ready,
             )
         }
@@ -934,7 +979,7 @@ fn retry_one(running: &Arc<Running>, spec: &str) {
                 continue;
             }
         };
-        match set.attach(dev) {
+        match set.attach_with(dev, running.attach) {
             Ok(v) => {
                 forget(running);
                 log::info!(
@@ -1003,7 +1048,12 @@ fn open_set(cache: Arc<dyn BlockDevice>, config: Config) -> Result<CacheSet> {
     Ok(set)
 }
 
-fn running(source: Source, metrics: Arc<Metrics>, pending: Vec<Pending>) -> Arc<Running> {
+fn running(
+    source: Source,
+    metrics: Arc<Metrics>,
+    pending: Vec<Pending>,
+    attach: engine::AttachOptions,
+) -> Arc<Running> {
     if let Source::Set(set) = &source {
         metrics.set_opened(set);
     }
@@ -1013,6 +1063,7 @@ fn running(source: Source, metrics: Arc<Metrics>, pending: Vec<Pending>) -> Arc<
         stop: AtomicBool::new(false),
         metrics,
         pending: std::sync::Mutex::new(pending),
+        attach,
     })
 }
 
@@ -1026,10 +1077,17 @@ fn with_set(
     pending: Vec<Pending>,
     metrics: Arc<Metrics>,
 ) -> Result<Arc<Running>> {
+    let opts = cfg.attach_options();
     let attached = (|| {
+        // Every device is checked before any is attached: a start refused for one device
+        // (another set's, say) has taken none over.
+        for (spec, b) in &backings {
+            set.check_attach(&**b, opts)
+                .with_context(|| format!("attaching backing device {spec}"))?;
+        }
         for (spec, b) in backings {
             let v = set
-                .attach(b)
+                .attach_with(b, opts)
                 .with_context(|| format!("attaching backing device {spec}"))?;
             log::info!(
                 "export '{}': {} bytes, mode {}",
@@ -1048,7 +1106,7 @@ fn with_set(
         }
         return Err(e);
     }
-    Ok(running(Source::Set(Arc::new(set)), metrics, pending))
+    Ok(running(Source::Set(Arc::new(set)), metrics, pending, opts))
 }
 
 /// Says loudly which backing devices the set knows but does not have, and refuses to start
