@@ -8,7 +8,9 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 #[allow(unused_imports)] // each test binary uses a different subset
-pub use test_support::{ci, have, is_root};
+pub use test_support::{ci, have, is_root, unavailable};
+
+pub mod host;
 
 pub fn tc() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tiercache"));
