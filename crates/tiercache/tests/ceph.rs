@@ -119,6 +119,7 @@ fn fio(uri: &str, offset: u64, size: u64, bs: &str, seed: u64, verify_only: bool
         "--do_verify=1",
         &format!("--randseed={seed}"),
         "--output-format=terse",
+        "--verify_state_save=0",
     ]);
     if verify_only {
         c.arg("--verify_only");
@@ -235,7 +236,8 @@ fn tiercache_in_front_of_ceph_rbd() {
     );
     assert!(t.elapsed() < Duration::from_secs(15));
     assert_holds(&a.uri(), 80 * MIB, &data, "writeback with the OSD down");
-    std::thread::sleep(Duration::from_secs(3));
+    // Past writeback_delay: writeback has started, and waits on the store.
+    std::thread::sleep(Duration::from_secs(7));
     assert!(
         dirty_bytes(&a) >= 4 * MIB,
         "dirty data left the cache with the OSD down"
