@@ -18,7 +18,7 @@ use std::time::Duration;
 
 /// Commands as the docs show them (comments dropped) that are not run, and why.
 /// A pattern is a prefix, or with a leading '=' the whole command.
-const SKIP: [(&str, &str); 24] = [
+const SKIP: [(&str, &str); 32] = [
     ("cargo run --release -p tiercache -- demo", "serves until Ctrl-C; the demo has its own tests (tests/daytoday.rs, tests/interop.rs)"),
     ("bash scripts/test.sh", "runs this test among all the others"),
     ("qemu-system-x86_64", "boots a VM; its '...' stands for the rest of a VM's options"),
@@ -42,6 +42,14 @@ const SKIP: [(&str, &str); 24] = [
     ("nbd-client ", "needs root and the nbd module; the VM scenarios run nbd-client (scripts/vm/scenarios/nbd-*.sh)"),
     ("umount /srv", "needs the mounted block device above"),
     ("=tiercache top --admin /run/tiercache.sock.admin", "needs a terminal"),
+    ("rbd create ", "needs a Ceph cluster; tests/ceph.rs runs these steps on the one scripts/ceph/fixture.sh starts"),
+    ("qemu-nbd ", "exports an RBD image (a Ceph cluster); tests/ceph.rs does, through scripts/ceph/fixture.sh"),
+    ("tiercache make --backing 'nbd+unix:///?socket=/run/rbd/", "an RBD image behind qemu-nbd; tests/ceph.rs makes one"),
+    ("tiercache make --cache /dev/nvme0n1p3 --backing 'nbd+unix:///?socket=/run/rbd/", "an RBD image behind qemu-nbd; tests/ceph.rs makes one"),
+    ("tiercache detach vm1", "docs/deploy.md's hand-over between two hosts; tests/handover.rs and tests/ceph.rs run it"),
+    ("tiercache attach 'nbd+unix:///?socket=/run/rbd/", "docs/deploy.md's hand-over between two hosts; tests/handover.rs and tests/ceph.rs run it"),
+    ("tiercache attach --take-over 'nbd+unix:///?socket=/run/rbd/", "docs/deploy.md's take-over of a dead host's disk; tests/handover.rs and tests/ceph.rs run it"),
+    ("bash scripts/ceph/", "starts a Ceph cluster and measures for minutes; tests/ceph.rs uses the same fixture"),
     ("tiercache top --admin /run/tiercache.sock.admin --once", "no server runs at this point of the README (the Live control block stopped it); `tiercache top --once` ran there"),
 ];
 
