@@ -467,7 +467,11 @@ impl CacheSet {
                         header.dev_uuid
                     )));
                 }
-                if header.state == BackingState::Dirty && !opts.discard_dirty {
+                // Dirty, unless that set's dirty data was already given up (the device was
+                // served without its cache device, `--without-cache-discard-dirty`).
+                let holds_dirty =
+                    header.state == BackingState::Dirty && header.stale != StaleCopies::All;
+                if holds_dirty && !opts.discard_dirty {
                     return Err(Error::State(format!(
                         "backing device {} belongs to {owner}, which holds {}: its newest data is only in that cache. Detach it there; if that host and its cache device are gone for good, --take-over --discard-dirty gives that data up",
                         header.dev_uuid,
