@@ -8,7 +8,8 @@
 //! - the header says `Dirty` before any dirty entry for the device can be durable: a write
 //!   routed to writeback holds a `DirtyWriter` from before it looks at the header until its
 //!   insert is done, and writes the mark (with the write's size as the first amount) when the
-//!   header says `Clean`;
+//!   header says `Clean` (`dirty_write`); a staged write (`io::absorb`) holds one from its plan
+//!   to its insert and is absorbed only if the header already says `Dirty`;
 //! - the header says `Clean` only when the set holds no dirty data for the device, no
 //!   `DirtyWriter` is live, the journal records that cleaned it are durable and the device
 //!   was flushed since (`sync_dirty_mark`); the check of the writer count and the dirty count
@@ -35,9 +36,9 @@ use std::sync::Arc;
 const AMOUNT_PERIOD_NS: u64 = 10_000_000_000;
 
 /// A write that may put dirty data in the cache, counted while it runs (see the invariants).
-pub(crate) struct DirtyWriter<'a>(&'a Backing);
+pub(crate) struct DirtyWriter(Arc<Backing>);
 
-impl Drop for DirtyWriter<'_> {
+impl Drop for DirtyWriter {
     fn drop(&mut self) {
         self.0.dirty_writers.fetch_sub(1, Ordering::SeqCst);
     }
@@ -77,13 +78,27 @@ pub(crate) fn dirty_amount(h: &BackingHeader) -> String {
     }
 }
 
+/// Counts a write that may put dirty data of `b` in the cache from now until the guard is
+/// dropped, which must be after its insert. Taken before the write looks at the header's
+/// dirty mark: the staged write (`io::absorb`) takes it and goes on only if the header already
+/// says dirty; `dirty_write` marks it.
+pub(crate) fn dirty_writer(b: &Arc<Backing>) -> DirtyWriter {
+    b.dirty_writers.fetch_add(1, Ordering::SeqCst);
+    DirtyWriter(b.clone())
+}
+
+/// Counts a write that is about to put `bytes` of dirty data of `b` in the cache, marking
+/// the header dirty first if it says clean. The returned guard must live until the insert is
+/// done.
+pub(crate) fn dirty_write(b: &Arc<Backing>, inner: &Inner, bytes: u64) -> Result<DirtyWriter> {
+    let guard = dirty_writer(b);
+    b.mark_dirty(inner, bytes)?;
+    Ok(guard)
+}
+
 impl Backing {
-    /// Counts a write that is about to put `bytes` of dirty data in the cache, marking the
-    /// header dirty first if it says clean. The returned guard must live until the insert is
-    /// done.
-    pub(crate) fn dirty_write(&self, inner: &Inner, bytes: u64) -> Result<DirtyWriter<'_>> {
-        self.dirty_writers.fetch_add(1, Ordering::SeqCst);
-        let guard = DirtyWriter(self);
+    /// Writes the dirty mark if the header says clean (see `dirty_write`).
+    fn mark_dirty(&self, inner: &Inner, bytes: u64) -> Result<()> {
         let mut h = self.header.lock();
         if h.state != BackingState::Dirty {
             // Rare (no dirty data → some): the header on disk is read first, so a device
@@ -101,7 +116,7 @@ impl Backing {
             self.amount_written_ns
                 .store(inner.now_ns(), Ordering::Relaxed);
         }
-        Ok(guard)
+        Ok(())
     }
 
     /// Why requests on this device fail, if another set took it over.

@@ -81,6 +81,9 @@ pub struct Absorb {
     /// FUA: once inserted, the journal is committed and the cache device flushed (a
     /// worker's job: `How::Commit`).
     fua: bool,
+    /// Counts this write from before its look at the header's dirty mark until it is
+    /// inserted or dropped, so the mark is not taken back meanwhile (`owner`).
+    _writer: crate::owner::DirtyWriter,
 }
 
 impl std::fmt::Debug for Absorb {
@@ -160,6 +163,7 @@ impl Volume {
         let inner = &*self.inner;
         let bs = inner.block_size();
         let dev = self.backing.id;
+        let writer = crate::owner::dirty_writer(&self.backing);
         if self.backing.header.lock().state != BackingState::Dirty {
             // Marking it dirty writes the header: the slow path's job.
             return None;
@@ -178,6 +182,7 @@ impl Volume {
             timed: None,
             cache_use: None,
             fua: false,
+            _writer: writer,
         };
         let nblocks = len / bs;
         {
@@ -320,8 +325,9 @@ impl Absorb {
             return Ok(again(self, How::Range(Route::Bypass(Bypass::Full))));
         }
         if vol.backing.header.lock().state != BackingState::Dirty {
-            // Marked clean meanwhile (writeback emptied the device): write it again the slow
-            // way, which marks the header dirty first. These blocks stay unused.
+            // Not marked clean while this write is counted (`_writer`, see `owner`); should
+            // the mark be gone all the same, the slow way writes it first. These blocks stay
+            // unused.
             self.release();
             return Ok(again(self, How::Range(Route::Back)));
         }

@@ -302,7 +302,7 @@ impl Volume {
             Route::Back => {
                 // Counted until the insert is done, so the header is never marked clean
                 // between its dirty mark and this data (see `owner`).
-                let _writer = self.backing.dirty_write(inner, len)?;
+                let _writer = crate::owner::dirty_write(&self.backing, inner, len)?;
                 if inner.state.lock().index.dev_dirty_blocks(dev) == 0 {
                     self.backing
                         .dirty_since_ns
