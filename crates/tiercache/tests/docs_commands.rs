@@ -18,7 +18,7 @@ use std::time::Duration;
 
 /// Commands as the docs show them (comments dropped) that are not run, and why.
 /// A pattern is a prefix, or with a leading '=' the whole command.
-const SKIP: [(&str, &str); 33] = [
+const SKIP: [(&str, &str); 34] = [
     ("cargo run --release -p tiercache -- demo", "serves until Ctrl-C; the demo has its own tests (tests/daytoday.rs, tests/interop.rs)"),
     ("bash scripts/test.sh", "runs this test among all the others"),
     ("qemu-system-x86_64", "boots a VM; its '...' stands for the rest of a VM's options"),
@@ -42,6 +42,7 @@ const SKIP: [(&str, &str); 33] = [
     ("nbd-client ", "needs root and the nbd module; the VM scenarios run nbd-client (scripts/vm/scenarios/nbd-*.sh)"),
     ("umount /srv", "needs the mounted block device above"),
     ("=tiercache top --admin /run/tiercache.sock.admin", "needs a terminal"),
+    ("ceph auth get-or-create ", "needs a Ceph cluster with cephx (the tests' cluster runs without it)"),
     ("rbd create ", "needs a Ceph cluster; tests/ceph.rs runs these steps on the one scripts/ceph/fixture.sh starts"),
     ("qemu-nbd ", "exports an RBD image (a Ceph cluster); tests/ceph.rs does, through scripts/ceph/fixture.sh"),
     ("tiercache make --backing 'nbd+unix:///?socket=/run/rbd/", "an RBD image behind qemu-nbd; tests/ceph.rs makes one"),
