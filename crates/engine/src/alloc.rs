@@ -439,7 +439,7 @@ impl Buckets {
             |bk, b| {
                 let used = bk.last_use[b.idx()];
                 bk.reclaimable(b, dirty).then_some((
-                    crate::policy::reclaim_rank(bk.replacement, b.get(), live[b.idx()], used, salt),
+                    crate::policy::reclaim_rank(bk.replacement, b, live[b.idx()], used, salt),
                     used,
                 ))
             },

@@ -33,6 +33,9 @@
 //!   with `CacheBlock::idx`; the hash table of `slots` stores `cb + 1` as a raw `u32` (0 is
 //!   the empty slot), and an owner is a packed `u64` (`index::pack`); `Touches` stores
 //!   `bucket + 1` the same way: these are encodings, private to their module;
+//! - the policy state takes the units at its interface (`policy::reclaim_rank` a `Bucket`,
+//!   `admit::Ghost::key` a `DevId` and a `BackingBlock`, `fillhits::FillHits` backing blocks)
+//!   and hashes their raw numbers inside;
 //! - byte offsets (`Volume` requests, cache and backing device I/O, readahead windows) are
 //!   `u64`, as in the public API; the read path's miss-fill window alignment and the
 //!   sequential detector work on raw block numbers or bytes locally;

@@ -253,9 +253,7 @@ impl Volume {
                 }
                 if miss && read == (Read::Cached { stream: false }) {
                     let st = &mut *st;
-                    let earlier = st
-                        .ghost
-                        .record(crate::admit::Ghost::key(dev.get(), b0.get()));
+                    let earlier = st.ghost.record(crate::admit::Ghost::key(dev, b0));
                     let full = st.buckets.free_count() + st.buckets.pending_count()
                         < 2 * inner.reserve_buckets;
                     if !self
