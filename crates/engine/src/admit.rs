@@ -22,6 +22,9 @@
 //! Keys are `(device, backing block)`; the policy deciding from the counts is
 //! [`crate::policy::admit_miss`].
 
+use crate::types::DevId;
+use crate::units::BackingBlock;
+
 /// Counters of the smallest and the largest sketch (4 bits each).
 const COUNTERS_MIN: usize = 1 << 15;
 const COUNTERS_MAX: usize = 1 << 25;
@@ -118,14 +121,19 @@ impl Ghost {
     }
 
     /// The key of a backing block.
-    pub fn key(dev: u32, block: u64) -> u64 {
-        (u64::from(dev) << 56) ^ block
+    pub fn key(dev: DevId, block: BackingBlock) -> u64 {
+        (u64::from(dev.get()) << 56) ^ block.get()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The key of block `block` of device `dev` (short for the tests' many literals).
+    fn key(dev: u32, block: u64) -> u64 {
+        Ghost::key(DevId::new(dev), BackingBlock::new(block))
+    }
 
     #[test]
     fn a_second_miss_is_seen_and_counts_never_undercount() {
@@ -134,12 +142,12 @@ mod tests {
         let counts: Vec<u8> = (0..20_000u64).map(|k| (k % 4) as u8).collect();
         for (k, &n) in counts.iter().enumerate() {
             for _ in 0..n {
-                g.record(Ghost::key(1, k as u64));
+                g.record(key(1, k as u64));
             }
         }
         let mut over = 0;
         for (k, &n) in counts.iter().enumerate() {
-            let e = g.estimate(Ghost::key(1, k as u64));
+            let e = g.estimate(key(1, k as u64));
             assert!(e >= n, "key {k}: estimate {e} < {n} recorded");
             over += usize::from(e > n);
         }
@@ -147,25 +155,25 @@ mod tests {
         assert!(over < counts.len() / 50, "{over} of 20,000 overestimated");
         // Never seen: under 2.5 % look seen.
         let seen = (1_000_000..1_010_000u64)
-            .filter(|&k| g.estimate(Ghost::key(1, k)) > 0)
+            .filter(|&k| g.estimate(key(1, k)) > 0)
             .count();
         assert!(seen < 250, "{seen} of 10,000 unseen keys look seen");
-        assert_eq!(g.estimate(Ghost::key(2, 0)), 0, "another device's block");
+        assert_eq!(g.estimate(key(2, 0)), 0, "another device's block");
     }
 
     #[test]
     fn misses_fade_after_a_window_of_other_misses() {
         let mut g = Ghost::new(1 << 12);
         assert_eq!(g.window, 1 << 12);
-        assert_eq!(g.record(Ghost::key(0, 7)), 0);
-        assert_eq!(g.record(Ghost::key(0, 7)), 1);
+        assert_eq!(g.record(key(0, 7)), 0);
+        assert_eq!(g.record(key(0, 7)), 1);
         // A window's worth of other keys halves every count: 2 -> 1 -> 0.
         for w in 0..2 {
             for k in 0..g.window {
-                g.record(Ghost::key(0, 1_000_000 + w * g.window + k));
+                g.record(key(0, 1_000_000 + w * g.window + k));
             }
         }
-        assert_eq!(g.estimate(Ghost::key(0, 7)), 0);
+        assert_eq!(g.estimate(key(0, 7)), 0);
     }
 
     #[test]

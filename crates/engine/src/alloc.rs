@@ -80,8 +80,8 @@ impl Touches {
     /// Records a use of bucket `b` (no lock). A slot holds `b + 1`, 0 when empty.
     pub fn note(&self, b: Bucket) {
         let slot = &self.0[b.idx() % TOUCH_SLOTS];
-        if slot.load(Ordering::Relaxed) != b.0 + 1 {
-            slot.store(b.0 + 1, Ordering::Relaxed);
+        if slot.load(Ordering::Relaxed) != b.get() + 1 {
+            slot.store(b.get() + 1, Ordering::Relaxed);
         }
     }
 }
@@ -329,7 +329,7 @@ impl Buckets {
             if slot.load(Ordering::Relaxed) != 0 {
                 let v = slot.swap(0, Ordering::Relaxed);
                 if let Some(b) = v.checked_sub(1) {
-                    self.touch(Bucket(b), tick);
+                    self.touch(Bucket::new(b), tick);
                 }
             }
         }
@@ -439,7 +439,7 @@ impl Buckets {
             |bk, b| {
                 let used = bk.last_use[b.idx()];
                 bk.reclaimable(b, dirty).then_some((
-                    crate::policy::reclaim_rank(bk.replacement, b.0, live[b.idx()], used, salt),
+                    crate::policy::reclaim_rank(bk.replacement, b, live[b.idx()], used, salt),
                     used,
                 ))
             },
@@ -564,31 +564,46 @@ mod tests {
 
     #[test]
     fn alloc_appends_then_opens_next() {
-        let mut bk = Buckets::new(vec![Gen(0); 3], &[0, 5, 0], 4);
-        assert_eq!(bk.alloc(WritePoint::Dirty, 3, 1), Some((CacheBlock(0), 3)));
-        assert_eq!(bk.alloc(WritePoint::Dirty, 3, 1), Some((CacheBlock(3), 1)));
-        assert_eq!(bk.alloc(WritePoint::Clean, 8, 1), Some((CacheBlock(8), 4)));
+        let mut bk = Buckets::new(vec![Gen::new(0); 3], &[0, 5, 0], 4);
+        assert_eq!(
+            bk.alloc(WritePoint::Dirty, 3, 1),
+            Some((CacheBlock::new(0), 3))
+        );
+        assert_eq!(
+            bk.alloc(WritePoint::Dirty, 3, 1),
+            Some((CacheBlock::new(3), 1))
+        );
+        assert_eq!(
+            bk.alloc(WritePoint::Clean, 8, 1),
+            Some((CacheBlock::new(8), 4))
+        );
         assert_eq!(bk.alloc(WritePoint::Dirty, 1, 1), None);
         // Allocations pin their bucket until the writer is done.
         assert_eq!(bk.reclaim_candidate(&[0, 5, 4], &[0, 5, 0], 0), None);
-        bk.unpin(Bucket(0), 0);
-        bk.unpin(Bucket(0), 0);
-        bk.unpin(Bucket(2), 0);
+        bk.unpin(Bucket::new(0), 0);
+        bk.unpin(Bucket::new(0), 0);
+        bk.unpin(Bucket::new(2), 0);
         // Bucket 0 was closed when full; reclaim it.
         let live = [0, 5, 4];
-        assert_eq!(bk.reclaim_candidate(&live, &[0, 5, 0], 1), Some(Bucket(0)));
-        bk.retire(Bucket(0), 7);
+        assert_eq!(
+            bk.reclaim_candidate(&live, &[0, 5, 0], 1),
+            Some(Bucket::new(0))
+        );
+        bk.retire(Bucket::new(0), 7);
         bk.release(6);
         assert_eq!(bk.free_count(), 0);
         bk.release(7);
-        assert_eq!(bk.alloc(WritePoint::Dirty, 1, 2), Some((CacheBlock(0), 1)));
-        assert_eq!(bk.gen[0], Gen(1));
+        assert_eq!(
+            bk.alloc(WritePoint::Dirty, 1, 2),
+            Some((CacheBlock::new(0), 1))
+        );
+        assert_eq!(bk.gen[0], Gen::new(1));
     }
 
     /// Buckets closed with `live` blocks each (none dirty), unpinned.
     fn closed(n: usize, live: u32) -> (Buckets, Vec<u32>, Vec<u32>) {
         let lives = vec![live.max(1); n];
-        let mut bk = Buckets::new(vec![Gen(0); n], &lives, 4);
+        let mut bk = Buckets::new(vec![Gen::new(0); n], &lives, 4);
         for b in 0..n {
             bk.last_use[b] = b as u64;
         }
@@ -600,7 +615,7 @@ mod tests {
         let n = 64 * 64;
         let (mut bk, live, dirty) = closed(n, 3);
         let max = candidates_max(n);
-        bk.touch(Bucket(1), 10_000);
+        bk.touch(Bucket::new(1), 10_000);
         let mut got = Vec::new();
         for _ in 0..max - 1 {
             got.push(bk.reclaim_candidate(&live, &dirty, 0).unwrap());
@@ -609,9 +624,9 @@ mod tests {
         }
         assert_eq!(bk.scans(), 1, "one scan serves {max} victims");
         // Least recently used first; bucket 1 was touched before the scan: not among them.
-        assert_eq!(got[..4], [0, 2, 3, 4].map(Bucket));
+        assert_eq!(got[..4], [0, 2, 3, 4].map(Bucket::new));
         // A bucket touched after the scan is skipped when its turn comes.
-        let next_expected = Bucket(got.last().unwrap().0 + 1);
+        let next_expected = *got.last().unwrap() + 1;
         bk.touch(next_expected, 20_000);
         let b = bk.reclaim_candidate(&live, &dirty, 0).unwrap();
         assert_ne!(b, next_expected);
@@ -623,13 +638,13 @@ mod tests {
         let victims = |r: crate::policy::Replacement| {
             let (mut bk, live, dirty) = closed(n, 3);
             bk.set_replacement(r);
-            bk.touch(Bucket(0), 10_000);
-            bk.touches().note(Bucket(1));
+            bk.touch(Bucket::new(0), 10_000);
+            bk.touches().note(Bucket::new(1));
             (0..8)
                 .map(|_| {
                     let b = bk.reclaim_candidate(&live, &dirty, 0).unwrap();
                     bk.retire(b, 1);
-                    b.0
+                    b.get()
                 })
                 .collect::<Vec<_>>()
         };
@@ -647,7 +662,7 @@ mod tests {
 
     #[test]
     fn fifo_stamps_a_bucket_when_it_is_opened_not_per_allocation() {
-        let mut bk = Buckets::new(vec![Gen(0); 3], &[0, 0, 0], 4);
+        let mut bk = Buckets::new(vec![Gen::new(0); 3], &[0, 0, 0], 4);
         bk.set_replacement(crate::policy::Replacement::Fifo);
         bk.alloc(WritePoint::Clean, 1, 5);
         bk.alloc(WritePoint::Clean, 1, 9);
@@ -680,12 +695,12 @@ mod tests {
         live[5] = 1;
         live[2] = 0;
         live[7] = 2;
-        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(Bucket(2)));
-        bk.retire(Bucket(2), 1);
-        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(Bucket(5)));
-        bk.retire(Bucket(5), 1);
-        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(Bucket(7)));
-        bk.retire(Bucket(7), 1);
+        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(Bucket::new(2)));
+        bk.retire(Bucket::new(2), 1);
+        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(Bucket::new(5)));
+        bk.retire(Bucket::new(5), 1);
+        assert_eq!(bk.gc_candidate(&live, 50, 0), Some(Bucket::new(7)));
+        bk.retire(Bucket::new(7), 1);
         assert_eq!(bk.gc_candidate(&live, 50, 1), None);
     }
 
@@ -693,25 +708,25 @@ mod tests {
     fn only_the_last_lock_free_unpin_of_a_retired_bucket_has_work_to_do() {
         let (mut bk, _, _) = closed(4, 2);
         let pins = bk.pins();
-        bk.pin(Bucket(1));
-        bk.pin(Bucket(1));
-        assert!(!pins.unpin(Bucket(1)), "not retired: nothing to do");
-        bk.retire(Bucket(1), 5);
+        bk.pin(Bucket::new(1));
+        bk.pin(Bucket::new(1));
+        assert!(!pins.unpin(Bucket::new(1)), "not retired: nothing to do");
+        bk.retire(Bucket::new(1), 5);
         bk.release(5);
         assert_eq!(bk.free_count(), 0, "still pinned");
         bk.check_invariants().unwrap();
-        assert!(pins.unpin(Bucket(1)), "last pin of a retired bucket");
-        bk.free_unpinned(Bucket(1), 4);
+        assert!(pins.unpin(Bucket::new(1)), "last pin of a retired bucket");
+        bk.free_unpinned(Bucket::new(1), 4);
         assert_eq!(bk.free_count(), 0, "tag not durable yet");
-        bk.free_unpinned(Bucket(1), 5);
+        bk.free_unpinned(Bucket::new(1), 5);
         assert_eq!((bk.free_count(), bk.pending_count()), (1, 0));
         bk.check_invariants().unwrap();
         // Unpinned before `release` ran: `release` frees it, a late `free_unpinned` is a no-op.
-        bk.pin(Bucket(2));
-        bk.retire(Bucket(2), 6);
-        assert!(pins.unpin(Bucket(2)));
+        bk.pin(Bucket::new(2));
+        bk.retire(Bucket::new(2), 6);
+        assert!(pins.unpin(Bucket::new(2)));
         bk.release(6);
-        bk.free_unpinned(Bucket(2), 6);
+        bk.free_unpinned(Bucket::new(2), 6);
         assert_eq!((bk.free_count(), bk.pending_count()), (2, 0));
         bk.check_invariants().unwrap();
     }
@@ -719,9 +734,9 @@ mod tests {
     #[test]
     fn pinned_pending_buckets_are_freed_by_their_last_unpin_once() {
         let (mut bk, _, _) = closed(4, 2);
-        bk.pin(Bucket(1));
-        bk.retire(Bucket(1), 5);
-        bk.retire(Bucket(2), 6);
+        bk.pin(Bucket::new(1));
+        bk.retire(Bucket::new(1), 5);
+        bk.retire(Bucket::new(2), 6);
         assert_eq!(bk.pending_count(), 2);
         bk.release(6);
         assert_eq!(
@@ -730,14 +745,14 @@ mod tests {
             "2 free, 1 pinned"
         );
         bk.check_invariants().unwrap();
-        bk.unpin(Bucket(1), 6);
+        bk.unpin(Bucket::new(1), 6);
         assert_eq!((bk.free_count(), bk.pending_count()), (2, 0));
         bk.release(100);
         assert_eq!(bk.free_count(), 2, "freed twice");
         // Freed by unpin before `release` saw it: the stale queue entry is skipped.
-        bk.pin(Bucket(3));
-        bk.retire(Bucket(3), 7);
-        bk.unpin(Bucket(3), 8);
+        bk.pin(Bucket::new(3));
+        bk.retire(Bucket::new(3), 7);
+        bk.unpin(Bucket::new(3), 8);
         assert_eq!(bk.free_count(), 3);
         bk.release(8);
         assert_eq!(bk.free_count(), 3);

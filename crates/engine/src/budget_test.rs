@@ -74,16 +74,20 @@ fn full_cache_bytes_per_block(nbuckets: u32, bpb: u32, seed: u64) -> (f64, f64) 
     let mut index = Index::new(nbuckets, bpb);
     let total = nbuckets * bpb;
     for cb in 0..total {
-        let dev = DevId(r.gen_range(0..4));
-        let block = BackingBlock(r.gen_range(0..1u64 << 36));
+        let dev = DevId::new(r.gen_range(0..4));
+        let block = BackingBlock::new(r.gen_range(0..1u64 << 36));
         let ext = Extent {
             len: 1,
-            cache_block: CacheBlock(cb),
+            cache_block: CacheBlock::new(cb),
             dirty: r.gen_bool(0.5),
         };
         index.insert(dev, block, ext, &[r.gen()]);
     }
-    let buckets = Buckets::new(vec![Gen(0); nbuckets as usize], &index.bucket_live, bpb);
+    let buckets = Buckets::new(
+        vec![Gen::new(0); nbuckets as usize],
+        &index.bucket_live,
+        bpb,
+    );
     let (now, peak) = held();
     let per_block = |bytes: i64| (bytes - before) as f64 / f64::from(total);
     let result = (per_block(now), per_block(peak));

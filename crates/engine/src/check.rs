@@ -126,7 +126,7 @@ pub fn check_device(dev: &dyn BlockDevice, verify_data: bool) -> Result<CheckRep
                             "{} block {} of device {} (cache block {}) fails its checksum{}",
                             if e.dirty { "dirty" } else { "clean" },
                             block + u64::from(i),
-                            dev_id.0,
+                            dev_id,
                             e.cache_block + i,
                             if e.dirty {
                                 ": this data is lost"

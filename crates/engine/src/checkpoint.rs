@@ -66,10 +66,10 @@ pub fn encode_header(seq: u64, h: &Header<'_>) -> Vec<u8> {
     w.u64(h.chunks);
     w.u64(h.body_bytes);
     for (d, u) in h.devs {
-        w.u32(d.0);
+        w.u32(d.get());
         w.bytes(u.as_bytes());
     }
-    w.buf.extend(h.gens.iter().map(|g| g.0));
+    w.buf.extend(h.gens.iter().map(|g| g.get()));
     debug_assert!(w.buf.len() as u64 <= CKPT_FIXED_BYTES + h.gens.len() as u64);
     padded(frame(CKPT_MAGIC, CKPT_VERSION, seq, &w.buf))
 }
@@ -94,17 +94,17 @@ impl ChunkEncoder {
             return false;
         };
         let w = &mut self.w;
-        w.u32(b.0);
-        w.u8(gens[b.idx()].0);
+        w.u32(b.get());
+        w.u8(gens[b.idx()].get());
         w.u32(index.bucket_live[b.idx()]);
         for (offset, dev, block, crc, dirty) in index.bucket_blocks(b) {
             w.u32(offset);
-            w.u8(dev.0 as u8);
-            w.bytes(&block.0.to_le_bytes()[..5]);
+            w.u8(dev.get() as u8);
+            w.bytes(&block.get().to_le_bytes()[..5]);
             w.u32(crc);
             w.u8(u8::from(dirty));
         }
-        *cursor = Bucket(b.0 + 1);
+        *cursor = b + 1;
         true
     }
 
@@ -154,19 +154,19 @@ fn check_extent(
     gen: Gen,
 ) -> Result<bool> {
     let bpb = l.blocks_per_bucket();
-    let end = u64::from(e.cache_block.0) + u64::from(e.len);
+    let end = u64::from(e.cache_block.get()) + u64::from(e.len);
     if e.len == 0
         || end > u64::from(l.total_blocks())
-        || e.cache_block.bucket(bpb) != CacheBlock(end as u32 - 1).bucket(bpb)
+        || e.cache_block.bucket(bpb) != CacheBlock::new(end as u32 - 1).bucket(bpb)
         || block
-            .0
+            .get()
             .checked_add(u64::from(e.len))
             .is_none_or(|x| x > BLOCK_LIMIT)
-        || dev.0 >= MAX_DEVS as u32
+        || dev.get() >= MAX_DEVS as u32
     {
         return Err(corrupt(format!(
             "index entry dev {} block {block} len {} cache block {} is out of range",
-            dev.0, e.len, e.cache_block
+            dev, e.len, e.cache_block
         )));
     }
     Ok(gens[e.cache_block.bucket(bpb).idx()] == gen)
@@ -231,18 +231,18 @@ pub fn load(cache: &dyn BlockDevice) -> Result<Loaded> {
     }
     let mut devs = BTreeMap::new();
     for _ in 0..ndevs {
-        let d = DevId(r.u32().ok_or_else(short)?);
-        if d.0 >= MAX_DEVS as u32 {
+        let d = DevId::new(r.u32().ok_or_else(short)?);
+        if d.get() >= MAX_DEVS as u32 {
             return Err(corrupt(format!(
                 "{}: device id {} out of range",
                 where_(),
-                d.0
+                d
             )));
         }
         devs.insert(d, Uuid::from_bytes(r.array().ok_or_else(short)?));
     }
     let mut gens: Vec<Gen> = (r.take(nbuckets as usize).ok_or_else(short)?.iter())
-        .map(|&g| Gen(g))
+        .map(|&g| Gen::new(g))
         .collect();
     drop(buf);
     let mut index = Index::new(l.nbuckets, l.blocks_per_bucket());
@@ -314,10 +314,10 @@ pub(crate) fn load_chunk(
     let mut r = Reader::new(payload);
     let short = || "truncated".to_string();
     while r.remaining() > 0 {
-        let bucket = Bucket(r.u32().ok_or_else(short)?);
-        let gen = Gen(r.u8().ok_or_else(short)?);
+        let bucket = Bucket::new(r.u32().ok_or_else(short)?);
+        let gen = Gen::new(r.u8().ok_or_else(short)?);
         let count = r.u32().ok_or_else(short)?;
-        if bucket.0 >= l.nbuckets || count == 0 || count > bpb {
+        if bucket.get() >= l.nbuckets || count == 0 || count > bpb {
             return Err(format!(
                 "bucket {bucket} with {count} blocks is out of range"
             ));
@@ -327,10 +327,10 @@ pub(crate) fn load_chunk(
         gens[bucket.idx()] = gen;
         for _ in 0..count {
             let offset = r.u32().ok_or_else(short)?;
-            let dev = DevId(u32::from(r.u8().ok_or_else(short)?));
+            let dev = DevId::new(u32::from(r.u8().ok_or_else(short)?));
             let mut b = [0u8; 8];
             b[..5].copy_from_slice(r.take(5).ok_or_else(short)?);
-            let block = BackingBlock(u64::from_le_bytes(b));
+            let block = BackingBlock::new(u64::from_le_bytes(b));
             let crc = r.u32().ok_or_else(short)?;
             let dirty = match r.u8().ok_or_else(short)? {
                 0 => false,
@@ -340,7 +340,7 @@ pub(crate) fn load_chunk(
             if offset >= bpb || block >= BLOCK_END || !devs.contains_key(&dev) {
                 return Err(format!(
                     "block record (offset {offset}, device {}, block {block}) is out of range",
-                    dev.0
+                    dev
                 ));
             }
             let e = Extent {
@@ -388,7 +388,7 @@ fn last_record_data_ok(cache: &dyn BlockDevice, l: &Layout, entries: &[Entry]) -
         }
         for (k, &want) in crcs.iter().enumerate() {
             // In `u64`: a damaged entry's block number plus `k` may not fit a `u32`.
-            if u64::from(cache_block.0) + k as u64 >= u64::from(l.total_blocks()) {
+            if u64::from(cache_block.get()) + k as u64 >= u64::from(l.total_blocks()) {
                 return Ok(false);
             }
             let cb = *cache_block + k as u32;
@@ -415,7 +415,7 @@ fn apply(
         if devs.contains_key(&d) {
             Ok(())
         } else {
-            Err(corrupt(format!("entry for unknown device {}", d.0)))
+            Err(corrupt(format!("entry for unknown device {d}")))
         }
     };
     match entry {
@@ -445,7 +445,7 @@ fn apply(
         }
         Entry::Invalidate { dev, block, len } => {
             known(devs, dev)?;
-            let end = BackingBlock(block.0.saturating_add(len)).min(BLOCK_END);
+            let end = BackingBlock::new(block.get().saturating_add(len)).min(BLOCK_END);
             index.remove_range(dev, block, end);
         }
         Entry::MarkClean {
@@ -456,10 +456,10 @@ fn apply(
         } => {
             known(devs, dev)?;
             if block
-                .0
+                .get()
                 .checked_add(u64::from(len))
                 .is_none_or(|e| e > BLOCK_LIMIT)
-                || u64::from(cache_block.0) + u64::from(len) > u64::from(l.total_blocks())
+                || u64::from(cache_block.get()) + u64::from(len) > u64::from(l.total_blocks())
             {
                 return Err(corrupt("mark-clean range out of bounds"));
             }
@@ -473,14 +473,14 @@ fn apply(
             *slot = gen;
         }
         Entry::AttachDev { dev, uuid } => {
-            if dev.0 >= MAX_DEVS as u32 {
+            if dev.get() >= MAX_DEVS as u32 {
                 return Err(corrupt("device id out of range"));
             }
             devs.insert(dev, uuid);
         }
         Entry::DetachDev { dev } => {
             known(devs, dev)?;
-            index.remove_range(dev, BackingBlock(0), BLOCK_END);
+            index.remove_range(dev, BackingBlock::new(0), BLOCK_END);
             devs.remove(&dev);
         }
     }
@@ -495,8 +495,8 @@ mod tests {
     /// buckets, cache blocks, generations and backing blocks must keep this encoding.
     #[test]
     fn header_gens_and_body_bytes_are_the_format() {
-        let gens = [Gen(0), Gen(9), Gen(255), Gen(0)];
-        let devs = BTreeMap::from([(DevId(1), Uuid::from_bytes([0x11; 16]))]);
+        let gens = [Gen::new(0), Gen::new(9), Gen::new(255), Gen::new(0)];
+        let devs = BTreeMap::from([(DevId::new(1), Uuid::from_bytes([0x11; 16]))]);
         let header = encode_header(
             3,
             &Header {
@@ -527,14 +527,19 @@ mod tests {
         let mut index = Index::new(4, 4);
         let e = Extent {
             len: 1,
-            cache_block: CacheBlock(5),
+            cache_block: CacheBlock::new(5),
             dirty: true,
         };
-        index.insert(DevId(1), BackingBlock(0x01_0203_0405), e, &[0xdead_beef]);
+        index.insert(
+            DevId::new(1),
+            BackingBlock::new(0x01_0203_0405),
+            e,
+            &[0xdead_beef],
+        );
         let mut enc = ChunkEncoder::default();
-        let mut cursor = Bucket(0);
+        let mut cursor = Bucket::new(0);
         assert!(enc.add_next(&index, &gens, &mut cursor));
-        assert_eq!(cursor, Bucket(2));
+        assert_eq!(cursor, Bucket::new(2));
         assert!(!enc.add_next(&index, &gens, &mut cursor));
         let chunk = enc.finish(3);
         let (_, payload) = unframe(CHUNK_MAGIC, CKPT_VERSION, &chunk).unwrap();

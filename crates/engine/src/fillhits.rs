@@ -19,6 +19,7 @@
 //!   reach `DECAY_AT`), so the ratio follows the current workload; races between the halving
 //!   and concurrent increments only blur it.
 
+use crate::units::BackingBlock;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// One block in `SAMPLE` is tracked (a power of two).
@@ -71,8 +72,8 @@ fn tag(block: u64) -> u64 {
 
 impl FillHits {
     /// Blocks `[b0, b1)` were brought in by a fill (beyond the request).
-    pub fn note_filled(&self, b0: u64, b1: u64) {
-        for b in b0..b1 {
+    pub fn note_filled(&self, b0: BackingBlock, b1: BackingBlock) {
+        for b in b0.get()..b1.get() {
             if let Some(s) = slot(b) {
                 let epoch = (self.fills.fetch_add(1, Relaxed) / EPOCH_FILLS) & EPOCH_MASK;
                 let old = self.slots[s].swap(tag(b) | epoch, Relaxed);
@@ -85,8 +86,8 @@ impl FillHits {
     }
 
     /// Blocks `[b0, b1)` were read from the cache.
-    pub fn note_read(&self, b0: u64, b1: u64) {
-        for b in b0..b1 {
+    pub fn note_read(&self, b0: BackingBlock, b1: BackingBlock) {
+        for b in b0.get()..b1.get() {
             if let Some(s) = slot(b) {
                 let slot = &self.slots[s];
                 let cur = slot.load(Relaxed);
@@ -119,24 +120,29 @@ impl FillHits {
 mod tests {
     use super::*;
 
+    /// Backing block `b` (short for the tests' many literals).
+    fn bb(b: u64) -> BackingBlock {
+        BackingBlock::new(b)
+    }
+
     /// Blocks filled after `[b0, b1)` until every slot holds a newer one past the horizon.
     const HORIZON: u64 = (HORIZON_EPOCHS * EPOCH_FILLS + SLOTS as u64 * 4) * SAMPLE;
 
     #[test]
     fn the_ratio_counts_filled_blocks_read_before_the_horizon_once_each() {
         let h = FillHits::default();
-        h.note_filled(0, 4096);
+        h.note_filled(bb(0), bb(4096));
         // Nothing resolved yet: a fill a moment ago is not taken for useless.
         assert_eq!(h.ratio(), None);
         // A quarter read, twice; blocks never filled count nothing.
-        h.note_read(0, 1024);
-        h.note_read(0, 1024);
-        h.note_read(1 << 40, (1 << 40) + 10_000);
+        h.note_read(bb(0), bb(1024));
+        h.note_read(bb(0), bb(1024));
+        h.note_read(bb(1 << 40), bb((1 << 40) + 10_000));
         let r = h.ratio().expect("about 128 reads resolved");
         // Tracked blocks of the same fill that took one another's slot have no outcome.
         assert_eq!(r, 1.0, "only reads are resolved so far");
         // Far more fills push the rest out unread: a quarter of the first fill was read.
-        h.note_filled(1 << 30, (1 << 30) + HORIZON);
+        h.note_filled(bb(1 << 30), bb((1 << 30) + HORIZON));
         let r = h.ratio().unwrap();
         assert!(r < 0.1, "{r}");
     }
@@ -146,12 +152,12 @@ mod tests {
         let h = FillHits::default();
         // A phase where every filled block is read...
         for i in 0..256u64 {
-            h.note_filled(i * 1024, (i + 1) * 1024);
-            h.note_read(i * 1024, (i + 1) * 1024);
+            h.note_filled(bb(i * 1024), bb((i + 1) * 1024));
+            h.note_read(bb(i * 1024), bb((i + 1) * 1024));
         }
         assert_eq!(h.ratio(), Some(1.0));
         // ...then one where none is: the ratio falls well below.
-        h.note_filled(1 << 30, (1 << 30) + 4 * HORIZON);
+        h.note_filled(bb(1 << 30), bb((1 << 30) + 4 * HORIZON));
         assert!(h.ratio().unwrap() < 0.2, "{:?}", h.ratio());
     }
 
@@ -159,7 +165,7 @@ mod tests {
     fn blocks_filled_a_moment_ago_are_not_taken_for_unread() {
         let h = FillHits::default();
         // Far more tracked blocks than slots, but all within the horizon: collisions only.
-        h.note_filled(0, HORIZON_EPOCHS * EPOCH_FILLS * SAMPLE / 2);
+        h.note_filled(bb(0), bb(HORIZON_EPOCHS * EPOCH_FILLS * SAMPLE / 2));
         assert_eq!(h.ratio(), None);
     }
 

@@ -167,7 +167,7 @@ impl Layout {
     /// Byte offset on the cache device of cache block `cb` (what the engine calls;
     /// `block_offset` is the same for callers outside it, with a raw number).
     pub(crate) fn cache_block_offset(&self, cb: crate::units::CacheBlock) -> u64 {
-        self.block_offset(cb.0)
+        self.block_offset(cb.get())
     }
 
     /// Checks a layout read from disk: sizes sane, regions ordered and inside the device.

@@ -146,22 +146,32 @@ fn build_base() -> Base {
     // Checkpoint state: device 0 has four dirty blocks in bucket 0, device 1 one clean block
     // in bucket 2.
     let devs = BTreeMap::from([
-        (DevId(0), Uuid::from_bytes([0xa0; 16])),
-        (DevId(1), Uuid::from_bytes([0xa1; 16])),
+        (DevId::new(0), Uuid::from_bytes([0xa0; 16])),
+        (DevId::new(1), Uuid::from_bytes([0xa1; 16])),
     ]);
-    let mut gens = vec![Gen(0); NBUCKETS as usize];
-    gens[0] = Gen(3);
-    gens[2] = Gen(1);
+    let mut gens = vec![Gen::new(0); NBUCKETS as usize];
+    gens[0] = Gen::new(3);
+    gens[2] = Gen::new(1);
     let mut index = Index::new(NBUCKETS, bpb);
     let ext = |cb: u32, len: u32, dirty: bool| Extent {
         len,
-        cache_block: CacheBlock(cb),
+        cache_block: CacheBlock::new(cb),
         dirty,
     };
-    index.insert(DevId(0), BackingBlock(10), ext(0, 4, true), &crcs(0, 4));
-    index.insert(DevId(1), BackingBlock(7), ext(8, 1, false), &crcs(8, 1));
+    index.insert(
+        DevId::new(0),
+        BackingBlock::new(10),
+        ext(0, 4, true),
+        &crcs(0, 4),
+    );
+    index.insert(
+        DevId::new(1),
+        BackingBlock::new(7),
+        ext(8, 1, false),
+        &crcs(8, 1),
+    );
     let mut enc = ChunkEncoder::default();
-    let mut cursor = Bucket(0);
+    let mut cursor = Bucket::new(0);
     while enc.add_next(&index, &gens, &mut cursor) {}
     let chunk = enc.finish(CKPT_SEQ);
     let header = checkpoint::encode_header(
@@ -196,43 +206,43 @@ fn build_base() -> Base {
     let records: Vec<Vec<u8>> = [
         vec![
             Entry::AttachDev {
-                dev: DevId(2),
+                dev: DevId::new(2),
                 uuid: Uuid::from_bytes([0xa2; 16]),
             },
             Entry::Insert {
-                dev: DevId(2),
-                block: BackingBlock(100),
+                dev: DevId::new(2),
+                block: BackingBlock::new(100),
                 len: 2,
-                cache_block: CacheBlock(4),
-                gen: Gen(0),
+                cache_block: CacheBlock::new(4),
+                gen: Gen::new(0),
                 dirty: true,
                 crcs: crcs(4, 2),
             },
             Entry::MarkClean {
-                dev: DevId(0),
-                block: BackingBlock(10),
+                dev: DevId::new(0),
+                block: BackingBlock::new(10),
                 len: 2,
-                cache_block: CacheBlock(0),
+                cache_block: CacheBlock::new(0),
             },
         ],
         vec![
             Entry::BucketGen {
-                bucket: Bucket(2),
-                gen: Gen(2),
+                bucket: Bucket::new(2),
+                gen: Gen::new(2),
             },
             Entry::Invalidate {
-                dev: DevId(0),
-                block: BackingBlock(13),
+                dev: DevId::new(0),
+                block: BackingBlock::new(13),
                 len: 1,
             },
-            Entry::DetachDev { dev: DevId(1) },
+            Entry::DetachDev { dev: DevId::new(1) },
         ],
         vec![Entry::Insert {
-            dev: DevId(0),
-            block: BackingBlock(50),
+            dev: DevId::new(0),
+            block: BackingBlock::new(50),
             len: 3,
-            cache_block: CacheBlock(12),
-            gen: Gen(0),
+            cache_block: CacheBlock::new(12),
+            gen: Gen::new(0),
             dirty: false,
             crcs: crcs(12, 3),
         }],
@@ -454,7 +464,10 @@ fn check_loaded(l: &checkpoint::Loaded) {
     assert_eq!(l.gens.len(), layout.nbuckets as usize);
     assert!(l.ring.len == layout.journal_len && l.ring.head < l.ring.len);
     assert!(l.ring.used <= l.ring.len);
-    assert!(l.devs.keys().all(|d| d.0 < crate::format::MAX_DEVS as u32));
+    assert!(l
+        .devs
+        .keys()
+        .all(|d| d.get() < crate::format::MAX_DEVS as u32));
 }
 
 // ---- the entry points ------------------------------------------------------------------------

@@ -45,7 +45,7 @@ impl Inner {
             log::warn!(
                 "dropped {n} {} cached blocks of backing device {} (it was written while the cache set was not in use)",
                 if all { "clean and dirty" } else { "clean" },
-                dev.0
+                dev
             );
             self.checkpoint_covering_all()?;
         }
@@ -97,7 +97,7 @@ impl Inner {
             if let Err(e) = r {
                 self.fail(&crate::Error::State(format!(
                     "{reason}, and the header of backing device {} could not be marked: {e}",
-                    b.id.0
+                    b.id
                 )));
                 return;
             }

@@ -37,7 +37,7 @@ use std::sync::Arc;
 /// Backing blocks addressable per device (blocks `0..BLOCK_LIMIT`): 4 PiB of 4 KiB blocks.
 pub const BLOCK_LIMIT: u64 = (1 << 40) - 1;
 /// The end of every device's addressable blocks (a range up to it covers the whole device).
-pub const BLOCK_END: BackingBlock = BackingBlock(BLOCK_LIMIT);
+pub const BLOCK_END: BackingBlock = BackingBlock::new(BLOCK_LIMIT);
 const DEV_SHIFT: u32 = 40;
 
 /// A run of cached blocks: `len` backing blocks map to cache blocks from `cache_block`, all
@@ -63,19 +63,19 @@ pub type Segs = smallvec::SmallVec<[Seg; 4]>;
 /// The packed owner of a cache block (never 0).
 fn pack(dev: DevId, block: BackingBlock) -> u64 {
     assert!(
-        block.0 < BLOCK_LIMIT && dev.0 < 256,
+        block.get() < BLOCK_LIMIT && dev.get() < 256,
         "block {block} or device id {} out of range",
-        dev.0
+        dev
     );
-    1 + ((u64::from(dev.0) << DEV_SHIFT) | block.0)
+    1 + ((u64::from(dev.get()) << DEV_SHIFT) | block.get())
 }
 
 fn unpack(v: u64) -> (DevId, BackingBlock) {
     debug_assert!(v != 0, "unpack of an empty owner slot");
     let v = v - 1;
     (
-        DevId((v >> DEV_SHIFT) as u32),
-        BackingBlock(v & ((1 << DEV_SHIFT) - 1)),
+        DevId::new((v >> DEV_SHIFT) as u32),
+        BackingBlock::new(v & ((1 << DEV_SHIFT) - 1)),
     )
 }
 
@@ -88,7 +88,7 @@ fn segments(
     mut get: impl FnMut(BackingBlock) -> Option<Extent>,
 ) -> Segs {
     let mut out = Segs::new();
-    for b in (b0.0..b1.0).map(BackingBlock) {
+    for b in BackingBlock::range(b0, b1) {
         let ext = get(b);
         if let Some(last) = out.last_mut() {
             let joins = match (&mut last.ext, ext) {
@@ -128,7 +128,7 @@ pub fn lookup_hit(
     b1: BackingBlock,
     crcs: &mut impl Extend<u32>,
 ) -> Option<(u64, Segs)> {
-    if b1 > BLOCK_END || dev.0 >= 256 {
+    if b1 > BLOCK_END || dev.get() >= 256 {
         return None;
     }
     let seq = reader.begin()?;
@@ -248,14 +248,14 @@ impl Index {
 
     /// The cache block holding `(dev, block)`.
     pub fn get(&self, dev: DevId, block: BackingBlock) -> Option<CacheBlock> {
-        if block >= BLOCK_END || dev.0 >= 256 {
+        if block >= BLOCK_END || dev.get() >= 256 {
             return None;
         }
         self.find(pack(dev, block)).map(|(_, cb)| cb)
     }
 
     fn dev_counts(&mut self, dev: DevId) -> &mut DevBlocks {
-        let d = dev.0 as usize;
+        let d = dev.idx();
         if self.dev_blocks.len() <= d {
             self.dev_blocks.resize(d + 1, DevBlocks::default());
         }
@@ -283,7 +283,7 @@ impl Index {
             self.dirty_buckets.clear(bucket);
         }
         self.dirty_blocks -= 1;
-        self.dev_blocks[dev.0 as usize].dirty -= 1;
+        self.dev_blocks[dev.idx()].dirty -= 1;
     }
 
     /// Maps `(dev, block)` to the unreferenced cache block `cb`; the block must be unmapped.
@@ -319,7 +319,7 @@ impl Index {
             self.live_buckets.clear(bucket);
         }
         self.live_blocks -= 1;
-        self.dev_blocks[dev.0 as usize].live -= 1;
+        self.dev_blocks[dev.idx()].live -= 1;
         dirty
     }
 
@@ -343,8 +343,7 @@ impl Index {
             return Vec::new();
         }
         if self.lookups_cheaper(b0, b1) {
-            (b0.0..b1.0)
-                .map(BackingBlock)
+            BackingBlock::range(b0, b1)
                 .filter_map(|b| self.get(dev, b).map(|cb| (b, cb)))
                 .collect()
         } else {
@@ -366,7 +365,7 @@ impl Index {
     /// Calls `f(cb, dev, block)` for every owned cache block, bucket by bucket (live buckets
     /// only), in cache order.
     fn for_each_owned(&self, mut f: impl FnMut(CacheBlock, DevId, BackingBlock)) {
-        let mut from = Bucket(0);
+        let mut from = Bucket::new(0);
         while let Some(b) = self.next_live_bucket(from) {
             for cb in b.blocks(self.bpb) {
                 let v = self.owner_of(cb);
@@ -375,7 +374,7 @@ impl Index {
                     f(cb, d, blk);
                 }
             }
-            from = Bucket(b.0 + 1);
+            from = b + 1;
         }
     }
 
@@ -399,7 +398,7 @@ impl Index {
             })
         };
         if self.lookups_cheaper(b0, b1) {
-            (b0.0..b1.0).any(|b| self.get(dev, BackingBlock(b)).is_some_and(test))
+            BackingBlock::range(b0, b1).any(|b| self.get(dev, b).is_some_and(test))
         } else {
             self.mapped_in(dev, b0, b1)
                 .into_iter()
@@ -603,7 +602,7 @@ impl Index {
                 }
                 None => break,
             };
-            for cb in Bucket(next as u32).blocks(self.bpb) {
+            for cb in Bucket::new(next as u32).blocks(self.bpb) {
                 if !self.is_dirty(cb) {
                     continue;
                 }
@@ -615,7 +614,7 @@ impl Index {
                 taken += 1;
             }
             at = next + 1;
-            *cursor = Bucket((at % nbuckets) as u32);
+            *cursor = Bucket::new((at % nbuckets) as u32);
             if taken >= max_blocks {
                 break;
             }
@@ -632,12 +631,12 @@ impl Index {
 
     /// Dirty blocks belonging to one device.
     pub fn dev_dirty_blocks(&self, dev: DevId) -> u64 {
-        self.dev_blocks.get(dev.0 as usize).map_or(0, |c| c.dirty)
+        self.dev_blocks.get(dev.idx()).map_or(0, |c| c.dirty)
     }
 
     /// Cached blocks belonging to one device (a counter: `status` costs no scan).
     pub fn dev_live_blocks(&self, dev: DevId) -> u64 {
-        self.dev_blocks.get(dev.0 as usize).map_or(0, |c| c.live)
+        self.dev_blocks.get(dev.idx()).map_or(0, |c| c.live)
     }
 
     /// The owned cache blocks of `bucket` as `(offset in bucket, dev, block, crc, dirty)`.
@@ -660,7 +659,7 @@ impl Index {
     pub fn next_live_bucket(&self, from: Bucket) -> Option<Bucket> {
         self.live_buckets
             .next_set(from.idx())
-            .map(|b| Bucket(b as u32))
+            .map(|b| Bucket::new(b as u32))
     }
 
     /// Removes, without a journal entry, the clean (with `all`: every) cached blocks of `dev`,
@@ -670,7 +669,7 @@ impl Index {
     /// header's `stale` field), so a crash meanwhile drops them again at the next attach.
     pub fn forget_copies(&mut self, dev: DevId, all: bool) -> u64 {
         let mut n = 0;
-        let mut from = Bucket(0);
+        let mut from = Bucket::new(0);
         while let Some(b) = self.next_live_bucket(from) {
             let keys: Vec<u64> = b
                 .blocks(self.bpb)
@@ -687,7 +686,7 @@ impl Index {
                     }
                 });
             }
-            from = Bucket(b.0 + 1);
+            from = b + 1;
         }
         n
     }
@@ -709,7 +708,7 @@ impl Index {
         let mut dirty = vec![0u32; nb];
         let mut dev_blocks = vec![DevBlocks::default(); self.dev_blocks.len()];
         let mut owned = 0u64;
-        for cb in (0..self.sh.blocks()).map(CacheBlock) {
+        for cb in (0..self.sh.blocks()).map(CacheBlock::new) {
             let v = self.owner_of(cb);
             if v == 0 {
                 if self.is_dirty(cb) {
@@ -725,8 +724,8 @@ impl Index {
             }
             let b = self.bucket_of(cb).idx();
             live[b] += 1;
-            let Some(c) = dev_blocks.get_mut(d.0 as usize) else {
-                return Err(format!("device {} has entries but no counters", d.0));
+            let Some(c) = dev_blocks.get_mut(d.idx()) else {
+                return Err(format!("device {d} has entries but no counters"));
             };
             c.live += 1;
             if self.is_dirty(cb) {
@@ -781,36 +780,36 @@ mod tests {
     fn ext(len: u32, cb: u32, dirty: bool) -> Extent {
         Extent {
             len,
-            cache_block: CacheBlock(cb),
+            cache_block: CacheBlock::new(cb),
             dirty,
         }
     }
 
     /// Backing block `b` (short for the tests' many literals).
     fn bb(b: u64) -> BackingBlock {
-        BackingBlock(b)
+        BackingBlock::new(b)
     }
 
     #[test]
     fn insert_split_remove_keep_invariants() {
         let mut ix = Index::new(4, 16);
-        let d = DevId(1);
+        let d = DevId::new(1);
         ix.insert(d, bb(10), ext(8, 0, true), &[0; 8]);
         ix.insert(d, bb(12), ext(2, 16, false), &[0; 2]);
         ix.check_invariants().unwrap();
         let segs = ix.lookup(d, bb(8), bb(20));
         assert_eq!(segs.len(), 5);
         assert_eq!(segs[0].ext, None);
-        assert_eq!(segs[1].ext.unwrap().cache_block, CacheBlock(0));
-        assert_eq!(segs[2].ext.unwrap().cache_block, CacheBlock(16));
-        assert_eq!(segs[3].ext.unwrap().cache_block, CacheBlock(4));
+        assert_eq!(segs[1].ext.unwrap().cache_block, CacheBlock::new(0));
+        assert_eq!(segs[2].ext.unwrap().cache_block, CacheBlock::new(16));
+        assert_eq!(segs[3].ext.unwrap().cache_block, CacheBlock::new(4));
         assert_eq!(ix.dirty_blocks, 6);
         assert_eq!(ix.remove_range(d, bb(11), bb(15)), 2);
         ix.check_invariants().unwrap();
-        assert_eq!(ix.mark_clean(d, bb(10), 8, CacheBlock(0)), 4);
+        assert_eq!(ix.mark_clean(d, bb(10), 8, CacheBlock::new(0)), 4);
         assert_eq!(ix.dirty_blocks, 0);
         ix.check_invariants().unwrap();
-        assert_eq!(ix.drop_bucket(Bucket(0)), 0);
+        assert_eq!(ix.drop_bucket(Bucket::new(0)), 0);
         assert_eq!(ix.live_blocks, 0);
         ix.check_invariants().unwrap();
     }
@@ -818,13 +817,13 @@ mod tests {
     #[test]
     fn mark_clean_skips_remapped_blocks() {
         let mut ix = Index::new(4, 16);
-        let d = DevId(0);
+        let d = DevId::new(0);
         ix.insert(d, bb(0), ext(4, 0, true), &[0; 4]);
         ix.insert(d, bb(1), ext(1, 20, true), &[0]);
-        assert_eq!(ix.mark_clean(d, bb(0), 4, CacheBlock(0)), 3);
+        assert_eq!(ix.mark_clean(d, bb(0), 4, CacheBlock::new(0)), 3);
         assert_eq!(ix.dirty_blocks, 1);
-        assert!(!ix.maps_to(d, bb(0), 4, CacheBlock(0)));
-        assert!(ix.maps_to(d, bb(2), 2, CacheBlock(2)));
+        assert!(!ix.maps_to(d, bb(0), 4, CacheBlock::new(0)));
+        assert!(ix.maps_to(d, bb(2), 2, CacheBlock::new(2)));
         ix.check_invariants().unwrap();
     }
 
@@ -839,58 +838,58 @@ mod tests {
         let mut model: BTreeMap<(u32, u64), (u32, bool)> = BTreeMap::new();
         let mut next_cb = 0u32;
         for step in 0..4000 {
-            let dev = DevId(r.gen_range(0..3));
+            let dev = DevId::new(r.gen_range(0..3));
             let b = r.gen_range(0..400u64);
             match r.gen_range(0..10) {
                 0..=5 => {
                     // Insert a run into fresh cache blocks of one bucket (recycle by dropping
                     // the bucket first, as the allocator would).
                     let len = r.gen_range(1..=4u32).min(bpb - next_cb % bpb);
-                    let bucket = ix.bucket_of(CacheBlock(next_cb));
+                    let bucket = ix.bucket_of(CacheBlock::new(next_cb));
                     if next_cb.is_multiple_of(bpb) {
                         ix.drop_bucket(bucket);
-                        model.retain(|_, (cb, _)| CacheBlock(*cb).bucket(bpb) != bucket);
+                        model.retain(|_, (cb, _)| CacheBlock::new(*cb).bucket(bpb) != bucket);
                     }
                     let dirty = r.gen_bool(0.5);
                     ix.insert(dev, bb(b), ext(len, next_cb, dirty), &vec![7; len as usize]);
                     for i in 0..len {
-                        model.insert((dev.0, b + u64::from(i)), (next_cb + i, dirty));
+                        model.insert((dev.get(), b + u64::from(i)), (next_cb + i, dirty));
                     }
                     next_cb = (next_cb + len) % (nb * bpb);
                 }
                 6 | 7 => {
                     let len = r.gen_range(1..50u64);
                     let want = model
-                        .range((dev.0, b)..(dev.0, b + len))
+                        .range((dev.get(), b)..(dev.get(), b + len))
                         .filter(|(_, v)| v.1)
                         .count() as u64;
                     assert_eq!(ix.remove_range(dev, bb(b), bb(b + len)), want);
-                    model.retain(|k, _| !(k.0 == dev.0 && (b..b + len).contains(&k.1)));
+                    model.retain(|k, _| !(k.0 == dev.get() && (b..b + len).contains(&k.1)));
                 }
                 8 => {
-                    if let Some((&(d, s), &(cb, _))) = model.range((dev.0, b)..).next() {
-                        ix.mark_clean(DevId(d), bb(s), 1, CacheBlock(cb));
+                    if let Some((&(d, s), &(cb, _))) = model.range((dev.get(), b)..).next() {
+                        ix.mark_clean(DevId::new(d), bb(s), 1, CacheBlock::new(cb));
                         model.insert((d, s), (cb, false));
                     }
                 }
                 _ => {
-                    let bucket = Bucket(r.gen_range(0..nb));
+                    let bucket = Bucket::new(r.gen_range(0..nb));
                     ix.drop_bucket(bucket);
-                    model.retain(|_, (cb, _)| CacheBlock(*cb).bucket(bpb) != bucket);
+                    model.retain(|_, (cb, _)| CacheBlock::new(*cb).bucket(bpb) != bucket);
                 }
             }
             if step % 97 == 0 {
                 ix.check_invariants()
                     .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
             }
-            for (&(d, s), &(cb, dirty)) in model.range((dev.0, b)..).take(3) {
+            for (&(d, s), &(cb, dirty)) in model.range((dev.get(), b)..).take(3) {
                 assert_eq!(
-                    ix.get(DevId(d), bb(s)),
-                    Some(CacheBlock(cb)),
+                    ix.get(DevId::new(d), bb(s)),
+                    Some(CacheBlock::new(cb)),
                     "seed {seed} step {step}"
                 );
                 assert_eq!(
-                    ix.is_dirty(CacheBlock(cb)),
+                    ix.is_dirty(CacheBlock::new(cb)),
                     dirty,
                     "seed {seed} step {step}"
                 );
@@ -900,7 +899,7 @@ mod tests {
         assert_eq!(ix.live_blocks, model.len() as u64);
         // A whole-device removal takes the bucket walk.
         for d in 0..3 {
-            ix.remove_range(DevId(d), bb(0), BLOCK_END);
+            ix.remove_range(DevId::new(d), bb(0), BLOCK_END);
         }
         assert_eq!(ix.live_blocks, 0);
         ix.check_invariants().unwrap();
@@ -909,20 +908,22 @@ mod tests {
     #[test]
     fn dirty_runs_visit_dirty_buckets_from_the_cursor_and_wrap() {
         let mut ix = Index::new(8, 4);
-        let d = DevId(0);
+        let d = DevId::new(0);
         ix.insert(d, bb(100), ext(2, 4, true), &[0; 2]); // bucket 1
         ix.insert(d, bb(50), ext(1, 20, true), &[0]); // bucket 5
         ix.insert(d, bb(7), ext(1, 28, false), &[0]); // bucket 7, clean
-        let mut cursor = Bucket(3);
+        let mut cursor = Bucket::new(3);
         let runs = ix.dirty_runs(&mut cursor, 1, None);
         assert_eq!(runs, vec![(d, bb(50), ext(1, 20, true))]);
-        assert_eq!(cursor, Bucket(6));
+        assert_eq!(cursor, Bucket::new(6));
         let runs = ix.dirty_runs(&mut cursor, 100, None);
         assert_eq!(
             runs,
             vec![(d, bb(100), ext(2, 4, true)), (d, bb(50), ext(1, 20, true))]
         );
-        assert!(ix.dirty_runs(&mut cursor, 100, Some(DevId(1))).is_empty());
+        assert!(ix
+            .dirty_runs(&mut cursor, 100, Some(DevId::new(1)))
+            .is_empty());
     }
 }
 
@@ -935,7 +936,7 @@ mod lock_free_tests {
     /// The crc every entry of this test carries: a function of where it is, so a reader that
     /// kept a torn answer (a key found at a cache block with another block's crc) is caught.
     fn tag(block: BackingBlock, cb: CacheBlock) -> u32 {
-        (block.0 as u32).wrapping_mul(0x9e37_79b9) ^ cb.0.wrapping_mul(0x85eb_ca6b) ^ 1
+        (block.get() as u32).wrapping_mul(0x9e37_79b9) ^ cb.get().wrapping_mul(0x85eb_ca6b) ^ 1
     }
 
     /// Readers doing lock-free lookups while one writer inserts, moves, cleans and drops
@@ -947,7 +948,7 @@ mod lock_free_tests {
         let (nb, bpb) = (16u32, 8u32);
         let mut ix = Index::new(nb, bpb);
         let reader = ix.reader();
-        let dev = DevId(3);
+        let dev = DevId::new(3);
         let blocks = 96u64;
         let stop = AtomicBool::new(false);
         let (kept, torn) = (AtomicU64::new(0), AtomicU64::new(0));
@@ -960,9 +961,13 @@ mod lock_free_tests {
                         let b0 = rng.gen_range(0..blocks);
                         let b1 = (b0 + rng.gen_range(1..4)).min(blocks);
                         let mut crcs = Vec::new();
-                        let Some((seq, segs)) =
-                            lookup_hit(reader, dev, BackingBlock(b0), BackingBlock(b1), &mut crcs)
-                        else {
+                        let Some((seq, segs)) = lookup_hit(
+                            reader,
+                            dev,
+                            BackingBlock::new(b0),
+                            BackingBlock::new(b1),
+                            &mut crcs,
+                        ) else {
                             continue;
                         };
                         if !reader.valid(seq) {
@@ -989,14 +994,14 @@ mod lock_free_tests {
                 match rng.gen_range(0..10) {
                     0 => {
                         let bucket = rng.gen_range(0..nb);
-                        ix.drop_bucket(Bucket(bucket));
+                        ix.drop_bucket(Bucket::new(bucket));
                     }
                     1 => {
                         let b = rng.gen_range(0..blocks);
-                        ix.remove_range(dev, BackingBlock(b), BackingBlock(b + 2));
+                        ix.remove_range(dev, BackingBlock::new(b), BackingBlock::new(b + 2));
                     }
                     2 => {
-                        if let Some(cb) = ix.get(dev, BackingBlock(rng.gen_range(0..blocks))) {
+                        if let Some(cb) = ix.get(dev, BackingBlock::new(rng.gen_range(0..blocks))) {
                             let (d, b) = unpack(ix.owner_of(cb));
                             ix.mark_clean(d, b, 1, cb);
                         }
@@ -1007,12 +1012,19 @@ mod lock_free_tests {
                         let cb = next_cb;
                         // The target blocks must be unreferenced: free the bucket as it opens.
                         if cb.is_multiple_of(bpb) {
-                            ix.drop_bucket(Bucket(cb / bpb));
+                            ix.drop_bucket(Bucket::new(cb / bpb));
                         }
                         let crcs: Vec<u32> = (0..len)
-                            .map(|i| tag(BackingBlock(b + u64::from(i)), CacheBlock(cb + i)))
+                            .map(|i| {
+                                tag(BackingBlock::new(b + u64::from(i)), CacheBlock::new(cb + i))
+                            })
                             .collect();
-                        ix.insert(dev, BackingBlock(b), ext(len, cb, rng.gen_bool(0.5)), &crcs);
+                        ix.insert(
+                            dev,
+                            BackingBlock::new(b),
+                            ext(len, cb, rng.gen_bool(0.5)),
+                            &crcs,
+                        );
                         next_cb = (cb + len) % (nb * bpb);
                     }
                 }
@@ -1029,7 +1041,7 @@ mod lock_free_tests {
     fn ext(len: u32, cb: u32, dirty: bool) -> Extent {
         Extent {
             len,
-            cache_block: CacheBlock(cb),
+            cache_block: CacheBlock::new(cb),
             dirty,
         }
     }

@@ -116,11 +116,11 @@ impl Entry {
             } => {
                 assert_eq!(crcs.len(), *len as usize, "one checksum per block");
                 w.u8(TAG_INSERT);
-                w.u32(dev.0);
-                w.u64(block.0);
+                w.u32(dev.get());
+                w.u64(block.get());
                 w.u32(*len);
-                w.u32(cache_block.0);
-                w.u8(gen.0);
+                w.u32(cache_block.get());
+                w.u8(gen.get());
                 w.u8(u8::from(*dirty));
                 for c in crcs {
                     w.u32(*c);
@@ -128,8 +128,8 @@ impl Entry {
             }
             Entry::Invalidate { dev, block, len } => {
                 w.u8(TAG_INVALIDATE);
-                w.u32(dev.0);
-                w.u64(block.0);
+                w.u32(dev.get());
+                w.u64(block.get());
                 w.u64(*len);
             }
             Entry::MarkClean {
@@ -139,24 +139,24 @@ impl Entry {
                 cache_block,
             } => {
                 w.u8(TAG_MARK_CLEAN);
-                w.u32(dev.0);
-                w.u64(block.0);
+                w.u32(dev.get());
+                w.u64(block.get());
                 w.u32(*len);
-                w.u32(cache_block.0);
+                w.u32(cache_block.get());
             }
             Entry::BucketGen { bucket, gen } => {
                 w.u8(TAG_BUCKET_GEN);
-                w.u32(bucket.0);
-                w.u8(gen.0);
+                w.u32(bucket.get());
+                w.u8(gen.get());
             }
             Entry::AttachDev { dev, uuid } => {
                 w.u8(TAG_ATTACH);
-                w.u32(dev.0);
+                w.u32(dev.get());
                 w.bytes(uuid.as_bytes());
             }
             Entry::DetachDev { dev } => {
                 w.u8(TAG_DETACH);
-                w.u32(dev.0);
+                w.u32(dev.get());
             }
         }
     }
@@ -164,11 +164,11 @@ impl Entry {
     pub fn decode(r: &mut Reader<'_>) -> Option<Entry> {
         Some(match r.u8()? {
             TAG_INSERT => {
-                let dev = DevId(r.u32()?);
-                let block = BackingBlock(r.u64()?);
+                let dev = DevId::new(r.u32()?);
+                let block = BackingBlock::new(r.u64()?);
                 let len = r.u32()?;
-                let cache_block = CacheBlock(r.u32()?);
-                let gen = Gen(r.u8()?);
+                let cache_block = CacheBlock::new(r.u32()?);
+                let gen = Gen::new(r.u8()?);
                 let dirty = match r.u8()? {
                     0 => false,
                     1 => true,
@@ -189,26 +189,26 @@ impl Entry {
                 }
             }
             TAG_INVALIDATE => Entry::Invalidate {
-                dev: DevId(r.u32()?),
-                block: BackingBlock(r.u64()?),
+                dev: DevId::new(r.u32()?),
+                block: BackingBlock::new(r.u64()?),
                 len: r.u64()?,
             },
             TAG_MARK_CLEAN => Entry::MarkClean {
-                dev: DevId(r.u32()?),
-                block: BackingBlock(r.u64()?),
+                dev: DevId::new(r.u32()?),
+                block: BackingBlock::new(r.u64()?),
                 len: r.u32()?,
-                cache_block: CacheBlock(r.u32()?),
+                cache_block: CacheBlock::new(r.u32()?),
             },
             TAG_BUCKET_GEN => Entry::BucketGen {
-                bucket: Bucket(r.u32()?),
-                gen: Gen(r.u8()?),
+                bucket: Bucket::new(r.u32()?),
+                gen: Gen::new(r.u8()?),
             },
             TAG_ATTACH => Entry::AttachDev {
-                dev: DevId(r.u32()?),
+                dev: DevId::new(r.u32()?),
                 uuid: Uuid::from_bytes(r.array()?),
             },
             TAG_DETACH => Entry::DetachDev {
-                dev: DevId(r.u32()?),
+                dev: DevId::new(r.u32()?),
             },
             _ => return None,
         })
@@ -474,34 +474,34 @@ mod tests {
     fn sample() -> Vec<Entry> {
         vec![
             Entry::Insert {
-                dev: DevId(1),
-                block: BackingBlock(99),
+                dev: DevId::new(1),
+                block: BackingBlock::new(99),
                 len: 2,
-                cache_block: CacheBlock(7),
-                gen: Gen(3),
+                cache_block: CacheBlock::new(7),
+                gen: Gen::new(3),
                 dirty: true,
                 crcs: vec![1, 2],
             },
             Entry::Invalidate {
-                dev: DevId(1),
-                block: BackingBlock(5),
+                dev: DevId::new(1),
+                block: BackingBlock::new(5),
                 len: 1 << 40,
             },
             Entry::MarkClean {
-                dev: DevId(2),
-                block: BackingBlock(1),
+                dev: DevId::new(2),
+                block: BackingBlock::new(1),
                 len: 3,
-                cache_block: CacheBlock(4),
+                cache_block: CacheBlock::new(4),
             },
             Entry::BucketGen {
-                bucket: Bucket(3),
-                gen: Gen(255),
+                bucket: Bucket::new(3),
+                gen: Gen::new(255),
             },
             Entry::AttachDev {
-                dev: DevId(9),
+                dev: DevId::new(9),
                 uuid: Uuid::new_v4(),
             },
-            Entry::DetachDev { dev: DevId(9) },
+            Entry::DetachDev { dev: DevId::new(9) },
         ]
     }
 
@@ -533,28 +533,28 @@ mod tests {
     fn entry_bytes_are_the_format() {
         let entries = [
             Entry::Insert {
-                dev: DevId(2),
-                block: BackingBlock(0x01_0203_0405),
+                dev: DevId::new(2),
+                block: BackingBlock::new(0x01_0203_0405),
                 len: 1,
-                cache_block: CacheBlock(0x0a0b_0c0d),
-                gen: Gen(7),
+                cache_block: CacheBlock::new(0x0a0b_0c0d),
+                gen: Gen::new(7),
                 dirty: true,
                 crcs: vec![0xdead_beef],
             },
             Entry::Invalidate {
-                dev: DevId(1),
-                block: BackingBlock(9),
+                dev: DevId::new(1),
+                block: BackingBlock::new(9),
                 len: 3,
             },
             Entry::MarkClean {
-                dev: DevId(1),
-                block: BackingBlock(9),
+                dev: DevId::new(1),
+                block: BackingBlock::new(9),
                 len: 2,
-                cache_block: CacheBlock(300),
+                cache_block: CacheBlock::new(300),
             },
             Entry::BucketGen {
-                bucket: Bucket(0x0102),
-                gen: Gen(255),
+                bucket: Bucket::new(0x0102),
+                gen: Gen::new(255),
             },
         ];
         #[rustfmt::skip]
@@ -616,7 +616,7 @@ mod tests {
     fn replay_follows_wrap_and_stops_at_torn_tail() {
         let len = 32 * META_BLOCK;
         let mut region = vec![0u8; len as usize];
-        let big = vec![Entry::DetachDev { dev: DevId(1) }; 1000]; // 5 KB -> 2 blocks a copy
+        let big = vec![Entry::DetachDev { dev: DevId::new(1) }; 1000]; // 5 KB -> 2 blocks a copy
         let set = Uuid::new_v4();
         let (ring, at) = write_records(&mut region, &set, 26 * META_BLOCK, &vec![big; 4]);
         assert_eq!(at[1].0, 0, "the second record wrapped to the ring start");
@@ -650,9 +650,9 @@ mod tests {
     fn the_second_copy_is_found_whatever_the_first_claims() {
         let set = Uuid::new_v4();
         let sizes = [
-            vec![Entry::DetachDev { dev: DevId(1) }; 1],
-            vec![Entry::DetachDev { dev: DevId(2) }; 2000], // 3 blocks a copy
-            vec![Entry::DetachDev { dev: DevId(3) }; 700],  // 1 block a copy
+            vec![Entry::DetachDev { dev: DevId::new(1) }; 1],
+            vec![Entry::DetachDev { dev: DevId::new(2) }; 2000], // 3 blocks a copy
+            vec![Entry::DetachDev { dev: DevId::new(3) }; 700],  // 1 block a copy
         ];
         let mut region = vec![0u8; 64 * META_BLOCK as usize];
         let (_, at) = write_records(&mut region, &set, 0, &sizes);
@@ -682,7 +682,7 @@ mod tests {
     fn a_dropped_last_record_is_excused_in_both_copies_only() {
         let set = Uuid::new_v4();
         let mut region = vec![0u8; 32 * META_BLOCK as usize];
-        let e = vec![Entry::DetachDev { dev: DevId(1) }; 1000];
+        let e = vec![Entry::DetachDev { dev: DevId::new(1) }; 1000];
         let (_, at) = write_records(&mut region, &set, 0, &vec![e; 3]);
         let mut calls = 0;
         let r = replay(&region, &set, 0, 10, &mut |_| {

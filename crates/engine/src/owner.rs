@@ -190,7 +190,7 @@ pub(crate) fn tick(inner: &Inner) {
             static LOG: lograte::Throttled = lograte::Throttled::new();
             LOG.log(
                 log::Level::Warn,
-                format_args!("updating the dirty mark of backing device {}: {e}", b.id.0),
+                format_args!("updating the dirty mark of backing device {}: {e}", b.id),
             );
         }
     }

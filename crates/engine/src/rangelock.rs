@@ -85,7 +85,11 @@ mod tests {
                 let (locks, inside) = (locks.clone(), inside.clone());
                 std::thread::spawn(move || {
                     for _ in 0..200 {
-                        let _g = locks.lock(DevId(0), BackingBlock(i), BackingBlock(i + 10));
+                        let _g = locks.lock(
+                            DevId::new(0),
+                            BackingBlock::new(i),
+                            BackingBlock::new(i + 10),
+                        );
                         assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0);
                         inside.fetch_sub(1, Ordering::SeqCst);
                     }
@@ -94,9 +98,9 @@ mod tests {
             .collect();
         threads.into_iter().for_each(|t| t.join().unwrap());
         // Disjoint ranges and other devices do not block.
-        let b = BackingBlock;
-        let _a = locks.lock(DevId(0), b(0), b(5));
-        let _b = locks.lock(DevId(0), b(5), b(9));
-        let _c = locks.lock(DevId(1), b(0), b(9));
+        let b = BackingBlock::new;
+        let _a = locks.lock(DevId::new(0), b(0), b(5));
+        let _b = locks.lock(DevId::new(0), b(5), b(9));
+        let _c = locks.lock(DevId::new(1), b(0), b(9));
     }
 }

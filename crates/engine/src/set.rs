@@ -241,7 +241,7 @@ impl CacheSet {
             used: 0,
             next_seq: 1,
         };
-        let gens = vec![Gen(0); layout.nbuckets as usize];
+        let gens = vec![Gen::new(0); layout.nbuckets as usize];
         let image = checkpoint::encode_header(
             1,
             &checkpoint::Header {
@@ -568,7 +568,7 @@ impl CacheSet {
                             id
                         }
                         None => (0..MAX_DEVS as u32)
-                            .map(DevId)
+                            .map(DevId::new)
                             .find(|d| !st.devs.contains_key(d))
                             .ok_or_else(|| {
                                 Error::State("too many backing devices in this cache set".into())
@@ -728,7 +728,7 @@ impl CacheSet {
             {
                 let mut st = inner.state.lock();
                 let now = inner.now_ns();
-                st.invalidate(b.id, BackingBlock(0), crate::index::BLOCK_END, now);
+                st.invalidate(b.id, BackingBlock::new(0), crate::index::BLOCK_END, now);
                 st.devs.remove(&b.id);
                 st.log(&Entry::DetachDev { dev: b.id }, now);
             }
@@ -822,7 +822,7 @@ impl CacheSet {
                 if !inner.degraded_flush_ok(b.id) {
                     log::warn!(
                         "backing device {}: writes acknowledged since its last successful flush that only the failed cache device recorded are lost (a restart serves the last flushed state there)",
-                        b.id.0
+                        b.id
                     );
                 }
                 res = res.and(b.flush_if_written());

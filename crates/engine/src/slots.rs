@@ -122,13 +122,13 @@ impl Slots {
     }
 
     pub fn is_dirty(&self, cb: CacheBlock) -> bool {
-        self.dirty[cb.idx() / 64].load(Relaxed) & (1 << (cb.0 % 64)) != 0
+        self.dirty[cb.idx() / 64].load(Relaxed) & (1 << (cb.get() % 64)) != 0
     }
 
     /// Sets or clears the dirty bit (writer only: a load and a store, not a read-modify-write).
     pub fn set_dirty(&self, cb: CacheBlock, on: bool) {
         let w = &self.dirty[cb.idx() / 64];
-        let bit = 1 << (cb.0 % 64);
+        let bit = 1 << (cb.get() % 64);
         let v = w.load(Relaxed);
         w.store(if on { v | bit } else { v & !bit }, Relaxed);
     }
@@ -155,7 +155,7 @@ impl Slots {
     /// How far slot `pos` is from the home of the key it holds.
     pub fn displacement(&self, pos: usize) -> usize {
         let cb = self.slot(pos).wrapping_sub(1);
-        let home = self.home(self.owner(CacheBlock(cb.min(self.blocks().saturating_sub(1)))));
+        let home = self.home(self.owner(CacheBlock::new(cb.min(self.blocks().saturating_sub(1)))));
         (pos + self.table.len() - home) % self.table.len()
     }
 
@@ -175,7 +175,7 @@ impl Slots {
             if s == 0 {
                 return Ok(None);
             }
-            let cb = CacheBlock(s - 1);
+            let cb = CacheBlock::new(s - 1);
             if self.owner(cb) == key {
                 return Ok(Some((pos, cb)));
             }
@@ -195,7 +195,7 @@ impl Slots {
 
     /// Adds `cb` (whose owner is already set, and not in the table) to the table.
     pub fn table_insert(&self, cb: CacheBlock) {
-        let mut carry = cb.0 + 1;
+        let mut carry = cb.get() + 1;
         let mut pos = self.home(self.owner(cb));
         let mut dist = 0;
         loop {

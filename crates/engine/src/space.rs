@@ -224,7 +224,7 @@ pub(crate) fn read_verified(
         None => Ok(Some(data)),
         Some(i) if e.dirty => Err(Error::DataCorrupt(format!(
             "device {} block {} (cache block {})",
-            dev.0,
+            dev,
             block + u64::from(i),
             e.cache_block + i
         ))),

@@ -1,15 +1,41 @@
 //! Small value types shared by the engine: identifiers, cache modes, the error type.
 //!
 //! Invariants: every on-disk code of an enum is parsed with a checked conversion
-//! (`from_code`) that rejects unknown values. The numbering units (buckets, cache blocks,
-//! generations, backing blocks) are in `units`.
+//! (`from_code`) that rejects unknown values. `DevId` keeps its number private like the
+//! numbering units (buckets, cache blocks, generations, backing blocks), which are in `units`:
+//! `DevId::new` and `DevId::get` for encodings, `idx` for the per-device tables, `Display`
+//! prints the bare number.
 
 use std::fmt;
 use std::io;
 
 /// Identifies a backing device inside a cache set (stable across restarts, stored on disk).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct DevId(pub u32);
+pub struct DevId(u32);
+
+impl DevId {
+    /// Device `n` (the number stored in its header and in journal entries).
+    pub const fn new(n: u32) -> DevId {
+        DevId(n)
+    }
+
+    /// The device's number, for encodings (journal, checkpoint, the packed owner).
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+
+    /// For indexing the per-device tables (the index's counters).
+    pub fn idx(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// The bare number, as messages printed it before `DevId` was a type.
+impl fmt::Display for DevId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
 
 /// How writes (and read misses) of a backing device use the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

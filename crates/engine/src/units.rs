@@ -12,13 +12,18 @@
 //!   [`BackingBlock::offset`].
 //!
 //! Invariants:
+//! - the integer inside is private: a number becomes a unit only through `new` (a decoded
+//!   field, a test's literal) and leaves it only through `get` (an encoding, a hash, a
+//!   message) or `idx` (a table index); everything else goes through the methods and
+//!   operators here, so a raw number cannot be taken for the wrong unit by accident (`DevId`,
+//!   in `types`, is kept the same way);
 //! - every type is `repr(transparent)` over its integer: zero cost, and arrays of them have
 //!   the element size of the integer (the RAM budget counts those bytes);
 //! - on-disk encodings (journal entries, checkpoints) write and read the inner integer exactly
 //!   as before: the types change nothing on disk;
-//! - arithmetic is only what the engine needs (an offset added to a block, the distance
-//!   between two backing blocks, a cache block's bucket), not a numeric tower; `Display` prints
-//!   the bare number, so messages read as before.
+//! - arithmetic is only what the engine needs (an offset added to a block or a bucket, the
+//!   distance between two backing blocks, a range of backing blocks, a cache block's bucket),
+//!   not a numeric tower; `Display` prints the bare number, so messages read as before.
 //!
 //! Where raw integers remain, and why:
 //! - counts and lengths (`Extent::len`, blocks per bucket, a bucket's live and dirty counts,
@@ -28,6 +33,9 @@
 //!   with `CacheBlock::idx`; the hash table of `slots` stores `cb + 1` as a raw `u32` (0 is
 //!   the empty slot), and an owner is a packed `u64` (`index::pack`); `Touches` stores
 //!   `bucket + 1` the same way: these are encodings, private to their module;
+//! - the policy state takes the units at its interface (`policy::reclaim_rank` a `Bucket`,
+//!   `admit::Ghost::key` a `DevId` and a `BackingBlock`, `fillhits::FillHits` backing blocks)
+//!   and hashes their raw numbers inside;
 //! - byte offsets (`Volume` requests, cache and backing device I/O, readahead windows) are
 //!   `u64`, as in the public API; the read path's miss-fill window alignment and the
 //!   sequential detector work on raw block numbers or bytes locally;
@@ -41,24 +49,34 @@ use std::ops::{Add, Sub};
 /// A bucket index (`0..nbuckets`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(transparent)]
-pub struct Bucket(pub u32);
+pub struct Bucket(u32);
 
 /// A block of the cache device's data area (`0..nbuckets * bpb`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(transparent)]
-pub struct CacheBlock(pub u32);
+pub struct CacheBlock(u32);
 
 /// A bucket's generation (wraps).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(transparent)]
-pub struct Gen(pub u8);
+pub struct Gen(u8);
 
 /// A block of a backing device's data area (block-size units).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(transparent)]
-pub struct BackingBlock(pub u64);
+pub struct BackingBlock(u64);
 
 impl Bucket {
+    /// Bucket `n`.
+    pub const fn new(n: u32) -> Bucket {
+        Bucket(n)
+    }
+
+    /// The bucket's number, for encodings (journal, checkpoint) and messages.
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+
     /// For indexing the per-bucket tables.
     pub fn idx(self) -> usize {
         self.0 as usize
@@ -76,7 +94,25 @@ impl Bucket {
     }
 }
 
+/// `b + n`: the bucket `n` further on.
+impl Add<u32> for Bucket {
+    type Output = Bucket;
+    fn add(self, n: u32) -> Bucket {
+        Bucket(self.0 + n)
+    }
+}
+
 impl CacheBlock {
+    /// Cache block `n`.
+    pub const fn new(n: u32) -> CacheBlock {
+        CacheBlock(n)
+    }
+
+    /// The block's number, for encodings (journal, checkpoint, the packed slots) and messages.
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+
     /// For indexing the per-cache-block arrays.
     pub fn idx(self) -> usize {
         self.0 as usize
@@ -102,6 +138,16 @@ impl Add<u32> for CacheBlock {
 }
 
 impl Gen {
+    /// Generation `n`.
+    pub const fn new(n: u8) -> Gen {
+        Gen(n)
+    }
+
+    /// The generation's number, for encodings (journal, checkpoint).
+    pub const fn get(self) -> u8 {
+        self.0
+    }
+
     /// The generation after this one (wrapping).
     #[must_use]
     pub fn next(self) -> Gen {
@@ -110,6 +156,21 @@ impl Gen {
 }
 
 impl BackingBlock {
+    /// Backing block `n`.
+    pub const fn new(n: u64) -> BackingBlock {
+        BackingBlock(n)
+    }
+
+    /// The block's number, for encodings (journal, checkpoint, the packed owner) and messages.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The blocks `[b0, b1)`, in order.
+    pub fn range(b0: BackingBlock, b1: BackingBlock) -> impl Iterator<Item = BackingBlock> {
+        (b0.0..b1.0).map(BackingBlock)
+    }
+
     /// The block holding byte `off` (blocks of `bs` bytes).
     pub fn of_offset(off: u64, bs: u64) -> BackingBlock {
         BackingBlock(off / bs)
@@ -199,5 +260,16 @@ mod tests {
         assert_eq!(BackingBlock(3).offset(4096), 12288);
         assert_eq!(BackingBlock(7) - BackingBlock(3), 4);
         assert_eq!(format!("{}", CacheBlock(9)), "9");
+        assert_eq!(Bucket::new(3) + 1, Bucket(4));
+        assert_eq!(
+            BackingBlock::range(BackingBlock(5), BackingBlock(8)).collect::<Vec<_>>(),
+            (5..8).map(BackingBlock::new).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            BackingBlock::range(BackingBlock(8), BackingBlock(8)).count(),
+            0
+        );
+        let b = BackingBlock::new(1 << 40);
+        assert_eq!(BackingBlock::new(b.get()), b);
     }
 }

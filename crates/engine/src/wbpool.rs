@@ -82,19 +82,19 @@ mod tests {
         // 16 buckets of 4 blocks; dirty blocks scattered over the backing device, in a cache
         // order unlike their backing order.
         let mut ix = Index::new(16, 4);
-        let d = DevId(0);
+        let d = DevId::new(0);
         let at = [900u64, 100, 500, 300, 700, 200, 800, 400];
         for (i, &b) in at.iter().enumerate() {
             let ext = Extent {
                 len: 1,
-                cache_block: CacheBlock(i as u32 * 4),
+                cache_block: CacheBlock::new(i as u32 * 4),
                 dirty: true,
             };
-            ix.insert(d, BackingBlock(b), ext, &[0]);
+            ix.insert(d, BackingBlock::new(b), ext, &[0]);
         }
         let mut pool = WritebackPool::default();
         let blocks = |v: Vec<(DevId, BackingBlock, Extent)>| -> Vec<u64> {
-            v.iter().map(|x| x.1 .0).collect()
+            v.iter().map(|x| x.1.get()).collect()
         };
         // The first pool sweeps up from the lowest block.
         assert_eq!(
@@ -104,7 +104,7 @@ mod tests {
         // The pool used up with the sweep ended at 501: the refill (the same blocks, still
         // dirty) sweeps on from there and wraps to the start once.
         pool.pos = pool.pool.len();
-        pool.head = Some((d, BackingBlock(501)));
+        pool.head = Some((d, BackingBlock::new(501)));
         assert_eq!(
             blocks(pool.next_batch(&ix, 8, None, |_| true)),
             [700, 800, 900, 100, 200, 300, 400, 500]

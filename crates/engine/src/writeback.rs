@@ -346,7 +346,7 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
                 } else {
                     Err(crate::Error::State(format!(
                         "a flush of backing device {} failed during writeback, so what writeback wrote may be lost; its data stays dirty and is written again",
-                        dev.0
+                        dev
                     )))
                 }
             });
@@ -461,14 +461,14 @@ pub fn drain_dirty(inner: &Inner, dev: DevId, progress: &mut dyn FnMut(u64, u64)
         if pass.unreadable > 0 {
             return Err(Error::State(format!(
                 "{remaining} dirty bytes of device {} cannot be written back ({} bytes of unreadable cache data)",
-                dev.0,
+                dev,
                 pass.unreadable * bs
             )));
         }
         if pass.collected == 0 {
             return Err(Error::State(format!(
                 "{remaining} dirty bytes of device {} are counted but not found in the cache index",
-                dev.0
+                dev
             )));
         }
     }
@@ -485,11 +485,11 @@ mod tests {
     fn runs_join_neighbours_and_bridge_only_what_the_bridge_allows_up_to_the_bound() {
         let piece = |d: u32, b: u64| {
             (
-                DevId(d),
-                BackingBlock(b),
+                DevId::new(d),
+                BackingBlock::new(b),
                 Extent {
                     len: 1,
-                    cache_block: CacheBlock(0),
+                    cache_block: CacheBlock::new(0),
                     dirty: true,
                 },
             )
@@ -504,12 +504,12 @@ mod tests {
             piece(1, 303), // another device
         ];
         let runs = plan_runs(entries, 4096, |d, from, to| {
-            assert_eq!(d, DevId(0));
-            to.0 - from.0 <= 3
+            assert_eq!(d, DevId::new(0));
+            to - from <= 3
         });
         let starts: Vec<Vec<u64>> = runs
             .iter()
-            .map(|r| r.iter().map(|x| x.1 .0).collect())
+            .map(|r| r.iter().map(|x| x.1.get()).collect())
             .collect();
         assert_eq!(starts, [vec![0, 1, 4], vec![10], vec![300, 302], vec![303]]);
         // Without bridging only contiguous pieces join, and never past the bound.

@@ -22,7 +22,7 @@ impl Volume {
             "cannot {what} {len} bytes at {offset} of device {}: the cache set is degraded and \
              the cache device holds the only current copy of part of this range (dirty data); \
              re-admit the repaired cache device to reach it",
-            self.backing.id.0
+            self.backing.id
         ))
     }
 
@@ -67,7 +67,7 @@ impl Volume {
             return Err(Error::State(format!(
                 "cannot flush device {}: the cache set is degraded and writes to it that only \
                  the cache device recorded are not durable; re-admit the repaired cache device",
-                self.backing.id.0
+                self.backing.id
             )));
         }
         self.backing.flush_now()

@@ -182,7 +182,7 @@ impl Volume {
             }
             b.update_header(|h| h.data_size = new)?;
             b.data_size.store(new, Ordering::SeqCst);
-            log::info!("backing device {} grew from {old} to {new} bytes", b.id.0);
+            log::info!("backing device {} grew from {old} to {new} bytes", b.id);
             Ok(new)
         })
     }

@@ -253,7 +253,7 @@ impl Volume {
                 }
                 if miss && read == (Read::Cached { stream: false }) {
                     let st = &mut *st;
-                    let earlier = st.ghost.record(crate::admit::Ghost::key(dev.0, b0.0));
+                    let earlier = st.ghost.record(crate::admit::Ghost::key(dev, b0));
                     let full = st.buckets.free_count() + st.buckets.pending_count()
                         < 2 * inner.reserve_buckets;
                     if !self
@@ -479,8 +479,8 @@ impl Volume {
         }
         // The enclosing window (aligning is arithmetic on the raw block numbers).
         let dev_blocks = self.size_bytes() / bs;
-        let w0 = BackingBlock(b0.0 / window * window);
-        let w1 = BackingBlock((b1.0.div_ceil(window) * window).min(dev_blocks)).max(b1);
+        let w0 = BackingBlock::new(b0.get() / window * window);
+        let w1 = BackingBlock::new((b1.get().div_ceil(window) * window).min(dev_blocks)).max(b1);
         let before = index.lookup(self.backing.id, w0, b0);
         let p0 = match before.last() {
             Some(s) if s.ext.is_none() => s.block,
@@ -655,7 +655,7 @@ impl Volume {
         };
         let what = format!(
             "device {} block {} (cache block {})",
-            self.backing.id.0,
+            self.backing.id,
             block + u64::from(i),
             e.cache_block + i
         );
@@ -748,10 +748,10 @@ mod tests {
 
     #[test]
     fn a_fill_keeps_the_blocks_asked_for_apart_from_their_neighbours() {
-        let b = BackingBlock;
+        let b = BackingBlock::new;
         let pieces = |run: (u64, u64), asked: (u64, u64)| {
             fill_pieces((b(run.0), b(run.1)), (b(asked.0), b(asked.1)))
-                .map(|(f, t, p)| (f.0, t.0, p))
+                .map(|(f, t, p)| (f.get(), t.get(), p))
                 .collect::<Vec<_>>()
         };
         use WritePoint::{Clean, Fill};

@@ -2,6 +2,8 @@
 //!
 //! Invariant: pure; the same inputs give the same decisions.
 
+use crate::units::Bucket;
+
 /// Which clean bucket a full cache gives up (bcache's `cache_replacement_policy`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Replacement {
@@ -41,7 +43,7 @@ impl Replacement {
 /// (fifo); random orders by a hash of the bucket and `salt` (a new order per scan).
 pub fn reclaim_rank(
     policy: Replacement,
-    bucket: u32,
+    bucket: Bucket,
     live_blocks: u32,
     stamp: u64,
     salt: u64,
@@ -49,7 +51,7 @@ pub fn reclaim_rank(
     let key = match policy {
         Replacement::Lru | Replacement::Fifo => stamp,
         Replacement::Random => {
-            let mut z = (u64::from(bucket) << 32 ^ salt).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let mut z = (u64::from(bucket.get()) << 32 ^ salt).wrapping_mul(0x9e37_79b9_7f4a_7c15);
             z ^= z >> 29;
             z.wrapping_mul(0xbf58_476d_1ce4_e5b9) >> 1
         }
@@ -65,18 +67,21 @@ mod tests {
     fn empty_buckets_go_first_then_by_stamp_or_at_random() {
         for policy in [Replacement::Lru, Replacement::Fifo] {
             let mut b = [(3, 10), (0, 50), (1, 5), (0, 7)];
-            b.sort_by_key(|&(live, used)| reclaim_rank(policy, 0, live, used, 0));
+            b.sort_by_key(|&(live, used)| reclaim_rank(policy, Bucket::new(0), live, used, 0));
             assert_eq!(b, [(0, 7), (0, 50), (1, 5), (3, 10)]);
         }
         // Random: empty ones still first; the rest in an order that changes with the salt
         // and ignores the stamps.
         let order = |salt: u64| {
-            let mut b: Vec<u32> = (0..64).collect();
-            b.sort_by_key(|&i| reclaim_rank(Replacement::Random, i, u32::from(i != 9), 7, salt));
+            let mut b: Vec<Bucket> = Bucket::all(64).collect();
+            b.sort_by_key(|&i| {
+                let live = u32::from(i != Bucket::new(9));
+                reclaim_rank(Replacement::Random, i, live, 7, salt)
+            });
             b
         };
         let (a, b) = (order(1), order(2));
-        assert_eq!((a[0], b[0]), (9, 9));
+        assert_eq!((a[0], b[0]), (Bucket::new(9), Bucket::new(9)));
         assert_ne!(a, b);
         for r in Replacement::ALL {
             assert_eq!(Replacement::parse(r.name()), Some(r));

@@ -123,12 +123,12 @@ impl VolumePolicy {
 
     /// Cached blocks `[b0, b1)` were read (a filled block read later counts for the fill).
     pub fn note_read(&self, b0: BackingBlock, b1: BackingBlock) {
-        self.fill_hits.note_read(b0.0, b1.0);
+        self.fill_hits.note_read(b0, b1);
     }
 
     /// A miss fill brought blocks `[b0, b1)` in.
     pub fn note_filled(&self, b0: BackingBlock, b1: BackingBlock) {
-        self.fill_hits.note_filled(b0.0, b1.0);
+        self.fill_hits.note_filled(b0, b1);
     }
 
     // ----- decisions -----
