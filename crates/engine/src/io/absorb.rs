@@ -134,9 +134,6 @@ impl Volume {
             interleaved: sequential && self.streams_interleaved(),
             sync: fua,
             reordered: sequential && seen.reordered && self.reordering_costs_seeks(),
-            cheaper_absorbed: sequential
-                && self.mode() == crate::types::CacheMode::Writeback
-                && self.absorbing_is_cheaper(len),
         };
         let mut route = self.route(shape, cache_use.detaching());
         if route == Route::Through && self.cache_congested(Kind::Write, len) {

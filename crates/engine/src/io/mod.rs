@@ -328,20 +328,6 @@ impl Volume {
         seen
     }
 
-    /// Whether the cache device takes a write of `len` bytes in clearly less time (a quarter
-    /// less) than the backing device takes one that continues a stream, both as measured (the
-    /// cache device's write latency estimate; the backing device's cost model without
-    /// positioning). Unlearned models say no.
-    fn absorbing_is_cheaper(&self, len: u64) -> bool {
-        let around = self.backing.policy.estimate(crate::cost::Op::Write);
-        let (_, cache_write_us) = self.inner.cache.latency_us();
-        if !around.learned || cache_write_us == 0 {
-            return false;
-        }
-        let around_ns = around.fixed_ns + around.per_byte_ns.unwrap_or(0.0) * len as f64;
-        (cache_write_us * 1000) as f64 * 1.25 < around_ns
-    }
-
     /// Whether a stream that reaches the disk out of order costs it a seek per request (see
     /// `policy::near_requests_seek`).
     fn reordering_costs_seeks(&self) -> bool {

@@ -66,10 +66,6 @@ pub struct WriteShape {
     /// Its stream reaches the disk out of order, and the disk is measured to pay positioning
     /// for requests a little off where the previous one ended (`near_requests_seek`).
     pub reordered: bool,
-    /// The cache device is measured to take the write in clearly less time than the backing
-    /// device takes a request that continues a stream (`Volume::absorbing_is_cheaper`: a disk
-    /// behind a network, or one slow per request even in order).
-    pub cheaper_absorbed: bool,
 }
 
 /// The route of a write: around the cache while the device is being detached and in
@@ -78,11 +74,9 @@ pub struct WriteShape {
 /// a lock). A sequential stream past the cutoff goes around the cache when the disk serves it
 /// well: in writeback mode, a sequential write of one of several streams running at once
 /// (`interleaved`: one actuator seeks between them) or one the disk would make durable at the
-/// cost of a flush each (`sync`), or one the cache device is measured to take faster than the
-/// disk takes a request in order (`cheaper_absorbed`), is absorbed by the cache under the same
-/// dirty limit as other writes (bcache absorbs sync writes only below 70 % in use,
-/// `cutoff_writeback_sync`; measured on W4's interleaved streams, that cut left them at 3.0×
-/// the disk against 4.3×).
+/// cost of a flush each (`sync`) is absorbed by the cache under the same dirty limit as other
+/// writes (bcache absorbs sync writes only below 70 % in use, `cutoff_writeback_sync`;
+/// measured on W4's interleaved streams, that cut left them at 3.0× the disk against 4.3×).
 pub fn route_write(
     mode: CacheMode,
     detaching: bool,
@@ -98,15 +92,9 @@ pub fn route_write(
     match mode {
         CacheMode::Writearound | CacheMode::None => WriteRoute::Bypass(Bypass::Mode),
         CacheMode::Writeback if shape.sequential => {
-            let must = shape.sync || shape.interleaved || shape.reordered;
-            // Absorbed only for being cheaper: under half the dirty limit, so that a stream
-            // does not take the room random writes (which the disk serves far worse) need.
-            let limit = if must {
-                dirty_max_pct
-            } else {
-                dirty_max_pct / 2
-            };
-            if (must || shape.cheaper_absorbed) && under(limit, dirty_blocks()) {
+            if (shape.sync || shape.interleaved || shape.reordered)
+                && under(dirty_max_pct, dirty_blocks())
+            {
                 WriteRoute::Back
             } else {
                 WriteRoute::Bypass(Bypass::Sequential)
@@ -181,7 +169,6 @@ mod tests {
             interleaved,
             sync,
             reordered: false,
-            cheaper_absorbed: false,
         };
         // One stream the disk follows: around the cache, as bcache does.
         assert_eq!(
@@ -203,15 +190,6 @@ mod tests {
         };
         assert_eq!(wb(reordered, 89), WriteRoute::Back);
         assert_eq!(wb(reordered, 90), WriteRoute::Bypass(Bypass::Sequential));
-        // A stream the cache device takes faster than the disk (a disk behind a network):
-        // absorbed too ...
-        let cheaper = WriteShape {
-            cheaper_absorbed: true,
-            ..shape(false, false)
-        };
-        // ... under half the dirty limit.
-        assert_eq!(wb(cheaper, 44), WriteRoute::Back);
-        assert_eq!(wb(cheaper, 45), WriteRoute::Bypass(Bypass::Sequential));
         // The dirty limit is the knob's.
         let low = route_write(
             CacheMode::Writeback,
