@@ -601,23 +601,29 @@ impl Conn {
         let r = &mut self.reqs[req];
         let cookie = r.cookie;
         let data = r.buf.data_mut(answer.len());
+        let io_ok = result.is_ok();
         let finished = catch_unwind(AssertUnwindSafe(|| direct.finish(data, result)))
             .unwrap_or_else(|_| {
                 log::error!("the export panicked finishing request {cookie:#x}");
                 ReadFinished::Done(Err(io::Error::other("internal error")))
             });
+        // Counted: a read answered from its direct reads; a write whose direct writes put
+        // it in the cache, also when a worker then flushes it (FUA) or commits the journal.
+        let counter = match (&finished, reads) {
+            (ReadFinished::Done(Ok(())), true) => Some(&self.a.shared.direct_reads),
+            (ReadFinished::Done(Ok(())), false) => Some(&self.a.shared.direct_writes),
+            (ReadFinished::Again(_), false) if io_ok => Some(&self.a.shared.direct_writes),
+            _ => None,
+        };
+        if let Some(counter) = counter {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
         match finished {
             ReadFinished::Done(result) => {
                 let r = self.reqs.remove(req);
                 let mut head = Vec::new();
                 let n = answer.reply(&self.a.ctx, cookie, result, &mut head);
                 self.reply(head, r.buf, n, Some(r.permit), Some(r.in_flight));
-                let counter = if reads {
-                    &self.a.shared.direct_reads
-                } else {
-                    &self.a.shared.direct_writes
-                };
-                counter.fetch_add(1, Ordering::Relaxed);
             }
             ReadFinished::Again(rest) => {
                 let buf = std::mem::take(&mut self.reqs[req].buf);
