@@ -1068,9 +1068,18 @@ fn a_seek_bound_disk_that_is_not_reported_rotational_gets_a_miss_fill() {
 #[test]
 fn a_device_no_slower_than_the_cache_gets_no_miss_fill() {
     use blockdev::latency::{LatencyDevice, Model, SsdModel};
-    let flash = || LatencyDevice::new(MemDevice::new(64 << 20), Model::Ssd(SsdModel::default()));
-    // A hit on a filled block would cost what the miss it saves costs.
-    let (filled, st) = fill_after_warmup(Arc::new(flash()), Arc::new(flash()), 60);
+    let flash = |latency_us| {
+        let model = SsdModel {
+            latency_us,
+            ..SsdModel::default()
+        };
+        LatencyDevice::new(MemDevice::new(64 << 20), Model::Ssd(model))
+    };
+    // A hit on a filled block would cost no less than the miss it saves. The backing device
+    // is modelled faster than the cache (40 µs against 240 µs): the sleeps that model them
+    // overshoot by up to ~100 µs on a busy machine, and two equal models then read as
+    // unequal (a CI run measured 200 µs for an 80 µs model).
+    let (filled, st) = fill_after_warmup(Arc::new(flash(240.0)), Arc::new(flash(40.0)), 60);
     let e = st.cost.read;
     assert!(e.learned, "{e:?}");
     assert_eq!(filled, 4096, "only the block read ({e:?})");
