@@ -70,10 +70,18 @@ impl<'a> Reader<'a> {
     pub fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
         self.take(N).map(|b| b.try_into().unwrap())
     }
+    /// A string of `width` bytes, NUL-padded. Bytes that are not UTF-8 read as one `?` each
+    /// (not U+FFFD, three bytes long), so the string is never longer than the field and
+    /// writing it back reads back the same string.
     pub fn fixed_str(&mut self, width: usize) -> Option<String> {
         let b = self.take(width)?;
         let end = b.iter().position(|&c| c == 0).unwrap_or(width);
-        Some(String::from_utf8_lossy(&b[..end]).into_owned())
+        let mut s = String::with_capacity(end);
+        for chunk in b[..end].utf8_chunks() {
+            s.push_str(chunk.valid());
+            s.extend(std::iter::repeat_n('?', chunk.invalid().len()));
+        }
+        Some(s)
     }
 }
 
@@ -149,6 +157,21 @@ pub fn round_up(v: u64, align: u64) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    /// A fixed string with bytes that are not UTF-8 (a corrupt or hostile header) reads the
+    /// same after being written back: the fuzzer's backing-header round trip found U+FFFD
+    /// replacements growing past the field and being cut.
+    #[test]
+    fn a_fixed_string_of_invalid_utf8_round_trips() {
+        let mut field = vec![0xE0u8; 60];
+        field.extend_from_slice(b"ok\xff\0");
+        let s = Reader::new(&field).fixed_str(64).unwrap();
+        assert_eq!(s.len(), 63, "one ? per byte that is not UTF-8");
+        assert!(s.ends_with("ok?"));
+        let mut w = Writer::default();
+        w.fixed_str(&s, 64);
+        assert_eq!(Reader::new(&w.buf).fixed_str(64).unwrap(), s);
+    }
+
     use super::*;
 
     #[test]
