@@ -95,6 +95,19 @@ impl DirectIo for Direct {
 
 struct Shared(Arc<FileExport>);
 
+/// Each 4 KiB block of `[offset, offset + len)` a piece of its own, last first (so they
+/// complete in any order).
+fn blocks_backwards(offset: u64, len: usize) -> Vec<DeviceIo> {
+    (0..len / 4096)
+        .map(|i| DeviceIo {
+            offset: offset + (i * 4096) as u64,
+            buf_offset: i * 4096,
+            len: 4096,
+        })
+        .rev()
+        .collect()
+}
+
 impl Export for Shared {
     fn name(&self) -> String {
         "file".into()
@@ -125,14 +138,7 @@ impl Export for Shared {
         if offset >= GATED_FROM {
             return Start::Whole;
         }
-        let mut reads: Vec<DeviceIo> = (0..len / 4096)
-            .map(|i| DeviceIo {
-                offset: offset + (i * 4096) as u64,
-                buf_offset: i * 4096,
-                len: 4096,
-            })
-            .rev()
-            .collect();
+        let mut reads = blocks_backwards(offset, len);
         if offset == FAIL_AT {
             reads[0].offset = 1 << 40;
         }
@@ -145,14 +151,7 @@ impl Export for Shared {
         }))
     }
     fn start_write(&self, offset: u64, len: usize, _fua: bool) -> Start {
-        let reads = (0..len / 4096)
-            .map(|i| DeviceIo {
-                offset: offset + (i * 4096) as u64,
-                buf_offset: i * 4096,
-                len: 4096,
-            })
-            .rev()
-            .collect();
+        let reads = blocks_backwards(offset, len);
         Start::Direct(Box::new(Direct {
             fd: self.0.file.as_raw_fd(),
             reads,

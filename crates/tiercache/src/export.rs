@@ -7,7 +7,7 @@
 //! served it, how long it took), since every client request passes here.
 
 use crate::metrics::volume::{Op, Timer, VolumeMetrics};
-use engine::{Absorb, Hit, ReadPlan, SlowRead, SlowWrite, Volume, WritePlan};
+use engine::{Absorb, Hit, ReadPlan, Volume, WritePlan};
 use server::{DeviceIo, DirectIo, Finished, Rest, Start, ValidRequest};
 use std::io;
 use std::sync::Arc;
@@ -33,41 +33,34 @@ impl VolumeExport {
     }
 }
 
-impl VolumeExport {
-    /// Records a read that failed at its plan; returns the error for the reply.
-    fn fail(&self, t: Timer, bytes: u64, err: engine::Error) -> io::Error {
-        self.metrics.finish_as(t, Op::Read, bytes, false);
-        io::Error::from(err)
-    }
-
-    /// The rest of a read the plan left to the slow path, on a worker.
-    fn rest(&self, slow: SlowRead, t: Timer) -> Rest {
-        rest(self.vol.clone(), Arc::clone(&self.metrics), slow, t)
-    }
-}
-
-fn rest(vol: Volume, metrics: Arc<VolumeMetrics>, slow: SlowRead, t: Timer) -> Rest {
+/// The rest of a started request on a worker thread: `f` with the request's buffer, timed
+/// and classified on that thread (`Timer::here`) as `op`.
+fn on_worker(
+    metrics: Arc<VolumeMetrics>,
+    op: Op,
+    t: Timer,
+    f: impl FnOnce(&mut [u8]) -> engine::Result<()> + Send + 'static,
+) -> Rest {
     Box::new(move |buf| {
         let t = t.here();
-        let r = vol.read_slow(slow, buf).map_err(io::Error::from);
-        metrics.finish(t, Op::Read, buf.len() as u64, &r);
+        let r = f(buf).map_err(io::Error::from);
+        metrics.finish(t, op, buf.len() as u64, &r);
         r
     })
 }
 
-fn write_rest(vol: Volume, metrics: Arc<VolumeMetrics>, slow: SlowWrite, t: Timer) -> Rest {
-    Box::new(move |data| {
-        let t = t.here();
-        let r = vol.write_slow(slow, data).map_err(io::Error::from);
-        metrics.finish(t, Op::Write, data.len() as u64, &r);
-        r
-    })
+/// What the engine left of a request, for a worker thread.
+type EngineRest = Box<dyn FnOnce(&mut [u8]) -> engine::Result<()> + Send>;
+
+/// What the server carries out itself: a hit read from the cache device, or a write the
+/// cache absorbs written to it (the io_uring data path).
+enum Staged {
+    Hit(Hit),
+    Absorb(Absorb),
 }
 
-/// A write the cache absorbs, written to the cache device by the server itself (the io_uring
-/// data path).
-struct DirectAbsorb {
-    absorb: Absorb,
+struct Direct {
+    staged: Staged,
     fd: std::os::fd::RawFd,
     pieces: Vec<DeviceIo>,
     vol: Volume,
@@ -75,7 +68,35 @@ struct DirectAbsorb {
     t: Timer,
 }
 
-impl DirectIo for DirectAbsorb {
+impl Direct {
+    fn start(
+        staged: Staged,
+        fd: std::os::fd::RawFd,
+        pieces: &[engine::Piece],
+        vol: Volume,
+        metrics: Arc<VolumeMetrics>,
+        t: Timer,
+    ) -> Start {
+        let pieces = pieces
+            .iter()
+            .map(|p| DeviceIo {
+                offset: p.dev_offset,
+                buf_offset: p.buf_offset,
+                len: p.len,
+            })
+            .collect();
+        Start::Direct(Box::new(Direct {
+            staged,
+            fd,
+            pieces,
+            vol,
+            metrics,
+            t,
+        }))
+    }
+}
+
+impl DirectIo for Direct {
     fn fd(&self) -> std::os::fd::RawFd {
         self.fd
     }
@@ -83,67 +104,41 @@ impl DirectIo for DirectAbsorb {
         &self.pieces
     }
     fn writes(&self) -> bool {
-        true
+        matches!(self.staged, Staged::Absorb(_))
     }
     fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished {
-        let DirectAbsorb {
-            absorb,
+        let Direct {
+            staged,
             vol,
             metrics,
             t,
             ..
         } = *self;
         let n = buf.len() as u64;
-        match absorb.finish(buf, result) {
+        // What the engine left to do, for a worker (`None`: done).
+        let (op, left): (Op, engine::Result<Option<EngineRest>>) = match staged {
+            Staged::Hit(hit) => (
+                Op::Read,
+                hit.finish(buf, result).map(|again| {
+                    again.map(|slow| -> EngineRest { Box::new(move |b| vol.read_slow(slow, b)) })
+                }),
+            ),
+            Staged::Absorb(absorb) => (
+                Op::Write,
+                absorb.finish(buf, result).map(|again| {
+                    again.map(|slow| -> EngineRest { Box::new(move |b| vol.write_slow(slow, b)) })
+                }),
+            ),
+        };
+        match left {
+            Ok(Some(f)) => Finished::Again(on_worker(metrics, op, t, f)),
             Ok(None) => {
-                metrics.finish_as(t, Op::Write, n, true);
+                metrics.finish_as(t, op, n, true);
                 Finished::Done(Ok(()))
             }
-            Ok(Some(slow)) => Finished::Again(write_rest(vol, metrics, slow, t)),
             Err(err) => {
-                metrics.finish_as(t, Op::Write, n, false);
+                metrics.finish_as(t, op, n, false);
                 Finished::Done(Err(io::Error::from(err)))
-            }
-        }
-    }
-}
-
-/// A hit the server reads from the cache device itself (the io_uring data path).
-struct DirectHit {
-    hit: Hit,
-    fd: std::os::fd::RawFd,
-    reads: Vec<DeviceIo>,
-    vol: Volume,
-    metrics: Arc<VolumeMetrics>,
-    t: Timer,
-}
-
-impl DirectIo for DirectHit {
-    fn fd(&self) -> std::os::fd::RawFd {
-        self.fd
-    }
-    fn pieces(&self) -> &[DeviceIo] {
-        &self.reads
-    }
-    fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished {
-        let DirectHit {
-            hit,
-            vol,
-            metrics,
-            t,
-            ..
-        } = *self;
-        let n = buf.len() as u64;
-        match hit.finish(buf, result) {
-            Ok(None) => {
-                metrics.finish(t, Op::Read, n, &Ok(()));
-                Finished::Done(Ok(()))
-            }
-            Ok(Some(slow)) => Finished::Again(rest(vol, metrics, slow, t)),
-            Err(err) => {
-                let r: io::Result<()> = Err(io::Error::from(err));
-                metrics.finish(t, Op::Read, n, &r);
-                Finished::Done(r)
             }
         }
     }
@@ -200,45 +195,25 @@ impl server::Export for VolumeExport {
     /// left it (the request is noted once).
     fn start_read(&self, offset: u64, len: usize) -> Start {
         let t = self.metrics.start();
+        let (vol, metrics) = (self.vol.clone(), Arc::clone(&self.metrics));
         match self.vol.plan_read(offset, len) {
             Err(err) => {
-                let r = self.fail(t, len as u64, err);
-                Start::Failed(r)
+                self.metrics.finish_as(t, Op::Read, len as u64, false);
+                Start::Failed(io::Error::from(err))
             }
             Ok(ReadPlan::Hit(hit)) => match hit.fd() {
                 Some(fd) => {
-                    let reads = hit
-                        .pieces()
-                        .iter()
-                        .map(|p| DeviceIo {
-                            offset: p.dev_offset,
-                            buf_offset: p.buf_offset,
-                            len: p.len,
-                        })
-                        .collect();
-                    Start::Direct(Box::new(DirectHit {
-                        hit,
-                        fd,
-                        reads,
-                        vol: self.vol.clone(),
-                        metrics: Arc::clone(&self.metrics),
-                        t,
-                    }))
+                    let pieces = hit.pieces().to_vec();
+                    Direct::start(Staged::Hit(hit), fd, &pieces, vol, metrics, t)
                 }
-                None => {
-                    let (vol, metrics) = (self.vol.clone(), Arc::clone(&self.metrics));
-                    Start::Rest(Box::new(move |buf| {
-                        let t = t.here();
-                        let r = hit
-                            .read_blocking(buf)
-                            .and_then(|again| again.map_or(Ok(()), |s| vol.read_slow(s, buf)))
-                            .map_err(io::Error::from);
-                        metrics.finish(t, Op::Read, buf.len() as u64, &r);
-                        r
-                    }))
-                }
+                None => Start::Rest(on_worker(metrics, Op::Read, t, move |buf| {
+                    let again = hit.read_blocking(buf)?;
+                    again.map_or(Ok(()), |s| vol.read_slow(s, buf))
+                })),
             },
-            Ok(ReadPlan::Slow(slow)) => Start::Rest(self.rest(slow, t)),
+            Ok(ReadPlan::Slow(slow)) => Start::Rest(on_worker(metrics, Op::Read, t, move |buf| {
+                vol.read_slow(slow, buf)
+            })),
         }
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
@@ -258,35 +233,19 @@ impl server::Export for VolumeExport {
             }
             Ok(WritePlan::Absorb(absorb)) => match absorb.fd() {
                 Some(fd) => {
-                    let pieces = absorb
-                        .pieces()
-                        .iter()
-                        .map(|p| DeviceIo {
-                            offset: p.dev_offset,
-                            buf_offset: p.buf_offset,
-                            len: p.len,
-                        })
-                        .collect();
-                    Start::Direct(Box::new(DirectAbsorb {
-                        absorb,
-                        fd,
-                        pieces,
-                        vol,
-                        metrics,
-                        t,
-                    }))
+                    let pieces = absorb.pieces().to_vec();
+                    Direct::start(Staged::Absorb(absorb), fd, &pieces, vol, metrics, t)
                 }
-                None => Start::Rest(Box::new(move |data| {
-                    let t = t.here();
-                    let r = absorb
-                        .write_blocking(data)
-                        .and_then(|again| again.map_or(Ok(()), |s| vol.write_slow(s, data)))
-                        .map_err(io::Error::from);
-                    metrics.finish(t, Op::Write, data.len() as u64, &r);
-                    r
+                None => Start::Rest(on_worker(metrics, Op::Write, t, move |data| {
+                    let again = absorb.write_blocking(data)?;
+                    again.map_or(Ok(()), |s| vol.write_slow(s, data))
                 })),
             },
-            Ok(WritePlan::Slow(slow)) => Start::Rest(write_rest(vol, metrics, slow, t)),
+            Ok(WritePlan::Slow(slow)) => {
+                Start::Rest(on_worker(metrics, Op::Write, t, move |data| {
+                    vol.write_slow(slow, data)
+                }))
+            }
         }
     }
     fn flush(&self) -> io::Result<()> {

@@ -245,13 +245,7 @@ impl Absorb {
     /// The cache device's descriptor to write every piece through, from a buffer aligned to
     /// 4 KiB; `None`: write them with [`Absorb::write_blocking`].
     pub fn fd(&self) -> Option<RawFd> {
-        let cache = &self.vol.inner.cache;
-        let mut fds = self
-            .pieces
-            .iter()
-            .map(|p| cache.direct_fd(p.dev_offset, p.len));
-        let first = fds.next()??;
-        fds.all(|fd| fd == Some(first)).then_some(first)
+        super::plan::pieces_fd(&self.vol.inner.cache, &self.pieces)
     }
 
     /// The cache-device writes: `len` bytes of the request's data from `buf_offset` to
@@ -263,15 +257,10 @@ impl Absorb {
     /// Stages 2 and 3 with blocking writes through the cache device.
     pub fn write_blocking(mut self, data: &[u8]) -> Result<Option<SlowWrite>> {
         let cache = std::sync::Arc::clone(&self.vol.inner.cache);
-        let mut io = Ok(());
-        for p in self.pieces.clone() {
-            io = cache
-                .device()
-                .write_at(&data[p.buf_offset..p.buf_offset + p.len], p.dev_offset);
-            if io.is_err() {
-                break;
-            }
-        }
+        let io = self.pieces.iter().try_for_each(|p| {
+            let from = &data[p.buf_offset..p.buf_offset + p.len];
+            cache.device().write_at(from, p.dev_offset)
+        });
         self.finish_io(data, io)
     }
 
@@ -280,12 +269,7 @@ impl Absorb {
     /// `Ok(Some(slow))`: complete it with `Volume::write_slow`.
     pub fn finish(mut self, data: &[u8], io: std::io::Result<()>) -> Result<Option<SlowWrite>> {
         let cache = &self.vol.inner.cache;
-        if let Some(t) = &self.timed {
-            let took = cache.elapsed(t);
-            for p in &self.pieces {
-                cache.direct_done(true, (p.dev_offset, p.len), io.is_ok(), took);
-            }
-        }
+        super::plan::direct_done(cache, self.timed.as_ref(), &self.pieces, true, &io);
         self.finish_io(data, io)
     }
 

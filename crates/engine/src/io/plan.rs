@@ -204,13 +204,7 @@ impl Hit {
     /// The cache device's descriptor to read every piece from, with buffers aligned to its
     /// direct-I/O needs (4 KiB always suffices); `None`: read through [`Hit::read_blocking`].
     pub fn fd(&self) -> Option<RawFd> {
-        let cache = &self.vol.inner.cache;
-        let mut fds = self
-            .pieces
-            .iter()
-            .map(|p| cache.direct_fd(p.dev_offset, p.len));
-        let first = fds.next()??;
-        fds.all(|fd| fd == Some(first)).then_some(first)
+        pieces_fd(&self.vol.inner.cache, &self.pieces)
     }
 
     /// The cache-device reads this hit needs.
@@ -218,30 +212,13 @@ impl Hit {
         &self.pieces
     }
 
-    /// Bytes of the request.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the request is empty (never: an empty read is a `SlowRead`).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Stages 2 and 3 with blocking reads through the cache device.
     pub fn read_blocking(mut self, buf: &mut [u8]) -> Result<Option<SlowRead>> {
         let cache = std::sync::Arc::clone(&self.vol.inner.cache);
-        let mut io = Ok(());
-        for p in self.pieces.clone() {
-            io = blockdev::BlockDevice::read_at(
-                cache.device(),
-                &mut buf[p.buf_offset..p.buf_offset + p.len],
-                p.dev_offset,
-            );
-            if io.is_err() {
-                break;
-            }
-        }
+        let io = self.pieces.iter().try_for_each(|p| {
+            let out = &mut buf[p.buf_offset..p.buf_offset + p.len];
+            cache.device().read_at(out, p.dev_offset)
+        });
         self.finish_io(buf, io)
     }
 
@@ -251,13 +228,13 @@ impl Hit {
     /// `Err`: the read fails. The caller's own reads are accounted to the cache device (its
     /// latency, its wrappers' statistics) here.
     pub fn finish(mut self, buf: &mut [u8], io: std::io::Result<()>) -> Result<Option<SlowRead>> {
-        let cache = &self.vol.inner.cache;
-        if let Some(t) = &self.timed {
-            let took = cache.elapsed(t);
-            for p in &self.pieces {
-                cache.direct_done(false, (p.dev_offset, p.len), io.is_ok(), took);
-            }
-        }
+        direct_done(
+            &self.vol.inner.cache,
+            self.timed.as_ref(),
+            &self.pieces,
+            false,
+            &io,
+        );
         self.finish_io(buf, io)
     }
 
@@ -344,6 +321,31 @@ impl Hit {
         }
         vol.count_read(self.read, self.len as u64, true, false);
         Ok(None)
+    }
+}
+
+/// The one descriptor of the cache device that every piece can go through, if there is one
+/// (the staged read's and the staged write's `fd`).
+pub(super) fn pieces_fd(cache: &crate::cachedev::CacheDev, pieces: &[Piece]) -> Option<RawFd> {
+    let mut fds = pieces.iter().map(|p| cache.direct_fd(p.dev_offset, p.len));
+    let first = fds.next()??;
+    fds.all(|fd| fd == Some(first)).then_some(first)
+}
+
+/// Accounts the caller's own I/O of `pieces` to the cache device's wrappers (the time since
+/// the plan began `timed`).
+pub(super) fn direct_done(
+    cache: &crate::cachedev::CacheDev,
+    timed: Option<&Timed>,
+    pieces: &[Piece],
+    write: bool,
+    io: &std::io::Result<()>,
+) {
+    if let Some(t) = timed {
+        let took = cache.elapsed(t);
+        for p in pieces {
+            cache.direct_done(write, (p.dev_offset, p.len), io.is_ok(), took);
+        }
     }
 }
 

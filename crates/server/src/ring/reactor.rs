@@ -188,14 +188,17 @@ impl Reactor {
                 }
                 sq.sq.sync();
             }
-            let finished: Vec<usize> = self
-                .conns
-                .iter()
-                .filter(|(_, c)| c.finished())
-                .map(|(k, _)| k)
-                .collect();
-            for key in finished {
-                self.conns.remove(key).close(&self.handle);
+            // Allocates only in the round a connection ends.
+            if self.conns.iter().any(|(_, c)| c.finished()) {
+                let finished: Vec<usize> = self
+                    .conns
+                    .iter()
+                    .filter(|(_, c)| c.finished())
+                    .map(|(k, _)| k)
+                    .collect();
+                for key in finished {
+                    self.conns.remove(key).close(&self.handle);
+                }
             }
             if self.stopping && self.conns.is_empty() {
                 // The eventfd read and the timer may still be in flight: their buffers are
