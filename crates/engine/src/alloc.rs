@@ -15,7 +15,8 @@
 //!   blocks a miss fill brought in beside the ones asked for live apart from both (if nobody
 //!   reads them their buckets are never used again, so LRU gives them up first instead of the
 //!   buckets of blocks clients asked for);
-//! - the policy (which bucket to reclaim) is a pure function of the counters here;
+//! - which clean bucket to reclaim is the policy's (`policy::ReplacementOrder`, owned here:
+//!   told of every allocation and use, asked for each bucket's rank);
 //! - nothing here scans every bucket on a frequent path: free and pending buckets are kept in
 //!   queues with a count, and reclaim and GC victims are served from candidate lists that one
 //!   scan fills with up to `candidates_max` buckets (so a scan costs O(buckets) once per that
@@ -52,39 +53,14 @@
 //! was taken while the bucket still held the data, and a reuse decision made after that change
 //! sees it. A pin dropped after a failed check may land on a bucket in any state; the count
 //! goes back to what it was and the last-unpin rule above still frees a retired bucket once.
-//! Hits found that way record their use in [`Touches`], applied under the lock before a reclaim
-//! victim is chosen.
+//! Hits found that way record their use in `policy::Touches`, applied under the lock before a
+//! reclaim victim is chosen.
 
+use crate::policy::{Replacement, ReplacementOrder, Touches};
 use crate::units::{Bucket, CacheBlock, Gen};
 use std::collections::{BinaryHeap, VecDeque};
-use std::sync::atomic::{AtomicU16, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
-
-/// Slots of [`Touches`] (a fixed 16 KiB, not per bucket).
-const TOUCH_SLOTS: usize = 4096;
-
-/// Bucket uses recorded without the state lock (lock-free cache hits), applied to the LRU
-/// stamps under it before reclaim picks a victim. Lossy by design: one slot per
-/// `bucket % TOUCH_SLOTS`, so of two buckets sharing a slot between two reclaims only the later
-/// use is kept (the other looks as old as its last locked use: an approximation of LRU, never
-/// a correctness issue). A slot already holding the bucket is not written again, so a hot
-/// bucket's slot is not a shared write on every hit.
-#[derive(Clone)]
-pub struct Touches(Arc<[AtomicU32]>);
-
-impl Touches {
-    fn new() -> Touches {
-        Touches((0..TOUCH_SLOTS).map(|_| AtomicU32::new(0)).collect())
-    }
-
-    /// Records a use of bucket `b` (no lock). A slot holds `b + 1`, 0 when empty.
-    pub fn note(&self, b: Bucket) {
-        let slot = &self.0[b.idx() % TOUCH_SLOTS];
-        if slot.load(Ordering::Relaxed) != b.get() + 1 {
-            slot.store(b.get() + 1, Ordering::Relaxed);
-        }
-    }
-}
 
 /// One byte per bucket: the per-bucket tables are part of the RAM budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,7 +69,8 @@ pub enum BucketState {
     Free,
     Open,
     Closed,
-    /// Emptied; free once the journal epoch in `last_use` is durable and no pins remain.
+    /// Emptied; free once its retirement tag (a journal epoch, `ReplacementOrder::tag`) is
+    /// durable and no pins remain.
     PendingFree,
 }
 
@@ -157,9 +134,9 @@ impl Pins {
 pub struct Buckets {
     pub gen: Vec<Gen>,
     pub state: Vec<BucketState>,
-    /// The tick of the last use; for a `PendingFree` bucket, the journal epoch (tag) that
-    /// must be durable before it is free.
-    last_use: Vec<u64>,
+    /// The replacement order (and, for a `PendingFree` bucket, the journal epoch (tag) that
+    /// must be durable before it is free).
+    order: ReplacementOrder,
     pins: Pins,
     free: VecDeque<Bucket>,
     /// Retired buckets in retirement order (tags never decrease). An entry whose bucket is no
@@ -167,7 +144,7 @@ pub struct Buckets {
     pending: VecDeque<(u64, Bucket)>,
     /// Buckets in state `PendingFree`.
     pending_count: usize,
-    /// Reclaim victims (stamped with `last_use` as seen by the scan).
+    /// Reclaim victims (with their stamps as seen by the scan).
     lru: Candidates,
     /// GC victims.
     gc: Candidates,
@@ -175,11 +152,6 @@ pub struct Buckets {
     /// closed bucket is full, a free one empty: only open buckets need a fill pointer).
     open: [Option<(Bucket, u32)>; 3],
     bpb: u32,
-    touches: Touches,
-    /// The latest tick seen (allocations and locked touches): the stamp of applied `touches`.
-    tick: u64,
-    /// Which clean bucket reclaim gives up (see `policy::reclaim_rank`).
-    replacement: crate::policy::Replacement,
 }
 
 /// Most candidates one scan keeps: a scan costs O(buckets), so victims cost O(64) each.
@@ -276,7 +248,7 @@ impl Buckets {
         Buckets {
             gen: gens,
             state,
-            last_use: vec![0; n],
+            order: ReplacementOrder::new(n),
             pins: Pins::new(n),
             free,
             pending: VecDeque::new(),
@@ -285,26 +257,20 @@ impl Buckets {
             gc: Candidates::default(),
             open: [None; 3],
             bpb,
-            touches: Touches::new(),
-            tick: 0,
-            replacement: Default::default(),
         }
     }
 
-    /// Sets the replacement policy (stamps already taken keep their meaning until the buckets
-    /// are used or opened again).
-    pub fn set_replacement(&mut self, r: crate::policy::Replacement) {
-        self.replacement = r;
+    /// Sets the replacement policy (see `ReplacementOrder::set_policy`).
+    pub fn set_replacement(&mut self, r: Replacement) {
+        self.order.set_policy(r);
     }
 
     /// Bytes of heap the bucket table holds (for the memory budget).
     pub fn heap_bytes(&self) -> u64 {
         (self.gen.capacity() * std::mem::size_of::<Gen>()
             + self.state.capacity() * std::mem::size_of::<BucketState>()
-            + self.last_use.capacity() * 8
+            + self.order.heap_bytes()
             + self.pins.heap_bytes()
-            + TOUCH_SLOTS * 4
-            + 2 * std::mem::size_of::<usize>()
             + self.free.capacity() * std::mem::size_of::<Bucket>()
             + self.pending.capacity() * std::mem::size_of::<(u64, Bucket)>()
             + (self.lru.list.capacity() + self.gc.list.capacity())
@@ -318,21 +284,7 @@ impl Buckets {
 
     /// Where lock-free hits record their uses.
     pub fn touches(&self) -> Touches {
-        self.touches.clone()
-    }
-
-    /// Applies the uses lock-free hits recorded since the last call.
-    fn apply_touches(&mut self) {
-        let tick = self.tick;
-        let touches = self.touches.clone();
-        for slot in touches.0.iter() {
-            if slot.load(Ordering::Relaxed) != 0 {
-                let v = slot.swap(0, Ordering::Relaxed);
-                if let Some(b) = v.checked_sub(1) {
-                    self.touch(Bucket::new(b), tick);
-                }
-            }
-        }
+        self.order.touches()
     }
 
     pub fn free_count(&self) -> usize {
@@ -371,11 +323,8 @@ impl Buckets {
         let n = want.min(self.bpb - *fill);
         let first = CacheBlock::first_of(*b, self.bpb) + *fill;
         *fill += n;
-        let b = *b;
-        if *fill == n || self.replacement.tracks_use() {
-            self.last_use[b.idx()] = tick;
-        }
-        self.tick = self.tick.max(tick);
+        let (b, opened) = (*b, *fill == n);
+        self.order.allocated(b, opened, tick);
         self.pin(b);
         Some((first, n))
     }
@@ -397,7 +346,7 @@ impl Buckets {
     pub fn free_unpinned(&mut self, b: Bucket, durable_epoch: u64) {
         let i = b.idx();
         if self.state[i] == BucketState::PendingFree
-            && self.last_use[i] <= durable_epoch
+            && self.order.tag(b) <= durable_epoch
             && self.pins.count(b) == 0
         {
             self.free_bucket(b);
@@ -426,22 +375,19 @@ impl Buckets {
     /// recently used (as of the last scan; see the module invariants). `epoch` is the journal's
     /// appended epoch, which paces scans that find nothing.
     pub fn reclaim_candidate(&mut self, live: &[u32], dirty: &[u32], epoch: u64) -> Option<Bucket> {
-        if self.replacement.tracks_use() {
-            self.apply_touches();
-        }
+        let state = &self.state;
+        self.order
+            .apply_touches(|b| state[b.idx()] != BucketState::PendingFree);
         let mut lru = std::mem::take(&mut self.lru);
         let salt = lru.scans;
         let victim = lru.next(
             self,
             epoch,
             // Used since the scan: warm again, not a victim now (the next scan reconsiders it).
-            |bk, b, used| bk.reclaimable(b, dirty) && bk.last_use[b.idx()] == used,
+            |bk, b, used| bk.reclaimable(b, dirty) && bk.order.stamp(b) == used,
             |bk, b| {
-                let used = bk.last_use[b.idx()];
-                bk.reclaimable(b, dirty).then_some((
-                    crate::policy::reclaim_rank(bk.replacement, b, live[b.idx()], used, salt),
-                    used,
-                ))
+                bk.reclaimable(b, dirty)
+                    .then(|| (bk.order.rank(b, live[b.idx()], salt), bk.order.stamp(b)))
             },
         );
         self.lru = lru;
@@ -482,7 +428,7 @@ impl Buckets {
         self.gen[i] = self.gen[i].next();
         self.state[i] = BucketState::PendingFree;
         self.pins.0[i].fetch_or(RETIRED, Ordering::Relaxed);
-        self.last_use[i] = tag;
+        self.order.set_tag(b, tag);
         self.pending.push_back((tag, b));
         self.pending_count += 1;
         self.gen[i]
@@ -496,7 +442,7 @@ impl Buckets {
                 break;
             }
             self.pending.pop_front();
-            if self.last_use[b.idx()] == tag {
+            if self.order.tag(b) == tag {
                 self.free_unpinned(b, durable_epoch);
             }
         }
@@ -534,7 +480,7 @@ impl Buckets {
         // Every pending bucket can still be found by `release`, or is waiting for its pins.
         for (b, s) in Bucket::all(self.state.len()).zip(&self.state) {
             if *s == BucketState::PendingFree {
-                let tag = self.last_use[b.idx()];
+                let tag = self.order.tag(b);
                 if self.pins.count(b) == 0 && !self.pending.contains(&(tag, b)) {
                     return Err(format!("pending bucket {b} (tag {tag}) is in no queue"));
                 }
@@ -551,10 +497,8 @@ impl Buckets {
 
     /// Records a use of the bucket (reads and writes keep it warm for LRU reclaim).
     pub fn touch(&mut self, b: Bucket, tick: u64) {
-        self.tick = self.tick.max(tick);
-        if self.replacement.tracks_use() && self.state[b.idx()] != BucketState::PendingFree {
-            self.last_use[b.idx()] = tick;
-        }
+        let in_order = self.state[b.idx()] != BucketState::PendingFree;
+        self.order.used(b, tick, in_order);
     }
 }
 
@@ -604,8 +548,8 @@ mod tests {
     fn closed(n: usize, live: u32) -> (Buckets, Vec<u32>, Vec<u32>) {
         let lives = vec![live.max(1); n];
         let mut bk = Buckets::new(vec![Gen::new(0); n], &lives, 4);
-        for b in 0..n {
-            bk.last_use[b] = b as u64;
+        for b in Bucket::all(n) {
+            bk.order.allocated(b, true, b.get().into());
         }
         (bk, vec![live; n], vec![0; n])
     }
@@ -666,10 +610,10 @@ mod tests {
         bk.set_replacement(crate::policy::Replacement::Fifo);
         bk.alloc(WritePoint::Clean, 1, 5);
         bk.alloc(WritePoint::Clean, 1, 9);
-        assert_eq!(bk.last_use[0], 5);
+        assert_eq!(bk.order.stamp(Bucket::new(0)), 5);
         bk.set_replacement(crate::policy::Replacement::Lru);
         bk.alloc(WritePoint::Clean, 1, 12);
-        assert_eq!(bk.last_use[0], 12);
+        assert_eq!(bk.order.stamp(Bucket::new(0)), 12);
     }
 
     #[test]

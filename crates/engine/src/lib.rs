@@ -83,6 +83,8 @@ pub use state::{
     DEFAULT_IO_ERROR_LIMIT,
 };
 pub use types::{CacheMode, DevId, Error, Result};
+/// The numbering units the public API (`policy`, `fuzzing`) speaks in.
+pub use units::{BackingBlock, Bucket, CacheBlock, Gen};
 
 /// The seed of a randomized test: `TIERCACHE_SEED` if set, else the clock; printed so a
 /// failure can be replayed. Shared by the unit tests and `tests/common` (hence public, hidden).

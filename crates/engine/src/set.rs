@@ -331,10 +331,11 @@ impl CacheSet {
             next_promotion: 0,
             writeback: Default::default(),
             uncertain: None,
-            ghost: crate::admit::Ghost::new(
-                u64::from(layout.nbuckets) * u64::from(layout.blocks_per_bucket()),
-            ),
         };
+        let policy = Arc::new(crate::policy::SetPolicy::new(
+            config.admission,
+            u64::from(layout.nbuckets) * u64::from(layout.blocks_per_bucket()),
+        ));
         let pins = state.buckets.pins();
         let index_reader = state.index.reader();
         let touches = state.buckets.touches();
@@ -365,6 +366,7 @@ impl CacheSet {
             tick: AtomicU64::new(0),
             reserve_buckets,
             health: Default::default(),
+            policy,
         });
         log::info!(
             "cache set {} recovered in {} ms: {} records, {} entries replayed, {} blocks cached ({} dirty)",
@@ -626,6 +628,7 @@ impl CacheSet {
             policy: crate::policy::VolumePolicy::new(
                 dev_rotational,
                 inner.config.decisions.clone(),
+                inner.policy.clone(),
             ),
             counters: Counters::default(),
             history: History::default(),
@@ -802,7 +805,7 @@ impl CacheSet {
         let st = self.inner.state.lock();
         (
             st.index.entry_count(),
-            st.index.heap_bytes() + st.buckets.heap_bytes() + st.ghost.heap_bytes(),
+            st.index.heap_bytes() + st.buckets.heap_bytes() + self.inner.policy.heap_bytes(),
         )
     }
 

@@ -172,8 +172,6 @@ pub(crate) struct State {
     pub writeback: crate::wbpool::WritebackPool,
     /// While degraded: what entries that may not be durable touched (see `health`).
     pub uncertain: Option<crate::degraded::Uncertain>,
-    /// Recent read misses, for the admission filter.
-    pub ghost: crate::admit::Ghost,
 }
 
 impl State {
@@ -457,7 +455,7 @@ pub(crate) struct Inner {
     pub pins: crate::alloc::Pins,
     /// Lock-free readers of `state.index` and the uses they record (see `slots`).
     pub index_reader: crate::slots::IndexReader,
-    pub touches: crate::alloc::Touches,
+    pub touches: crate::policy::Touches,
     pub commit_lock: Mutex<()>,
     /// Group commit (`commit_to`): whether a leader is committing for the waiters, and the
     /// condition they wait on. std's, whose `notify_all` wakes every waiter at once. Lock
@@ -479,6 +477,9 @@ pub(crate) struct Inner {
     pub tick: AtomicU64,
     pub reserve_buckets: usize,
     pub health: crate::degraded::Health,
+    /// The policy state the volumes share (the admission history): each volume's policy
+    /// holds it too.
+    pub policy: Arc<crate::policy::SetPolicy>,
 }
 
 /// A snapshot of one backing device's status.

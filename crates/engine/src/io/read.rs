@@ -24,8 +24,9 @@ use super::Volume;
 use crate::alloc::WritePoint;
 use crate::cachedev::Kind;
 use crate::index::{Seg, Segs};
+use crate::policy::{Bypass, CacheCosts, MissFacts, MissPlan, MissRead};
 use crate::readahead;
-use crate::state::Promotion;
+use crate::state::{Promotion, State};
 use crate::stats::Counters;
 use crate::types::{CacheMode, Error, Result};
 use crate::units::BackingBlock;
@@ -68,9 +69,9 @@ pub(super) enum Read {
     /// are `sequential_cutoff`'s to keep out).
     Cached { stream: bool },
     /// Hits from the cache, misses read from the backing device exactly (and why).
-    Bypass(crate::policy::Bypass),
+    Bypass(Bypass),
     /// Like `Bypass`, with misses served through readahead windows (a sequential stream).
-    Ahead(crate::policy::Bypass),
+    Ahead(Bypass),
     /// Like `Cached`, without counting in the hit statistics (NBD_CMD_CACHE).
     Prefetch,
 }
@@ -86,6 +87,44 @@ enum Holes<'a> {
     Span { start: u64, data: &'a [u8] },
     /// Through the readahead windows.
     Ahead,
+}
+
+/// What a miss's plan asks of the mechanism, answered under the state lock (see
+/// `policy::MissFacts`).
+struct Facts<'a> {
+    vol: &'a Volume,
+    st: &'a State,
+    b0: BackingBlock,
+    b1: BackingBlock,
+    len: u64,
+    /// The promotion in flight found to cover the request, to wait for.
+    covering: Option<u64>,
+}
+
+impl MissFacts for Facts<'_> {
+    fn cache_congested(&mut self) -> bool {
+        self.vol.cache_congested(Kind::Write, self.len)
+    }
+
+    fn promotion_in_flight(&mut self) -> bool {
+        let dev = self.vol.backing.id;
+        self.covering = self
+            .st
+            .promotions
+            .iter()
+            .find(|(_, p)| p.dev == dev && p.b0 <= self.b0 && self.b1 <= p.b1 && !p.collided)
+            .map(|(id, _)| *id);
+        self.covering.is_some()
+    }
+
+    fn cache_full(&mut self) -> bool {
+        self.st.buckets.free_count() + self.st.buckets.pending_count()
+            < 2 * self.vol.inner.reserve_buckets
+    }
+
+    fn fill_costs(&mut self) -> CacheCosts {
+        self.vol.inner.cache.fill_costs()
+    }
 }
 
 impl Volume {
@@ -112,7 +151,7 @@ impl Volume {
         let stream = self.note_io(offset, len).bytes;
         let cache_use = self.backing.cache_use();
         let bypass = if cache_use.detaching() {
-            Some(crate::policy::Bypass::Detaching)
+            Some(Bypass::Detaching)
         } else {
             crate::policy::read_bypass(self.mode(), self.seq_bypass(stream))
         };
@@ -136,13 +175,7 @@ impl Volume {
         self.count_read_as(why, len, hit, refused);
     }
 
-    fn count_read_as(
-        &self,
-        why: Option<crate::policy::Bypass>,
-        len: u64,
-        hit: bool,
-        refused: bool,
-    ) {
+    fn count_read_as(&self, why: Option<Bypass>, len: u64, hit: bool, refused: bool) {
         let c = &self.backing.counters;
         Counters::add(
             match (why.is_some() && !refused, hit) {
@@ -220,53 +253,54 @@ impl Volume {
             loop {
                 let mut st = inner.state.lock();
                 let segs = st.index.lookup(dev, b0, b1);
-                if !bypass
-                    && !prefetch
-                    && segs.iter().any(|s| s.ext.is_none())
-                    && self.cache_congested(Kind::Write, buf.len() as u64)
-                {
-                    // Promoting would wait on the slow cache device: the miss is served
-                    // alone (cached pieces still come from the cache).
-                    bypass = true;
-                    why = Some(crate::policy::Bypass::Congested);
-                }
+                let mut window = 1;
                 let mut miss = !bypass && segs.iter().any(|s| s.ext.is_none());
-                // A miss wholly inside a promotion in flight (concurrent readers of one window,
-                // e.g. a sequential stream at queue depth > 1) waits for it, then reads the
-                // cache, instead of reading the backing device again. Once only: a promotion that
-                // collided or failed leaves the blocks uncached and this read fetches them itself.
-                if miss && !waited {
-                    let covering = st
-                        .promotions
-                        .iter()
-                        .find(|(_, p)| p.dev == dev && p.b0 <= b0 && b1 <= p.b1 && !p.collided)
-                        .map(|(id, _)| *id);
-                    if let Some(id) = covering {
-                        waited = true;
-                        inner.promoted.wait_while_for(
-                            &mut st,
-                            |st| st.promotions.contains_key(&id),
-                            PROMOTION_WAIT_MAX,
-                        );
-                        continue;
-                    }
-                }
-                if miss && read == (Read::Cached { stream: false }) {
-                    let st = &mut *st;
-                    let earlier = st.ghost.record(crate::admit::Ghost::key(dev, b0));
-                    let full = st.buckets.free_count() + st.buckets.pending_count()
-                        < 2 * inner.reserve_buckets;
-                    if !self
+                if miss {
+                    let kind = match read {
+                        Read::Prefetch => MissRead::Prefetch,
+                        Read::Cached { stream: true } => MissRead::Stream,
+                        _ => MissRead::Random,
+                    };
+                    let mut facts = Facts {
+                        vol: self,
+                        st: &st,
+                        b0,
+                        b1,
+                        len: buf.len() as u64,
+                        covering: None,
+                    };
+                    let plan = self
                         .backing
                         .policy
-                        .admit_miss(inner.config.admission, full, earlier)
-                    {
-                        (miss, bypass, refused) = (false, true, true);
-                        why = Some(crate::policy::Bypass::Admission);
+                        .plan_miss(kind, waited, dev, b0, bs, &mut facts);
+                    match plan {
+                        MissPlan::Wait => {
+                            // A miss wholly inside a promotion in flight (concurrent readers of
+                            // one window, e.g. a sequential stream at queue depth > 1) waits for
+                            // it, then reads the cache, instead of reading the backing device
+                            // again. Once only: a promotion that collided or failed leaves the
+                            // blocks uncached and this read fetches them itself.
+                            let id = facts.covering.expect("a promotion in flight");
+                            waited = true;
+                            inner.promoted.wait_while_for(
+                                &mut st,
+                                |st| st.promotions.contains_key(&id),
+                                PROMOTION_WAIT_MAX,
+                            );
+                            continue;
+                        }
+                        MissPlan::Around(reason) => {
+                            // Congested: promoting would wait on the slow cache device (cached
+                            // pieces still come from the cache). Admission: kept out of a full
+                            // cache, counted as a miss.
+                            (miss, bypass, why) = (false, true, Some(reason));
+                            refused = reason == Bypass::Admission;
+                        }
+                        MissPlan::Promote { window: w } => window = w,
                     }
                 }
                 let around = if miss {
-                    self.miss_fill(&st.index, b0, b1)
+                    self.miss_fill(&st.index, b0, b1, window)
                 } else {
                     ((b0, b0), (b1, b1))
                 };
@@ -423,7 +457,7 @@ impl Volume {
         }
         self.backing
             .counters
-            .bypass(crate::policy::Bypass::Congested, buf.len() as u64);
+            .bypass(Bypass::Congested, buf.len() as u64);
         Some(self.backing_read(buf, offset))
     }
 
@@ -458,22 +492,18 @@ impl Volume {
         None
     }
 
-    /// The miss fill: where the backing device's cost model says a miss costs the positioning
-    /// more than the bytes, the uncached blocks around `[b0, b1)` up to the enclosing
-    /// `policy::miss_fill_window` window are read and promoted too. Returns the extra ranges
-    /// before and after the request (empty when the window is one block or the neighbours are
-    /// cached). Takes the cost model's lock (a leaf) under the state lock.
+    /// The miss fill: the uncached blocks around `[b0, b1)` up to the enclosing window of
+    /// `window` blocks (the policy's, `MissPlan::Promote`) are read and promoted too. Returns
+    /// the extra ranges before and after the request (empty when the window is one block or
+    /// the neighbours are cached).
     fn miss_fill(
         &self,
         index: &crate::index::Index,
         b0: BackingBlock,
         b1: BackingBlock,
+        window: u64,
     ) -> BlockRanges {
         let bs = self.inner.block_size();
-        let window = self
-            .backing
-            .policy
-            .fill_window(&self.inner.cache.fill_costs(), bs);
         if window <= 1 {
             return ((b0, b0), (b1, b1));
         }

@@ -3,7 +3,8 @@
 //! Admission: sequential stream detection ([`SeqDetector`], from `seq`), [`read_bypass`],
 //! [`route_write`] (each way around the cache has its [`Bypass`] reason); the miss fill
 //! ([`miss_fill_window`], [`span_holes`]; both read the backing device's `cost` model);
-//! admission of misses into a full cache ([`admit_miss`]); replacement ([`reclaim_rank`]); the
+//! admission of misses into a full cache ([`admit_miss`], from the set's shared history,
+//! [`SetPolicy`]); replacement ([`reclaim_rank`], from the order's state, [`ReplacementOrder`]); the
 //! writeback rate ([`writeback_rate`]). The tests here drive each one alone.
 //!
 //! Invariants: the same inputs give the same decisions (no I/O, no clock of their own: time
@@ -18,6 +19,7 @@ mod admission;
 mod fill;
 mod replacement;
 mod route;
+mod shared;
 mod volume;
 mod writeback;
 
@@ -25,5 +27,6 @@ pub use admission::*;
 pub use fill::*;
 pub use replacement::*;
 pub use route::*;
-pub use volume::{Decisions, Measured, VolumePolicy};
+pub use shared::SetPolicy;
+pub use volume::{Decisions, Measured, MissFacts, MissPlan, MissRead, VolumePolicy};
 pub use writeback::*;

@@ -1,8 +1,13 @@
 //! One volume's policy as an object: the state its decisions learn from — the sequential
 //! stream detector, the backing device's cost model, the measured benefit of miss fills, the
-//! miss count, the writeback rate controller — and the decisions made from that state. The
+//! miss count, the writeback rate controller, and (shared with the set's other volumes,
+//! [`SetPolicy`]) the admission history — and the decisions made from that state. The
 //! mechanism (`io`, `writeback`) reports what happened (`observe_*`, `note_*`) and asks for
-//! decisions; it holds none of this state itself and reaches into none of it.
+//! decisions; it holds none of this state itself and reaches into none of it. A read that
+//! finds uncached blocks asks [`VolumePolicy::plan_miss`] for a [`MissPlan`] (around the
+//! cache and why, wait for a promotion in flight, or promote with a fill window) and carries
+//! it out; the facts the plan needs come from the mechanism through [`MissFacts`], asked
+//! only when the decision needs them.
 //!
 //! Invariants: every lock here is a leaf (nothing is locked under it), so the mechanism may
 //! ask under the state lock; a decision takes each lock once and does no I/O. The decisions
@@ -11,11 +16,12 @@
 
 use super::{
     admit_miss, is_sequential_bypass, miss_fill_window, near_requests_seek, span_holes,
-    writeback_rate, Admission, CacheCosts, Seen, SeqDetector, WritebackDecision, WritebackInputs,
-    WritebackPi,
+    writeback_rate, Admission, Bypass, CacheCosts, Seen, SeqDetector, SetPolicy, WritebackDecision,
+    WritebackInputs, WritebackPi,
 };
 use crate::cost::{CostEstimate, CostModel, DevCost, Op};
 use crate::fillhits::FillHits;
+use crate::types::DevId;
 use crate::units::BackingBlock;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -82,9 +88,51 @@ impl Decisions for Measured {
     }
 }
 
+/// How a read that found uncached blocks treats the cache (reads that go around it by their
+/// route do not ask: their misses are read from the backing device as they are).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MissRead {
+    /// A client's read outside any stream: admitted by the admission history.
+    Random,
+    /// A client's read continuing a stream below the cutoff: promoted (its next requests read
+    /// what its fill brings in).
+    Stream,
+    /// A prefetch (NBD_CMD_CACHE): promoted, whatever the cache device's speed.
+    Prefetch,
+}
+
+/// What the mechanism knows about a miss, asked by [`VolumePolicy::plan_miss`] only when its
+/// decision needs it (each may cost a measurement or a lookup).
+pub trait MissFacts {
+    /// Whether writing to the cache device now is slower than its congestion threshold and
+    /// than the backing device (counts the congestion when it is).
+    fn cache_congested(&mut self) -> bool;
+    /// Whether a promotion covering the request's blocks is in flight.
+    fn promotion_in_flight(&mut self) -> bool;
+    /// Whether the cache is full (a promotion would evict something).
+    fn cache_full(&mut self) -> bool;
+    /// The cache device's costs, for the fill window.
+    fn fill_costs(&mut self) -> CacheCosts;
+}
+
+/// The policy's answer to a read miss.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MissPlan {
+    /// Read the uncached blocks from the backing device, promote nothing, for this reason
+    /// (`Congested`, or `Admission`: a miss the history keeps out, counted as a miss).
+    Around(Bypass),
+    /// Wait for the promotion in flight over these blocks, then look again (once: a second
+    /// plan for the same request is made with `waited`).
+    Wait,
+    /// Promote the miss, with the blocks of the enclosing `window` (1: none) around it.
+    Promote { window: u64 },
+}
+
 /// The policy of one volume (see the module comment).
 pub struct VolumePolicy {
     decisions: Arc<dyn Decisions>,
+    /// The admission history, shared by the set's volumes.
+    set: Arc<SetPolicy>,
     seq: Mutex<SeqDetector>,
     cost: Mutex<CostModel>,
     /// Read misses so far (the miss fill's exploration alternates on it).
@@ -98,9 +146,14 @@ pub struct VolumePolicy {
 impl VolumePolicy {
     /// A fresh policy for a backing device that says whether it is rotational (the cost
     /// model's prior until it has measured the device).
-    pub fn new(rotational: bool, decisions: Arc<dyn Decisions>) -> VolumePolicy {
+    pub fn new(
+        rotational: bool,
+        decisions: Arc<dyn Decisions>,
+        set: Arc<SetPolicy>,
+    ) -> VolumePolicy {
         VolumePolicy {
             decisions,
+            set,
             seq: Mutex::new(SeqDetector::default()),
             cost: Mutex::new(CostModel::new(rotational)),
             misses: AtomicU64::new(0),
@@ -149,15 +202,46 @@ impl VolumePolicy {
         near_requests_seek(&self.estimate(Op::Write))
     }
 
-    /// Whether a read miss is promoted into a cache that is `full`, for a block that missed
-    /// `earlier` times before (the set's ghost history).
-    pub fn admit_miss(&self, admission: Admission, full: bool, earlier: u8) -> bool {
-        self.decisions
-            .admit_miss(admission, full, earlier, self.fill_hits.ratio())
+    /// The plan for a read of `read` kind whose first block `block` of device `dev` (and
+    /// maybe others) is not cached: around a congested cache device (not for a prefetch);
+    /// else, unless it `waited` already, wait for a promotion in flight over it; else a
+    /// client's random read is recorded in the admission history and kept out of a full cache
+    /// unless admitted (`admit_miss`); else promoted with the fill window
+    /// (`miss_fill_window`, which counts the miss).
+    pub fn plan_miss(
+        &self,
+        read: MissRead,
+        waited: bool,
+        dev: DevId,
+        block: BackingBlock,
+        block_size: u64,
+        facts: &mut impl MissFacts,
+    ) -> MissPlan {
+        if read != MissRead::Prefetch && facts.cache_congested() {
+            return MissPlan::Around(Bypass::Congested);
+        }
+        if !waited && facts.promotion_in_flight() {
+            return MissPlan::Wait;
+        }
+        if read == MissRead::Random {
+            let earlier = self.set.record_miss(dev, block);
+            let admitted = self.decisions.admit_miss(
+                self.set.admission(),
+                facts.cache_full(),
+                earlier,
+                self.fill_hits.ratio(),
+            );
+            if !admitted {
+                return MissPlan::Around(Bypass::Admission);
+            }
+        }
+        MissPlan::Promote {
+            window: self.fill_window(&facts.fill_costs(), block_size),
+        }
     }
 
     /// The miss-fill window for the next miss, in blocks (1: no fill); counts the miss.
-    pub fn fill_window(&self, cache: &CacheCosts, block_size: u64) -> u64 {
+    fn fill_window(&self, cache: &CacheCosts, block_size: u64) -> u64 {
         let miss_no = self.misses.fetch_add(1, Ordering::Relaxed);
         let est = self.estimate(Op::Read);
         self.decisions
@@ -212,5 +296,146 @@ impl VolumePolicy {
     /// The measured share of miss-filled blocks read later (None until measured).
     pub fn fill_read_share(&self) -> Option<f64> {
         self.fill_hits.ratio()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Facts the test sets, and which of them the plan asked.
+    #[derive(Default)]
+    struct Script {
+        congested: bool,
+        in_flight: bool,
+        full: bool,
+        asked: Vec<&'static str>,
+    }
+
+    impl MissFacts for Script {
+        fn cache_congested(&mut self) -> bool {
+            self.asked.push("congested");
+            self.congested
+        }
+        fn promotion_in_flight(&mut self) -> bool {
+            self.asked.push("in_flight");
+            self.in_flight
+        }
+        fn cache_full(&mut self) -> bool {
+            self.asked.push("full");
+            self.full
+        }
+        fn fill_costs(&mut self) -> CacheCosts {
+            self.asked.push("costs");
+            CacheCosts {
+                read: CostModel::new(false).estimate(Op::Read),
+                write_per_byte_ns: 0.0,
+            }
+        }
+    }
+
+    fn policy() -> VolumePolicy {
+        VolumePolicy::new(
+            false,
+            Arc::new(Measured),
+            Arc::new(SetPolicy::new(Admission::Ghost, 1 << 16)),
+        )
+    }
+
+    fn plan(
+        p: &VolumePolicy,
+        read: MissRead,
+        waited: bool,
+        block: u64,
+        f: &mut Script,
+    ) -> MissPlan {
+        p.plan_miss(
+            read,
+            waited,
+            DevId::new(1),
+            BackingBlock::new(block),
+            4096,
+            f,
+        )
+    }
+
+    #[test]
+    fn a_congested_cache_sends_misses_around_it_except_a_prefetch() {
+        let p = policy();
+        for read in [MissRead::Random, MissRead::Stream] {
+            let mut f = Script {
+                congested: true,
+                ..Script::default()
+            };
+            assert_eq!(
+                plan(&p, read, false, 7, &mut f),
+                MissPlan::Around(Bypass::Congested)
+            );
+            assert_eq!(f.asked, ["congested"], "nothing else is asked");
+        }
+        let mut f = Script {
+            congested: true,
+            ..Script::default()
+        };
+        assert!(matches!(
+            plan(&p, MissRead::Prefetch, false, 7, &mut f),
+            MissPlan::Promote { .. }
+        ));
+        assert!(!f.asked.contains(&"congested"));
+    }
+
+    #[test]
+    fn a_miss_inside_a_promotion_in_flight_waits_for_it_once() {
+        let p = policy();
+        let mut f = Script {
+            in_flight: true,
+            ..Script::default()
+        };
+        assert_eq!(plan(&p, MissRead::Random, false, 7, &mut f), MissPlan::Wait);
+        let mut f = Script {
+            in_flight: true,
+            ..Script::default()
+        };
+        assert!(matches!(
+            plan(&p, MissRead::Random, true, 7, &mut f),
+            MissPlan::Promote { .. }
+        ));
+        assert!(
+            !f.asked.contains(&"in_flight"),
+            "a waited read does not wait again"
+        );
+    }
+
+    #[test]
+    fn a_full_cache_admits_a_random_miss_only_the_second_time_and_a_stream_always() {
+        let p = policy();
+        let mut f = Script {
+            full: true,
+            ..Script::default()
+        };
+        assert_eq!(
+            plan(&p, MissRead::Random, false, 9, &mut f),
+            MissPlan::Around(Bypass::Admission)
+        );
+        assert!(matches!(
+            plan(&p, MissRead::Random, false, 9, &mut f),
+            MissPlan::Promote { .. }
+        ));
+        // A stream's miss is promoted without asking the history or the room.
+        let mut f = Script {
+            full: true,
+            ..Script::default()
+        };
+        assert!(matches!(
+            plan(&p, MissRead::Stream, false, 100, &mut f),
+            MissPlan::Promote { .. }
+        ));
+        assert!(!f.asked.contains(&"full"));
+        // With room, a first miss is promoted.
+        let mut f = Script::default();
+        assert!(matches!(
+            plan(&p, MissRead::Random, false, 200, &mut f),
+            MissPlan::Promote { .. }
+        ));
     }
 }
