@@ -126,20 +126,14 @@ impl Volume {
         if self.inner.is_degraded() {
             return slow(How::Degraded, None);
         }
-        let seen = self.note_io(offset, len);
         let cache_use = self.backing.cache_use();
-        let sequential = self.seq_bypass(seen.bytes);
-        let shape = crate::policy::WriteShape {
-            sequential,
-            interleaved: sequential && self.streams_interleaved(),
-            sync: fua,
-            reordered: sequential && seen.reordered && self.reordering_costs_seeks(),
-        };
-        let mut route = self.route(shape, cache_use.detaching());
-        if route == Route::Through && self.cache_congested(Kind::Write, len) {
-            // The slow cache device would hold the write up; the backing device has it.
-            route = Route::Bypass(Bypass::Congested);
-        }
+        let (mut facts, now) = self.routing(len, cache_use.detaching());
+        let r = self
+            .backing
+            .policy
+            .route_write(offset, len, fua, now, &mut facts);
+        self.note_stream(r.seen, now);
+        let route = r.route;
         if let Route::Bypass(why) = route {
             self.backing.counters.bypass(why, len);
         }

@@ -52,6 +52,43 @@ impl std::fmt::Debug for Volume {
     }
 }
 
+/// What the policy asks when it routes a request (see `policy::RouteFacts`).
+struct RouteAnswers<'a> {
+    vol: &'a Volume,
+    len: u64,
+    detaching: bool,
+}
+
+impl crate::policy::RouteFacts for RouteAnswers<'_> {
+    fn mode(&self) -> CacheMode {
+        self.vol.mode()
+    }
+    fn detaching(&self) -> bool {
+        self.detaching
+    }
+    fn sequential_cutoff(&self) -> u64 {
+        self.vol.backing.sequential_cutoff.load(Ordering::Relaxed)
+    }
+    fn cache_congested(&mut self, write: bool) -> bool {
+        let kind = if write {
+            crate::cachedev::Kind::Write
+        } else {
+            crate::cachedev::Kind::Read
+        };
+        self.vol.cache_congested(kind, self.len)
+    }
+    fn dirty_limit(&self) -> (u32, u64) {
+        let inner = &*self.vol.inner;
+        (
+            inner.config.dirty_max_pct,
+            u64::from(inner.layout.total_blocks()),
+        )
+    }
+    fn dirty_blocks(&mut self) -> u64 {
+        self.vol.inner.state.lock().index.dirty_blocks
+    }
+}
+
 impl Volume {
     pub fn id(&self) -> crate::DevId {
         self.backing.id
@@ -315,40 +352,34 @@ impl Volume {
         congested
     }
 
-    /// Feeds the sequential detector; returns what it says of the stream the request
-    /// continues.
-    fn note_io(&self, offset: u64, len: u64) -> crate::policy::Seen {
+    /// Feeds the sequential detector with a request the policy does not route (zeroes, a
+    /// trim).
+    fn note_io(&self, offset: u64, len: u64) {
         let now = self.inner.now_ns();
         let seen = self.backing.policy.observe_request(offset, len, now);
+        self.note_stream(seen, now);
+    }
+
+    /// Stamps when a client last ran a long stream (writeback yields to it).
+    fn note_stream(&self, seen: crate::policy::Seen, now: u64) {
         if seen.bytes >= crate::policy::WRITEBACK_STREAM_BYTES {
             self.backing
                 .client_stream_ns
                 .store(now.max(1), Ordering::Relaxed);
         }
-        seen
     }
 
-    /// Whether a stream that reaches the disk out of order costs it a seek per request (see
-    /// `policy::near_requests_seek`).
-    fn reordering_costs_seeks(&self) -> bool {
-        self.backing.policy.reordering_costs_seeks()
-    }
-
-    /// Whether other streams past the cutoff run at the same time as the one a request just
-    /// continued (see `policy::STREAM_OVERLAP_NS`).
-    fn streams_interleaved(&self) -> bool {
-        let cutoff = self.backing.sequential_cutoff.load(Ordering::Relaxed);
+    /// Routes a read or a write through the policy (see `policy::VolumePolicy::route_read`
+    /// and `route_write`), answering its questions (`RouteFacts`).
+    fn routing(&self, len: u64, detaching: bool) -> (RouteAnswers<'_>, u64) {
         let now = self.inner.now_ns();
-        self.backing
-            .policy
-            .concurrent_streams(cutoff, now, crate::policy::STREAM_OVERLAP_NS)
-            > 1
-    }
-
-    fn seq_bypass(&self, stream_bytes: u64) -> bool {
-        self.backing.policy.sequential_bypass(
-            stream_bytes,
-            self.backing.sequential_cutoff.load(Ordering::Relaxed),
+        (
+            RouteAnswers {
+                vol: self,
+                len,
+                detaching,
+            },
+            now,
         )
     }
 

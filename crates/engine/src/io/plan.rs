@@ -133,8 +133,8 @@ impl Volume {
         if self.inner.is_degraded() {
             return slow(Route::Degraded, false, None);
         }
-        let (read, cache_use) = self.route_read(offset, len as u64);
-        if self.cache_congested(Kind::Read, len as u64) {
+        let (read, around_congestion, cache_use) = self.route_read(offset, len as u64);
+        if around_congestion {
             return slow(Route::AroundCongestion(read), false, Some(cache_use));
         }
         let bs = self.inner.block_size();

@@ -24,17 +24,13 @@ use super::Volume;
 use crate::alloc::WritePoint;
 use crate::cachedev::Kind;
 use crate::index::{Seg, Segs};
-use crate::policy::{Bypass, CacheCosts, MissFacts, MissPlan, MissRead};
+use crate::policy::{Bypass, CacheCosts, MissFacts, MissPlan, MissRead, ReadRoute};
 use crate::readahead;
 use crate::state::{Promotion, State};
 use crate::stats::Counters;
 use crate::types::{CacheMode, Error, Result};
 use crate::units::BackingBlock;
 use blockdev::BlockDevice;
-
-/// A bypassing stream of more than one request and at least this long is read ahead
-/// (`readahead::WINDOW_BYTES` at a time).
-const READAHEAD_AFTER_BYTES: u64 = 64 << 10;
 
 /// The write points of the blocks `[run.0, run.1)` a miss read: the ones in `asked` (the
 /// request's) with clean data, the miss fill's around them apart (see `alloc`). Non-empty
@@ -144,24 +140,21 @@ impl Volume {
         self.read_slow_unguarded(slow, buf)
     }
 
-    /// How a read of `len` bytes at `offset` treats the cache: notes it in the stream
-    /// detector (once per request) and decides the bypass. The read holds the returned
-    /// `CacheUse` until it is done (it may promote).
-    pub(super) fn route_read(&self, offset: u64, len: u64) -> (Read, super::CacheUse) {
-        let stream = self.note_io(offset, len).bytes;
+    /// How a read of `len` bytes at `offset` treats the cache, as the policy routes it (once
+    /// per request: it notes it in the stream detector), and whether it goes around a
+    /// congested cache device. The read holds the returned `CacheUse` until it is done (it
+    /// may promote).
+    pub(super) fn route_read(&self, offset: u64, len: u64) -> (Read, bool, super::CacheUse) {
         let cache_use = self.backing.cache_use();
-        let bypass = if cache_use.detaching() {
-            Some(Bypass::Detaching)
-        } else {
-            crate::policy::read_bypass(self.mode(), self.seq_bypass(stream))
+        let (mut facts, now) = self.routing(len, cache_use.detaching());
+        let r = self.backing.policy.route_read(offset, len, now, &mut facts);
+        self.note_stream(r.seen, now);
+        let read = match r.route {
+            ReadRoute::Cached { stream } => Read::Cached { stream },
+            ReadRoute::Bypass(why) => Read::Bypass(why),
+            ReadRoute::Ahead(why) => Read::Ahead(why),
         };
-        let streaming = stream > len && stream >= READAHEAD_AFTER_BYTES;
-        let read = match bypass {
-            Some(why) if streaming => Read::Ahead(why),
-            Some(why) => Read::Bypass(why),
-            None => Read::Cached { stream: streaming },
-        };
-        (read, cache_use)
+        (read, r.around_congestion, cache_use)
     }
 
     /// Counts a read of `len` bytes in the hit statistics (not a prefetch): a hit or a miss,

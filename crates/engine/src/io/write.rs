@@ -141,23 +141,6 @@ impl Volume {
         self.write_slow_unguarded(slow, data)
     }
 
-    /// Where a write goes, from the mode, the write's shape and the dirty limit. A
-    /// sequential stream past the cutoff that goes around the cache (see
-    /// `policy::route_write`) does so over dirty blocks too (as bcache does unless partial
-    /// RAID stripes are expensive): the dirty copies are dropped, their record waiting for
-    /// one backing flush per commit, and the disk gets the whole stream, without holes.
-    pub(super) fn route(&self, shape: crate::policy::WriteShape, detaching: bool) -> Route {
-        let inner = &*self.inner;
-        crate::policy::route_write(
-            self.mode(),
-            detaching,
-            shape,
-            inner.config.dirty_max_pct,
-            u64::from(inner.layout.total_blocks()),
-            || inner.state.lock().index.dirty_blocks,
-        )
-    }
-
     /// Writes `data` (or zeroes when `None`) over `[offset, offset + len)` along `route`.
     pub(super) fn write_range(
         &self,

@@ -28,5 +28,8 @@ pub use fill::*;
 pub use replacement::*;
 pub use route::*;
 pub use shared::SetPolicy;
-pub use volume::{Decisions, Measured, MissFacts, MissPlan, MissRead, VolumePolicy};
+pub use volume::{
+    Decisions, Measured, MissFacts, MissPlan, MissRead, ReadRoute, ReadRouting, RouteFacts,
+    VolumePolicy, WriteRouting, READAHEAD_AFTER_BYTES,
+};
 pub use writeback::*;

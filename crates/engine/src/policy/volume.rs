@@ -3,8 +3,11 @@
 //! miss count, the writeback rate controller, and (shared with the set's other volumes,
 //! [`SetPolicy`]) the admission history — and the decisions made from that state. The
 //! mechanism (`io`, `writeback`) reports what happened (`observe_*`, `note_*`) and asks for
-//! decisions; it holds none of this state itself and reaches into none of it. A read that
-//! finds uncached blocks asks [`VolumePolicy::plan_miss`] for a [`MissPlan`] (around the
+//! decisions; it holds none of this state itself and reaches into none of it. Each request
+//! is routed by the policy ([`VolumePolicy::route_read`], [`VolumePolicy::route_write`]:
+//! through the cache or around it and why, read ahead or not, around a congested cache
+//! device), which notes it in the stream detector on the way and asks the mechanism's
+//! [`RouteFacts`] as it needs them. A read that finds uncached blocks asks [`VolumePolicy::plan_miss`] for a [`MissPlan`] (around the
 //! cache and why, wait for a promotion in flight, or promote with a fill window) and carries
 //! it out; the facts the plan needs come from the mechanism through [`MissFacts`], asked
 //! only when the decision needs them.
@@ -15,13 +18,14 @@
 //! cover the rules and `tests/behaviour.rs` the wiring.
 
 use super::{
-    admit_miss, is_sequential_bypass, miss_fill_window, near_requests_seek, span_holes,
-    writeback_rate, Admission, Bypass, CacheCosts, Seen, SeqDetector, SetPolicy, WritebackDecision,
-    WritebackInputs, WritebackPi,
+    admit_miss, is_sequential_bypass, miss_fill_window, near_requests_seek, read_bypass,
+    route_write, span_holes, writeback_rate, Admission, Bypass, CacheCosts, Seen, SeqDetector,
+    SetPolicy, WriteRoute, WriteShape, WritebackDecision, WritebackInputs, WritebackPi,
+    STREAM_OVERLAP_NS,
 };
 use crate::cost::{CostEstimate, CostModel, DevCost, Op};
 use crate::fillhits::FillHits;
-use crate::types::DevId;
+use crate::types::{CacheMode, DevId};
 use crate::units::BackingBlock;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -86,6 +90,60 @@ impl Decisions for Measured {
     fn span_holes(&self, backing: &CostEstimate, holes: u64, gap_bytes: u64) -> bool {
         span_holes(backing, holes, gap_bytes)
     }
+}
+
+/// A stream of more than one request and at least this long that goes around the cache is
+/// read ahead (`readahead::WINDOW_BYTES` at a time).
+pub const READAHEAD_AFTER_BYTES: u64 = 64 << 10;
+
+/// What the mechanism knows about a request when the policy routes it (each asked only when
+/// the decision needs it).
+pub trait RouteFacts {
+    /// The volume's cache mode now.
+    fn mode(&self) -> CacheMode;
+    /// Whether the volume is being detached.
+    fn detaching(&self) -> bool;
+    /// The volume's sequential cutoff (bytes).
+    fn sequential_cutoff(&self) -> u64;
+    /// Whether the cache device is slower than its congestion threshold for a request of
+    /// this size, reading (`write` false) or writing, and slower than the backing device
+    /// (counts the congestion when it is).
+    fn cache_congested(&mut self, write: bool) -> bool;
+    /// The dirty limit: `dirty_max_pct` and the cache's blocks.
+    fn dirty_limit(&self) -> (u32, u64);
+    /// Dirty blocks in the cache now (costs a lock).
+    fn dirty_blocks(&mut self) -> u64;
+}
+
+/// How a read treats the cache, as routed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadRoute {
+    /// Hits from the cache, misses planned by [`VolumePolicy::plan_miss`] (`stream`: the
+    /// request continues a stream).
+    Cached { stream: bool },
+    /// Hits from the cache, misses read from the backing device exactly, and why.
+    Bypass(Bypass),
+    /// Like `Bypass`, misses served through readahead windows (a stream).
+    Ahead(Bypass),
+}
+
+/// The policy's route for a read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadRouting {
+    pub route: ReadRoute,
+    /// The cache device is congested for reads: the backing device serves the request
+    /// unless part of it is dirty.
+    pub around_congestion: bool,
+    /// What the stream detector saw.
+    pub seen: Seen,
+}
+
+/// The policy's route for a write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriteRouting {
+    pub route: WriteRoute,
+    /// What the stream detector saw.
+    pub seen: Seen,
 }
 
 /// How a read that found uncached blocks treats the cache (reads that go around it by their
@@ -169,7 +227,8 @@ impl VolumePolicy {
         self.cost.lock().observe(op, offset, len, ns);
     }
 
-    /// A client request of `len` bytes at `offset` arrived at `now_ns`: what it continues.
+    /// A client request of `len` bytes at `offset` arrived at `now_ns`: what it continues
+    /// (every routed request, and those that are not routed: zeroes, trims).
     pub fn observe_request(&self, offset: u64, len: u64, now_ns: u64) -> Seen {
         self.seq.lock().observe_stream(offset, len, now_ns)
     }
@@ -186,19 +245,86 @@ impl VolumePolicy {
 
     // ----- decisions -----
 
+    /// Routes a client read of `len` bytes at `offset` arriving at `now_ns` (noting it in the
+    /// stream detector): around the cache while detaching, in mode `none` and for a stream
+    /// past the cutoff (`read_bypass`), read ahead when such a stream is long
+    /// (`READAHEAD_AFTER_BYTES`); and whether the cache device is congested for it.
+    pub fn route_read(
+        &self,
+        offset: u64,
+        len: u64,
+        now_ns: u64,
+        facts: &mut impl RouteFacts,
+    ) -> ReadRouting {
+        let seen = self.observe_request(offset, len, now_ns);
+        let why = if facts.detaching() {
+            Some(Bypass::Detaching)
+        } else {
+            let sequential = self.sequential_bypass(seen.bytes, facts.sequential_cutoff());
+            read_bypass(facts.mode(), sequential)
+        };
+        let streaming = seen.bytes > len && seen.bytes >= READAHEAD_AFTER_BYTES;
+        let route = match why {
+            Some(why) if streaming => ReadRoute::Ahead(why),
+            Some(why) => ReadRoute::Bypass(why),
+            None => ReadRoute::Cached { stream: streaming },
+        };
+        ReadRouting {
+            route,
+            around_congestion: facts.cache_congested(false),
+            seen,
+        }
+    }
+
+    /// Routes a client write of `len` bytes at `offset` arriving at `now_ns` (`fua`: the
+    /// client waits for it to be durable), noting it in the stream detector: the write's
+    /// shape (a stream past the cutoff, interleaved with others, reordered on its way) and
+    /// `route_write`; a write through the cache goes around a congested cache device. A
+    /// stream sent around the cache goes around it over dirty blocks too (as bcache does
+    /// unless partial RAID stripes are expensive): the mechanism drops the dirty copies, their
+    /// record waiting for one backing flush per commit, and the disk gets the whole stream.
+    pub fn route_write(
+        &self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        now_ns: u64,
+        facts: &mut impl RouteFacts,
+    ) -> WriteRouting {
+        let seen = self.observe_request(offset, len, now_ns);
+        let cutoff = facts.sequential_cutoff();
+        let sequential = self.sequential_bypass(seen.bytes, cutoff);
+        let shape = WriteShape {
+            sequential,
+            interleaved: sequential
+                && self.concurrent_streams(cutoff, now_ns, STREAM_OVERLAP_NS) > 1,
+            sync: fua,
+            reordered: sequential && seen.reordered && self.reordering_costs_seeks(),
+        };
+        let (pct, total) = facts.dirty_limit();
+        let mode = facts.mode();
+        let detaching = facts.detaching();
+        let mut route = route_write(mode, detaching, shape, pct, total, || facts.dirty_blocks());
+        if route == WriteRoute::Through && facts.cache_congested(true) {
+            // The slow cache device would hold the write up; the backing device has it.
+            route = WriteRoute::Bypass(Bypass::Congested);
+        }
+        WriteRouting { route, seen }
+    }
+
     /// Whether a request continuing a stream of `stream_bytes` goes around the cache by the
     /// sequential cutoff.
-    pub fn sequential_bypass(&self, stream_bytes: u64, cutoff: u64) -> bool {
+    fn sequential_bypass(&self, stream_bytes: u64, cutoff: u64) -> bool {
         self.decisions.sequential_bypass(stream_bytes, cutoff)
     }
 
     /// How many streams past `cutoff` ran within `window_ns` before `now_ns`.
-    pub fn concurrent_streams(&self, cutoff: u64, now_ns: u64, window_ns: u64) -> usize {
+    fn concurrent_streams(&self, cutoff: u64, now_ns: u64, window_ns: u64) -> usize {
         self.seq.lock().concurrent(cutoff, now_ns, window_ns)
     }
 
     /// Whether a stream reaching the disk out of order costs it a seek per request.
-    pub fn reordering_costs_seeks(&self) -> bool {
+    fn reordering_costs_seeks(&self) -> bool {
         near_requests_seek(&self.estimate(Op::Write))
     }
 
@@ -332,6 +458,124 @@ mod tests {
                 write_per_byte_ns: 0.0,
             }
         }
+    }
+
+    /// Route facts the test sets, and which were asked.
+    struct Volume {
+        mode: CacheMode,
+        detaching: bool,
+        congested: bool,
+        dirty: u64,
+        asked: Vec<&'static str>,
+    }
+
+    impl RouteFacts for Volume {
+        fn mode(&self) -> CacheMode {
+            self.mode
+        }
+        fn detaching(&self) -> bool {
+            self.detaching
+        }
+        fn sequential_cutoff(&self) -> u64 {
+            1 << 20
+        }
+        fn cache_congested(&mut self, write: bool) -> bool {
+            self.asked.push(if write {
+                "write congested"
+            } else {
+                "read congested"
+            });
+            self.congested
+        }
+        fn dirty_limit(&self) -> (u32, u64) {
+            (50, 1000)
+        }
+        fn dirty_blocks(&mut self) -> u64 {
+            self.asked.push("dirty");
+            self.dirty
+        }
+    }
+
+    fn volume(mode: CacheMode) -> Volume {
+        Volume {
+            mode,
+            detaching: false,
+            congested: false,
+            dirty: 0,
+            asked: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn reads_are_routed_by_detach_mode_and_stream_and_told_of_congestion() {
+        let p = policy();
+        let mut v = volume(CacheMode::Writethrough);
+        let r = p.route_read(0, 4096, 1_000, &mut v);
+        assert_eq!(r.route, ReadRoute::Cached { stream: false });
+        assert!(!r.around_congestion);
+        v.congested = true;
+        assert!(p.route_read(1 << 30, 4096, 2_000, &mut v).around_congestion);
+        v.congested = false;
+        v.detaching = true;
+        assert_eq!(
+            p.route_read(3 << 30, 4096, 3_000, &mut v).route,
+            ReadRoute::Bypass(Bypass::Detaching)
+        );
+        let mut v = volume(CacheMode::None);
+        assert_eq!(
+            p.route_read(5 << 30, 4096, 4_000, &mut v).route,
+            ReadRoute::Bypass(Bypass::Mode)
+        );
+        // A stream: cached below the cutoff (read ahead past 64 KiB), around it past it.
+        let mut v = volume(CacheMode::Writeback);
+        let chunk = 128 << 10;
+        let routes: Vec<ReadRoute> = (0..16u64)
+            .map(|i| {
+                p.route_read(i * chunk, chunk, 10_000 + i * 1_000, &mut v)
+                    .route
+            })
+            .collect();
+        assert_eq!(routes[0], ReadRoute::Cached { stream: false });
+        assert_eq!(routes[1], ReadRoute::Cached { stream: true });
+        assert_eq!(routes[15], ReadRoute::Ahead(Bypass::Sequential));
+    }
+
+    #[test]
+    fn writes_are_routed_by_mode_dirty_limit_and_congestion() {
+        let p = policy();
+        let mut v = volume(CacheMode::Writeback);
+        assert_eq!(
+            p.route_write(0, 4096, false, 1_000, &mut v).route,
+            WriteRoute::Back
+        );
+        v.dirty = 500;
+        assert_eq!(
+            p.route_write(1 << 30, 4096, false, 2_000, &mut v).route,
+            WriteRoute::Bypass(Bypass::DirtyLimit)
+        );
+        let mut v = volume(CacheMode::Writeback);
+        v.congested = true;
+        assert_eq!(
+            p.route_write(2 << 30, 4096, false, 2_500, &mut v).route,
+            WriteRoute::Back
+        );
+        assert_eq!(
+            v.asked,
+            ["dirty"],
+            "a write into the cache alone is not sent around a congested cache"
+        );
+        let mut v = volume(CacheMode::Writethrough);
+        v.congested = true;
+        assert_eq!(
+            p.route_write(3 << 30, 4096, false, 3_000, &mut v).route,
+            WriteRoute::Bypass(Bypass::Congested)
+        );
+        assert_eq!(v.asked, ["write congested"], "the dirty count is not asked");
+        let mut v = volume(CacheMode::Writearound);
+        assert_eq!(
+            p.route_write(5 << 30, 4096, false, 4_000, &mut v).route,
+            WriteRoute::Bypass(Bypass::Mode)
+        );
     }
 
     fn policy() -> VolumePolicy {
