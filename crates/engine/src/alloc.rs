@@ -303,8 +303,15 @@ impl Buckets {
     }
 
     /// Grants up to `want` blocks at the open bucket of `point`, opening a free bucket if
-    /// needed. Returns `(first cache block, granted)`, or `None` if no free bucket exists.
-    pub fn alloc(&mut self, point: WritePoint, want: u32, tick: u64) -> Option<(CacheBlock, u32)> {
+    /// needed and more than `keep_free` are free (the ones GC needs to move live blocks: see
+    /// `space`). Returns `(first cache block, granted)`, or `None` if no bucket can be opened.
+    pub fn alloc(
+        &mut self,
+        point: WritePoint,
+        want: u32,
+        tick: u64,
+        keep_free: usize,
+    ) -> Option<(CacheBlock, u32)> {
         assert!(want > 0);
         let p = point as usize;
         if let Some((b, fill)) = self.open[p] {
@@ -314,6 +321,9 @@ impl Buckets {
             }
         }
         if self.open[p].is_none() {
+            if self.free.len() <= keep_free {
+                return None;
+            }
             let b = self.free.pop_front()?;
             debug_assert_eq!(self.state[b.idx()], BucketState::Free);
             self.state[b.idx()] = BucketState::Open;
@@ -510,18 +520,18 @@ mod tests {
     fn alloc_appends_then_opens_next() {
         let mut bk = Buckets::new(vec![Gen::new(0); 3], &[0, 5, 0], 4);
         assert_eq!(
-            bk.alloc(WritePoint::Dirty, 3, 1),
+            bk.alloc(WritePoint::Dirty, 3, 1, 0),
             Some((CacheBlock::new(0), 3))
         );
         assert_eq!(
-            bk.alloc(WritePoint::Dirty, 3, 1),
+            bk.alloc(WritePoint::Dirty, 3, 1, 0),
             Some((CacheBlock::new(3), 1))
         );
         assert_eq!(
-            bk.alloc(WritePoint::Clean, 8, 1),
+            bk.alloc(WritePoint::Clean, 8, 1, 0),
             Some((CacheBlock::new(8), 4))
         );
-        assert_eq!(bk.alloc(WritePoint::Dirty, 1, 1), None);
+        assert_eq!(bk.alloc(WritePoint::Dirty, 1, 1, 0), None);
         // Allocations pin their bucket until the writer is done.
         assert_eq!(bk.reclaim_candidate(&[0, 5, 4], &[0, 5, 0], 0), None);
         bk.unpin(Bucket::new(0), 0);
@@ -538,7 +548,7 @@ mod tests {
         assert_eq!(bk.free_count(), 0);
         bk.release(7);
         assert_eq!(
-            bk.alloc(WritePoint::Dirty, 1, 2),
+            bk.alloc(WritePoint::Dirty, 1, 2, 0),
             Some((CacheBlock::new(0), 1))
         );
         assert_eq!(bk.gen[0], Gen::new(1));
@@ -608,11 +618,11 @@ mod tests {
     fn fifo_stamps_a_bucket_when_it_is_opened_not_per_allocation() {
         let mut bk = Buckets::new(vec![Gen::new(0); 3], &[0, 0, 0], 4);
         bk.set_replacement(crate::policy::Replacement::Fifo);
-        bk.alloc(WritePoint::Clean, 1, 5);
-        bk.alloc(WritePoint::Clean, 1, 9);
+        bk.alloc(WritePoint::Clean, 1, 5, 0);
+        bk.alloc(WritePoint::Clean, 1, 9, 0);
         assert_eq!(bk.order.stamp(Bucket::new(0)), 5);
         bk.set_replacement(crate::policy::Replacement::Lru);
-        bk.alloc(WritePoint::Clean, 1, 12);
+        bk.alloc(WritePoint::Clean, 1, 12, 0);
         assert_eq!(bk.order.stamp(Bucket::new(0)), 12);
     }
 

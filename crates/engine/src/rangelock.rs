@@ -52,6 +52,20 @@ impl RangeLocks {
         true
     }
 
+    /// `try_lock` with a guard that gives the range back when dropped.
+    pub fn try_guard(
+        &self,
+        dev: DevId,
+        b0: BackingBlock,
+        b1: BackingBlock,
+    ) -> Option<RangeGuard<'_>> {
+        // Lazily: a guard made for a range not taken would give it back when dropped.
+        self.try_lock(dev, b0, b1).then(|| RangeGuard {
+            locks: self,
+            range: (dev, b0, b1),
+        })
+    }
+
     /// Gives back a range taken by `try_lock` (or a guard's).
     pub fn unlock(&self, range: (DevId, BackingBlock, BackingBlock)) {
         let mut held = self.held.lock();

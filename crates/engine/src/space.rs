@@ -4,9 +4,16 @@
 //! - reclaim only empties clean, closed, unpinned buckets (dirty data is never evicted before
 //!   it is written back); an emptied bucket is reusable only after its generation bump is
 //!   durable (see `alloc`);
-//! - foreground allocation never runs GC (GC takes range locks, and the foreground caller
-//!   already holds one); when no bucket can be freed at once the caller writes around the
-//!   cache instead of waiting, so a full cache never stalls a request;
+//! - client allocations leave the last [`gc_reserve`] free buckets to GC, so GC can always
+//!   move a bucket's live blocks and make room (a cache filled by clients to the last bucket
+//!   could be compacted no more);
+//! - a client's dirty write that finds no free bucket and no clean one to reclaim runs GC
+//!   itself before it spills to the backing device (which the cache is there to spare): GC
+//!   from the foreground only try-locks the ranges it moves (the caller holds its own range,
+//!   and two writers must not wait for each other's) and gives the bucket up at the first one
+//!   held; other allocations (promotions, clean copies) never wait for GC. When no room can
+//!   be made at once the caller writes around the cache, so a full cache never stalls a
+//!   request for longer than one bounded GC round;
 //! - GC moves each live piece with its own dirty state, and only while the range lock shows
 //!   it is still the current copy;
 //! - every loop here is bounded (`RECLAIM_MAX` buckets a round) so one step takes bounded time.
@@ -36,27 +43,67 @@ impl Drop for Grant<'_> {
     }
 }
 
-/// Allocates up to `want` blocks at `point`, reclaiming clean buckets if none is free.
-/// `Ok(None)`: the cache is full of dirty or pinned data right now; write around it.
+/// Free buckets client allocations leave to GC: one open bucket for each of the two write
+/// points GC moves live blocks to (fewer on caches under 32 buckets).
+pub fn gc_reserve(inner: &Inner) -> usize {
+    (inner.layout.nbuckets as usize / 16).min(2)
+}
+
+/// Rounds of making room one allocation may run (each bounded; see the module header).
+const ALLOC_ROUNDS: usize = 4;
+
+/// Who allocates: clients leave [`gc_reserve`] to GC; GC may use it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum For {
+    Client,
+    Gc,
+}
+
+/// Allocates up to `want` blocks at `point` for a client, reclaiming clean buckets if none is
+/// free and, for dirty data, compacting one with GC (see the module header). `Ok(None)`: the
+/// cache is full of live dirty or pinned data right now; write around it.
 pub fn alloc_blocks(inner: &Inner, point: WritePoint, want: u32) -> Result<Option<Grant<'_>>> {
-    for _ in 0..2 {
+    alloc_for(inner, point, want, For::Client)
+}
+
+fn alloc_for(inner: &Inner, point: WritePoint, want: u32, who: For) -> Result<Option<Grant<'_>>> {
+    let keep = match who {
+        For::Client => gc_reserve(inner),
+        For::Gc => 0,
+    };
+    for _ in 0..ALLOC_ROUNDS {
         let tick = inner.next_tick();
-        let granted = inner.state.lock().buckets.alloc(point, want, tick);
+        let granted = inner.state.lock().buckets.alloc(point, want, tick, keep);
         if let Some((cb, n)) = granted {
             return Ok(Some(Grant { inner, cb, n }));
         }
-        if reclaim(inner, 1, false)? == 0 {
-            break;
+        if reclaim(inner, keep + 1, false)? > 0 {
+            continue;
         }
+        if who == For::Client && point == WritePoint::Dirty {
+            match gc_one(inner, false)? {
+                Gc::Emptied => {
+                    // The bucket is free once its generation bump is durable.
+                    inner.commit_to(u64::MAX)?;
+                    continue;
+                }
+                // A range in use (often the writer's own, whose old copy is in the emptiest
+                // bucket): the next candidate.
+                Gc::GaveUp => continue,
+                Gc::NoCandidate => {}
+            }
+        }
+        break;
     }
     inner.wake_background();
     Ok(None)
 }
 
-/// Keeps `target` buckets free: reclaims clean buckets (least recently used first) and, when
-/// allowed, compacts mostly-stale buckets. Returns buckets emptied.
+/// Keeps `target` buckets free for clients, beyond the [`gc_reserve`]: reclaims clean
+/// buckets (least recently used first) and compacts mostly-stale buckets. Returns buckets
+/// emptied.
 pub fn make_space(inner: &Inner, target: usize) -> Result<usize> {
-    reclaim(inner, target, true)
+    reclaim(inner, target + gc_reserve(inner), true)
 }
 
 fn reclaim(inner: &Inner, target: usize, allow_gc: bool) -> Result<usize> {
@@ -79,7 +126,7 @@ fn reclaim(inner: &Inner, target: usize, allow_gc: bool) -> Result<usize> {
             victim
         };
         if victim.is_none() {
-            if allow_gc && gc_one(inner)? {
+            if allow_gc && gc_one(inner, true)? == Gc::Emptied {
                 emptied += 1;
             } else {
                 break;
@@ -104,9 +151,19 @@ fn retire_bucket(inner: &Inner, st: &mut crate::state::State, b: Bucket) {
     assert_eq!(st.buckets.retire(b, tag), gen);
 }
 
+/// What a GC round did.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Gc {
+    Emptied,
+    /// Not emptied: a range in use (without `wait`), no room to move to, or a copy dropped.
+    GaveUp,
+    NoCandidate,
+}
+
 /// Copying GC of the emptiest closed bucket: moves its live extents (clean and dirty) to the
-/// open buckets, then retires it. Returns whether a bucket was emptied.
-fn gc_one(inner: &Inner) -> Result<bool> {
+/// open buckets, then retires it. With `wait` false (from a client's allocation) a range
+/// another request holds ends the round instead.
+fn gc_one(inner: &Inner, wait: bool) -> Result<Gc> {
     let (b, entries) = {
         let mut st = inner.state.lock();
         let st = &mut *st;
@@ -115,14 +172,22 @@ fn gc_one(inner: &Inner) -> Result<bool> {
             st.buckets
                 .gc_candidate(&st.index.bucket_live, inner.config.gc_live_pct, epoch)
         else {
-            return Ok(false);
+            return Ok(Gc::NoCandidate);
         };
         st.buckets.pin(b);
         (b, st.index.entries_in_bucket(b))
     };
     let moved = (|| -> Result<bool> {
         for (dev, s, e) in entries {
-            let _g = inner.ranges.lock(dev, s, s + u64::from(e.len));
+            let range = (dev, s, s + u64::from(e.len));
+            let _g = if wait {
+                inner.ranges.lock(range.0, range.1, range.2)
+            } else {
+                match inner.ranges.try_guard(range.0, range.1, range.2) {
+                    Some(g) => g,
+                    None => return Ok(false),
+                }
+            };
             if !inner
                 .state
                 .lock()
@@ -149,7 +214,7 @@ fn gc_one(inner: &Inner) -> Result<bool> {
                 } else {
                     WritePoint::Clean
                 };
-                let Some(grant) = alloc_blocks(inner, point, e.len - done)? else {
+                let Some(grant) = alloc_for(inner, point, e.len - done, For::Gc)? else {
                     return Ok(false);
                 };
                 let (cb, n) = (grant.cb, grant.n);
@@ -193,7 +258,7 @@ fn gc_one(inner: &Inner) -> Result<bool> {
     if emptied {
         retire_bucket(inner, &mut st, b);
     }
-    Ok(emptied)
+    Ok(if emptied { Gc::Emptied } else { Gc::GaveUp })
 }
 
 /// Reads an extent from the cache (bucket pinned by the caller or range-locked) and checks

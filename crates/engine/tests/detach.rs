@@ -196,9 +196,9 @@ fn put(vol: &Volume, b: u64, id: u64) {
 
 /// Fills the first dirty bucket with `first` (device 0 or 1, block) then 14 blocks of device 0
 /// that writethrough then overwrites (so the bucket keeps two live blocks of sixteen: a GC
-/// candidate), then fills the cache with dirty blocks of device 1 until one bucket is free (below
-/// the reserve of two, and nothing clean to reclaim: the next maintenance step runs GC on that
-/// bucket). Label and mode changes on the way, as in the report.
+/// candidate), then fills the cache with dirty blocks of device 1 until two buckets are free
+/// (the GC reserve clients leave; below the maintenance target of the reserve of two beyond
+/// it, and nothing clean to reclaim: the next maintenance step runs GC on that bucket). Label and mode changes on the way, as in the report.
 fn sparse_bucket_in_a_full_cache(r: &GcRig, first: [(usize, u64); 2]) {
     let vols = [&r.vol0, &r.vol1];
     for (i, &(v, b)) in first.iter().enumerate() {
@@ -215,13 +215,13 @@ fn sparse_bucket_in_a_full_cache(r: &GcRig, first: [(usize, u64); 2]) {
     // more, and the last single block opens another.
     let n = u64::from(r.set.layout().nbuckets);
     assert!(n / 32 <= 2, "the reserve is two buckets for this size");
-    for k in 0..n - 4 {
+    for k in 0..n - 5 {
         let bucket: Vec<u8> = (k * 16..k * 16 + 16)
             .flat_map(|b| block_data(20, b))
             .collect();
         r.vol1.write(k * 16 * BS, &bucket, false).unwrap();
     }
-    put(&r.vol1, 16 * (n - 4), 21);
+    put(&r.vol1, 16 * (n - 5), 21);
     // Commit now: the commit owes device 0 a flush (writethrough dropped dirty blocks), which
     // must not land on a gate below.
     r.set.commit().unwrap();

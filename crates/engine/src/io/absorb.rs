@@ -191,9 +191,10 @@ impl Volume {
             while done < nblocks {
                 let want = (nblocks - done).min(u64::from(u32::MAX)) as u32;
                 let tick = inner.next_tick();
-                let Some((cb, n)) = st
-                    .buckets
-                    .alloc(crate::alloc::WritePoint::Dirty, want, tick)
+                let keep = crate::space::gc_reserve(inner);
+                let Some((cb, n)) =
+                    st.buckets
+                        .alloc(crate::alloc::WritePoint::Dirty, want, tick, keep)
                 else {
                     // No room without reclaiming: `a` gives back what it holds.
                     drop(st);
