@@ -10,8 +10,8 @@
 //!   read, and every allocation pins its bucket until its index entry is inserted (or the
 //!   allocation is abandoned), so a bucket closed while writes into it are still in flight
 //!   cannot be emptied under them;
-//! - one open bucket per write point, so clean promotions and dirty writes live in different
-//!   buckets (clean buckets can be reclaimed whole, dirty ones wait for writeback), and the
+//! - one open bucket per write point, so clean promotions, dirty writes and what GC moves
+//!   live in different buckets (clean buckets can be reclaimed whole, dirty ones wait for writeback), and the
 //!   blocks a miss fill brought in beside the ones asked for live apart from both (if nobody
 //!   reads them their buckets are never used again, so LRU gives them up first instead of the
 //!   buckets of blocks clients asked for);
@@ -74,14 +74,20 @@ pub enum BucketState {
     PendingFree,
 }
 
-/// Where a write's data goes: clean data (blocks read or written by clients), dirty data, or
-/// the blocks a miss fill read beside the ones asked for.
+/// Where a write's data goes: clean data (blocks read or written by clients), dirty data,
+/// the blocks a miss fill read beside the ones asked for, and what GC moves (clean and dirty:
+/// buckets only GC fills, so the room it keeps for itself is not taken by clients).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WritePoint {
     Clean = 0,
     Dirty = 1,
     Fill = 2,
+    MovedClean = 3,
+    MovedDirty = 4,
 }
+
+/// Write points (open buckets at once, at most).
+const WRITE_POINTS: usize = 5;
 
 /// The pin-count bit of a `Pins` slot that says the bucket is `PendingFree`.
 const RETIRED: u16 = 1 << 15;
@@ -150,7 +156,7 @@ pub struct Buckets {
     gc: Candidates,
     /// The open bucket of each write point and how many of its blocks are handed out (a
     /// closed bucket is full, a free one empty: only open buckets need a fill pointer).
-    open: [Option<(Bucket, u32)>; 3],
+    open: [Option<(Bucket, u32)>; WRITE_POINTS],
     bpb: u32,
 }
 
@@ -255,7 +261,7 @@ impl Buckets {
             pending_count: 0,
             lru: Candidates::default(),
             gc: Candidates::default(),
-            open: [None; 3],
+            open: [None; WRITE_POINTS],
             bpb,
         }
     }

@@ -353,6 +353,7 @@ impl CacheSet {
             index_reader,
             touches,
             commit_lock: Mutex::new(()),
+            gc_lock: Mutex::new(()),
             group: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
             ckpt_lock: Mutex::new(()),
             ranges: RangeLocks::default(),

@@ -9,11 +9,17 @@
 //!   could be compacted no more);
 //! - a client's dirty write that finds no free bucket and no clean one to reclaim runs GC
 //!   itself before it spills to the backing device (which the cache is there to spare): GC
-//!   from the foreground only try-locks the ranges it moves (the caller holds its own range,
-//!   and two writers must not wait for each other's) and gives the bucket up at the first one
-//!   held; other allocations (promotions, clean copies) never wait for GC. When no room can
-//!   be made at once the caller writes around the cache, so a full cache never stalls a
-//!   request for longer than one bounded GC round;
+//!   from the foreground takes every range of the bucket's live extents with `try_lock`
+//!   before it moves anything (the caller holds its own range, and two writers must not wait
+//!   for each other's), or gives the bucket up untouched and tries the next; other
+//!   allocations (promotions, clean copies) never wait for GC. When no room can be made at
+//!   once the caller writes around the cache, so a full cache never stalls a request for
+//!   longer than a few bounded GC rounds;
+//! - one GC round at a time (`Inner::gc_lock`): a round moves at most `gc_live_pct` % of a
+//!   bucket to each write point, so the reserve always holds what it moves and a round never
+//!   stops half way for want of room (which would use space and free none). A client waits
+//!   for a round under way (at most `GC_WAIT`: a maintenance round may wait for the client's
+//!   range), then takes the room it made before it runs one;
 //! - GC moves each live piece with its own dirty state, and only while the range lock shows
 //!   it is still the current copy;
 //! - every loop here is bounded (`RECLAIM_MAX` buckets a round) so one step takes bounded time.
@@ -44,13 +50,16 @@ impl Drop for Grant<'_> {
 }
 
 /// Free buckets client allocations leave to GC: one open bucket for each of the two write
-/// points GC moves live blocks to (fewer on caches under 32 buckets).
+/// points GC moves live blocks to, which only GC fills (fewer on caches under 32 buckets).
 pub fn gc_reserve(inner: &Inner) -> usize {
     (inner.layout.nbuckets as usize / 16).min(2)
 }
 
 /// Rounds of making room one allocation may run (each bounded; see the module header).
 const ALLOC_ROUNDS: usize = 4;
+
+/// Longest a client's write waits for another GC round to end before its own.
+const GC_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Who allocates: clients leave [`gc_reserve`] to GC; GC may use it.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -81,7 +90,17 @@ fn alloc_for(inner: &Inner, point: WritePoint, want: u32, who: For) -> Result<Op
             continue;
         }
         if who == For::Client && point == WritePoint::Dirty {
-            match gc_one(inner, false)? {
+            // One round at a time: wait for one under way, then take the room it made, or
+            // run one.
+            let Some(_round) = inner.gc_lock.try_lock_for(GC_WAIT) else {
+                continue;
+            };
+            let tick = inner.next_tick();
+            let granted = inner.state.lock().buckets.alloc(point, want, tick, keep);
+            if let Some((cb, n)) = granted {
+                return Ok(Some(Grant { inner, cb, n }));
+            }
+            match gc_round(inner, false)? {
                 Gc::Emptied => {
                     // The bucket is free once its generation bump is durable.
                     inner.commit_to(u64::MAX)?;
@@ -126,7 +145,7 @@ fn reclaim(inner: &Inner, target: usize, allow_gc: bool) -> Result<usize> {
             victim
         };
         if victim.is_none() {
-            if allow_gc && gc_one(inner, true)? == Gc::Emptied {
+            if allow_gc && gc_one(inner)? == Gc::Emptied {
                 emptied += 1;
             } else {
                 break;
@@ -155,15 +174,22 @@ fn retire_bucket(inner: &Inner, st: &mut crate::state::State, b: Bucket) {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Gc {
     Emptied,
-    /// Not emptied: a range in use (without `wait`), no room to move to, or a copy dropped.
+    /// Not emptied: a range in use (without `wait`), or a copy that could not be moved.
     GaveUp,
     NoCandidate,
 }
 
-/// Copying GC of the emptiest closed bucket: moves its live extents (clean and dirty) to the
-/// open buckets, then retires it. With `wait` false (from a client's allocation) a range
-/// another request holds ends the round instead.
-fn gc_one(inner: &Inner, wait: bool) -> Result<Gc> {
+/// A GC round from maintenance, which waits for the ranges it moves.
+fn gc_one(inner: &Inner) -> Result<Gc> {
+    let _round = inner.gc_lock.lock();
+    gc_round(inner, true)
+}
+
+/// Copying GC of the emptiest closed bucket (the caller holds `gc_lock`): moves its live
+/// extents (clean and dirty) to the open buckets, then retires it. With `wait` false (from a
+/// client's write) it takes every range first or gives the bucket up untouched (see the
+/// module header).
+fn gc_round(inner: &Inner, wait: bool) -> Result<Gc> {
     let (b, entries) = {
         let mut st = inner.state.lock();
         let st = &mut *st;
@@ -178,16 +204,17 @@ fn gc_one(inner: &Inner, wait: bool) -> Result<Gc> {
         (b, st.index.entries_in_bucket(b))
     };
     let moved = (|| -> Result<bool> {
-        for (dev, s, e) in entries {
-            let range = (dev, s, s + u64::from(e.len));
-            let _g = if wait {
-                inner.ranges.lock(range.0, range.1, range.2)
-            } else {
-                match inner.ranges.try_guard(range.0, range.1, range.2) {
-                    Some(g) => g,
+        let mut held = Vec::new();
+        if !wait {
+            for &(dev, s, e) in &entries {
+                match inner.ranges.try_guard(dev, s, s + u64::from(e.len)) {
+                    Some(g) => held.push(g),
                     None => return Ok(false),
                 }
-            };
+            }
+        }
+        for (dev, s, e) in entries {
+            let _g = wait.then(|| inner.ranges.lock(dev, s, s + u64::from(e.len)));
             if !inner
                 .state
                 .lock()
@@ -210,9 +237,9 @@ fn gc_one(inner: &Inner, wait: bool) -> Result<Gc> {
                 .ext
                 .is_some_and(|x| x.dirty);
                 let point = if dirty_now {
-                    WritePoint::Dirty
+                    WritePoint::MovedDirty
                 } else {
-                    WritePoint::Clean
+                    WritePoint::MovedClean
                 };
                 let Some(grant) = alloc_for(inner, point, e.len - done, For::Gc)? else {
                     return Ok(false);

@@ -95,7 +95,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             background: true,
-            gc_live_pct: 50,
+            gc_live_pct: 75,
             dirty_max_pct: 90,
             journal_delay_ms: 100,
             checkpoint_buckets_per_lock: u32::MAX,
@@ -457,6 +457,10 @@ pub(crate) struct Inner {
     pub index_reader: crate::slots::IndexReader,
     pub touches: crate::policy::Touches,
     pub commit_lock: Mutex<()>,
+    /// Held by the one GC round at a time (see `space`): a round can then always finish
+    /// moving a bucket into the reserve clients leave it. Lock order: before range locks
+    /// (a round from a client's write only try-locks them) and the state lock.
+    pub gc_lock: Mutex<()>,
     /// Group commit (`commit_to`): whether a leader is committing for the waiters, and the
     /// condition they wait on. std's, whose `notify_all` wakes every waiter at once. Lock
     /// order: `group` before `state`; it is never held while `commit_lock` is taken.

@@ -1221,6 +1221,11 @@ fn a_full_cache_keeps_its_hot_set_through_a_scan_and_admits_what_misses_twice() 
         let backing: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((64 << 20) + 8192));
         let config = Config {
             admission,
+            // No miss fills: on a loaded machine the memory devices' timings can look like a
+            // disk's, and fills of this scattered-but-local pattern measure as read later,
+            // which admits every miss (`ADMIT_FILL_SHARE`): the rule tested here is the
+            // history's.
+            decisions: Arc::new(NoFill),
             ..no_threads()
         };
         let (set, vol) = format_and_open(cache, backing, CacheMode::Writethrough, config);
@@ -1261,6 +1266,38 @@ fn a_full_cache_keeps_its_hot_set_through_a_scan_and_admits_what_misses_twice() 
         "bcache's rule: the scan evicted the hot set ({hot_hits} hits)"
     );
     assert_eq!(third, 2);
+}
+
+/// The engine's decisions, without miss fills.
+#[derive(Debug)]
+struct NoFill;
+
+impl engine::policy::Decisions for NoFill {
+    fn sequential_bypass(&self, stream_bytes: u64, cutoff: u64) -> bool {
+        engine::policy::Measured.sequential_bypass(stream_bytes, cutoff)
+    }
+    fn admit_miss(
+        &self,
+        admission: engine::policy::Admission,
+        full: bool,
+        earlier: u8,
+        fill_share: Option<f64>,
+    ) -> bool {
+        engine::policy::Measured.admit_miss(admission, full, earlier, fill_share)
+    }
+    fn fill_window(
+        &self,
+        _: &engine::cost::CostEstimate,
+        _: &engine::policy::CacheCosts,
+        _: Option<f64>,
+        _: u64,
+        _: u64,
+    ) -> u64 {
+        1
+    }
+    fn span_holes(&self, _: &engine::cost::CostEstimate, _: u64, _: u64) -> bool {
+        false
+    }
 }
 
 /// Decisions a test scripts: admit every miss or none, fill a fixed window, never span.
