@@ -5,6 +5,11 @@
 //! address; a buffer kept between requests is at most [`REUSE_BYTES_MAX`] (plus alignment);
 //! a larger one is an anonymous mapping of exactly the request's pages, unmapped by
 //! [`IoBuf::shrink`] or on drop.
+//!
+//! [`Spares`]: the buffers and reply headers an io_uring reactor keeps between its requests
+//! (so that a hit allocates neither), bounded in bytes and count; a buffer is shrunk (a
+//! mapping unmapped) before it is kept, so a spare is always a heap buffer of at most
+//! [`REUSE_BYTES_MAX`] plus alignment.
 
 use std::io;
 
@@ -88,12 +93,70 @@ impl IoBuf {
         }
     }
 
+    /// Bytes the buffer holds on the heap (its mappings not counted).
+    fn heap_bytes(&self) -> usize {
+        self.small.len()
+    }
+
     /// Frees a buffer too large to keep between requests (a mapping is unmapped at once).
     pub(crate) fn shrink(&mut self) {
         self.large = None;
         self.in_large = false;
         if self.small.len() > REUSE_BYTES_MAX + IO_ALIGN {
             self.small = Vec::new();
+        }
+    }
+}
+
+/// Most bytes of spare buffers one reactor keeps.
+const SPARE_BYTES_MAX: usize = 4 << 20;
+/// Most spare reply headers one reactor keeps, and the largest kept.
+const SPARE_HEADS_MAX: usize = 1024;
+const SPARE_HEAD_BYTES_MAX: usize = 256;
+
+/// Buffers and reply headers freed by one thread's requests, handed out again to its next
+/// ones (see the module header). Their contents are unspecified.
+#[derive(Default)]
+pub(crate) struct Spares {
+    bufs: Vec<IoBuf>,
+    bytes: usize,
+    heads: Vec<Vec<u8>>,
+}
+
+impl Spares {
+    /// A buffer (the most recently freed: its memory is likely in the CPU's cache).
+    pub(crate) fn buf(&mut self) -> IoBuf {
+        match self.bufs.pop() {
+            Some(b) => {
+                self.bytes -= b.heap_bytes();
+                b
+            }
+            None => IoBuf::default(),
+        }
+    }
+
+    /// Keeps `buf` for a later request if there is room (it is shrunk first).
+    pub(crate) fn keep_buf(&mut self, mut buf: IoBuf) {
+        buf.shrink();
+        let bytes = buf.heap_bytes();
+        if bytes > 0 && self.bytes + bytes <= SPARE_BYTES_MAX {
+            self.bytes += bytes;
+            self.bufs.push(buf);
+        }
+    }
+
+    /// An empty reply header.
+    pub(crate) fn head(&mut self) -> Vec<u8> {
+        self.heads.pop().unwrap_or_default()
+    }
+
+    /// Keeps `head` for a later reply if there is room and it is small.
+    pub(crate) fn keep_head(&mut self, mut head: Vec<u8>) {
+        if self.heads.len() < SPARE_HEADS_MAX
+            && (1..=SPARE_HEAD_BYTES_MAX).contains(&head.capacity())
+        {
+            head.clear();
+            self.heads.push(head);
         }
     }
 }

@@ -62,7 +62,8 @@ enum Staged {
 struct Direct {
     staged: Staged,
     fd: std::os::fd::RawFd,
-    pieces: Vec<DeviceIo>,
+    /// The staged request's pieces (up to four without allocating, as the engine's).
+    pieces: smallvec::SmallVec<[DeviceIo; 4]>,
     vol: Volume,
     metrics: Arc<VolumeMetrics>,
     t: Timer,
@@ -72,11 +73,14 @@ impl Direct {
     fn start(
         staged: Staged,
         fd: std::os::fd::RawFd,
-        pieces: &[engine::Piece],
         vol: Volume,
         metrics: Arc<VolumeMetrics>,
         t: Timer,
     ) -> Start {
+        let pieces = match &staged {
+            Staged::Hit(hit) => hit.pieces(),
+            Staged::Absorb(absorb) => absorb.pieces(),
+        };
         let pieces = pieces
             .iter()
             .map(|p| DeviceIo {
@@ -202,10 +206,7 @@ impl server::Export for VolumeExport {
                 Start::Failed(io::Error::from(err))
             }
             Ok(ReadPlan::Hit(hit)) => match hit.fd() {
-                Some(fd) => {
-                    let pieces = hit.pieces().to_vec();
-                    Direct::start(Staged::Hit(hit), fd, &pieces, vol, metrics, t)
-                }
+                Some(fd) => Direct::start(Staged::Hit(hit), fd, vol, metrics, t),
                 None => Start::Rest(on_worker(metrics, Op::Read, t, move |buf| {
                     let again = hit.read_blocking(buf)?;
                     again.map_or(Ok(()), |s| vol.read_slow(s, buf))
@@ -232,10 +233,7 @@ impl server::Export for VolumeExport {
                 Start::Failed(io::Error::from(err))
             }
             Ok(WritePlan::Absorb(absorb)) => match absorb.fd() {
-                Some(fd) => {
-                    let pieces = absorb.pieces().to_vec();
-                    Direct::start(Staged::Absorb(absorb), fd, &pieces, vol, metrics, t)
-                }
+                Some(fd) => Direct::start(Staged::Absorb(absorb), fd, vol, metrics, t),
                 None => Start::Rest(on_worker(metrics, Op::Write, t, move |data| {
                     let again = absorb.write_blocking(data)?;
                     again.map_or(Ok(()), |s| vol.write_slow(s, data))
