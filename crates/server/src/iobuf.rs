@@ -218,3 +218,51 @@ impl Drop for Mapping {
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spares_are_handed_out_again_bounded_and_never_mapped() {
+        let mut spares = Spares::default();
+        let mut buf = spares.buf();
+        let first = buf.slice(4096).as_ptr();
+        spares.keep_buf(buf);
+        let mut buf = spares.buf();
+        assert_eq!(
+            buf.slice(4096).as_ptr(),
+            first,
+            "the freed buffer is reused"
+        );
+        // A large request's mapping goes at once; its heap part is kept.
+        assert_eq!(buf.slice(2 * REUSE_BYTES_MAX).len(), 2 * REUSE_BYTES_MAX);
+        assert!(buf.large.is_some());
+        spares.keep_buf(buf);
+        assert!(spares.bufs.iter().all(|b| b.large.is_none()));
+        assert_eq!(spares.bufs.len(), 1);
+        for _ in 0..2 * SPARE_BYTES_MAX / (64 << 10) {
+            let mut buf = IoBuf::default();
+            buf.slice(64 << 10);
+            spares.keep_buf(buf);
+        }
+        let kept: usize = spares.bufs.iter().map(IoBuf::heap_bytes).sum();
+        assert_eq!(kept, spares.bytes);
+        assert!(spares.bytes <= SPARE_BYTES_MAX && spares.bytes > SPARE_BYTES_MAX / 2);
+        while !spares.bufs.is_empty() {
+            spares.buf();
+        }
+        assert_eq!(spares.bytes, 0);
+        // Reply headers: small ones only, up to a count, handed out empty.
+        for _ in 0..2 * SPARE_HEADS_MAX {
+            let mut head = spares.head();
+            head.extend_from_slice(&[1; 16]);
+            spares.keep_head(head);
+            spares.keep_head(vec![2; 16]);
+        }
+        spares.keep_head(Vec::with_capacity(4 * SPARE_HEAD_BYTES_MAX));
+        assert_eq!(spares.heads.len(), SPARE_HEADS_MAX);
+        assert!(spares.heads.iter().all(|h| h.is_empty()));
+        assert!(spares.head().capacity() <= SPARE_HEAD_BYTES_MAX);
+    }
+}

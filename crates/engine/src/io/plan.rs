@@ -362,6 +362,9 @@ impl Volume {
     /// is a bypassed read (not a stream read ahead) of a range with no cached block (the
     /// cache may hold the only current copy of one) and the backing device has a descriptor
     /// for it; else `slow` back, for `read_slow`.
+    /// (`slow` comes back by value, as `ReadPlan` carries a `Hit`: boxing it would cost an
+    /// allocation per read for nothing.)
+    #[allow(clippy::result_large_err)]
     pub fn read_around(&self, slow: SlowRead) -> std::result::Result<AroundRead, SlowRead> {
         let Route::Normal(Read::Bypass(why)) = slow.route else {
             return Err(slow);
