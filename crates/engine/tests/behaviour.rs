@@ -1501,6 +1501,79 @@ fn a_staged_write_is_written_by_the_caller_and_inserted_at_finish() {
     assert!(vol.status().stats.total.bypassed_full >= 8192);
 }
 
+/// A read around the cache on the backing device's descriptor (`Volume::read_around`, the
+/// caller's own read, `AroundRead::finish`) returns the backing device's data and counts
+/// exactly what `read_slow` counts for such a read; a range with a cached block (the cache may
+/// hold its only current copy) stays slow; a failed read is an error, counted as one.
+#[test]
+fn a_read_around_the_cache_is_read_by_the_caller_and_counted_as_the_slow_path_counts() {
+    use blockdev::FileDevice;
+    use engine::ReadPlan;
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let cache: Arc<dyn BlockDevice> =
+        Arc::new(FileDevice::create(&dir.path().join("cache.img"), 16 << 20).unwrap());
+    let backing: Arc<dyn BlockDevice> =
+        Arc::new(FileDevice::create(&dir.path().join("backing.img"), 4 << 20).unwrap());
+    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, no_threads());
+    // A dirty block at 1 MiB; then mode none, where reads go around the cache.
+    let dirty = data(40, 2048, 4096);
+    vol.write(1 << 20, &dirty, false).unwrap();
+    vol.set_mode(CacheMode::None).unwrap();
+    let d = data(41, 0, 256 << 10);
+    vol.write(0, &d, false).unwrap();
+    let stats = |vol: &engine::Volume| vol.status().stats.total;
+    let slow_of = |offset: u64, len: usize| match vol.plan_read(offset, len).unwrap() {
+        ReadPlan::Slow(slow) => slow,
+        ReadPlan::Hit(_) => panic!("mode none caches nothing there"),
+    };
+    // The slow path's accounting of a 16 KiB read (apart from the other reads: no stream).
+    let buf = aligned(16 << 10);
+    let before = stats(&vol);
+    vol.read_slow(slow_of(0, 16 << 10), buf).unwrap();
+    let slow = stats(&vol).since(&before);
+    assert!(buf[..] == d[..16 << 10]);
+    assert_eq!(
+        (
+            slow.cache_bypass_misses,
+            slow.bypassed_mode,
+            slow.backing_read_bytes
+        ),
+        (1, 16 << 10, 16 << 10)
+    );
+    // The caller's own read of another 16 KiB.
+    buf.fill(0);
+    let before = stats(&vol);
+    let around = vol
+        .read_around(slow_of(64 << 10, 16 << 10))
+        .expect("bypassed, nothing cached, a file: read by the caller");
+    // SAFETY: the descriptor stays open while `vol` lives; the File is never closed.
+    let file = std::mem::ManuallyDrop::new(unsafe {
+        <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(around.fd())
+    });
+    for p in around.pieces() {
+        file.read_exact_at(&mut buf[p.buf_offset..p.buf_offset + p.len], p.dev_offset)
+            .unwrap();
+    }
+    around.finish(Ok(())).unwrap();
+    assert!(buf[..] == d[64 << 10..80 << 10]);
+    assert_eq!(stats(&vol).since(&before).fields(), slow.fields());
+    // Half of this range is cached (dirty): the slow path's, which reads the dirty block.
+    let slow = vol
+        .read_around(slow_of((1 << 20) - 4096, 8192))
+        .expect_err("a cached block in the range");
+    let two = aligned(8192);
+    vol.read_slow(slow, two).unwrap();
+    assert!(two[4096..] == dirty[..]);
+    // A failed read of the caller's.
+    let before = stats(&vol);
+    let around = vol.read_around(slow_of(128 << 10, 4096)).unwrap();
+    let err = std::io::Error::other("injected device error");
+    assert!(around.finish(Err(err)).is_err());
+    let failed = stats(&vol).since(&before);
+    assert_eq!((failed.io_errors, failed.cache_bypass_misses), (1, 0));
+}
+
 /// A zeroed buffer of `len` bytes at a 4 KiB-aligned address.
 fn aligned(len: usize) -> &'static mut [u8] {
     let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();

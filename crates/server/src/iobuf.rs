@@ -5,6 +5,11 @@
 //! address; a buffer kept between requests is at most [`REUSE_BYTES_MAX`] (plus alignment);
 //! a larger one is an anonymous mapping of exactly the request's pages, unmapped by
 //! [`IoBuf::shrink`] or on drop.
+//!
+//! [`Spares`]: the buffers and reply headers an io_uring reactor keeps between its requests
+//! (so that a hit allocates neither), bounded in bytes and count; a buffer is shrunk (a
+//! mapping unmapped) before it is kept, so a spare is always a heap buffer of at most
+//! [`REUSE_BYTES_MAX`] plus alignment.
 
 use std::io;
 
@@ -88,12 +93,70 @@ impl IoBuf {
         }
     }
 
+    /// Bytes the buffer holds on the heap (its mappings not counted).
+    fn heap_bytes(&self) -> usize {
+        self.small.len()
+    }
+
     /// Frees a buffer too large to keep between requests (a mapping is unmapped at once).
     pub(crate) fn shrink(&mut self) {
         self.large = None;
         self.in_large = false;
         if self.small.len() > REUSE_BYTES_MAX + IO_ALIGN {
             self.small = Vec::new();
+        }
+    }
+}
+
+/// Most bytes of spare buffers one reactor keeps.
+const SPARE_BYTES_MAX: usize = 4 << 20;
+/// Most spare reply headers one reactor keeps, and the largest kept.
+const SPARE_HEADS_MAX: usize = 1024;
+const SPARE_HEAD_BYTES_MAX: usize = 256;
+
+/// Buffers and reply headers freed by one thread's requests, handed out again to its next
+/// ones (see the module header). Their contents are unspecified.
+#[derive(Default)]
+pub(crate) struct Spares {
+    bufs: Vec<IoBuf>,
+    bytes: usize,
+    heads: Vec<Vec<u8>>,
+}
+
+impl Spares {
+    /// A buffer (the most recently freed: its memory is likely in the CPU's cache).
+    pub(crate) fn buf(&mut self) -> IoBuf {
+        match self.bufs.pop() {
+            Some(b) => {
+                self.bytes -= b.heap_bytes();
+                b
+            }
+            None => IoBuf::default(),
+        }
+    }
+
+    /// Keeps `buf` for a later request if there is room (it is shrunk first).
+    pub(crate) fn keep_buf(&mut self, mut buf: IoBuf) {
+        buf.shrink();
+        let bytes = buf.heap_bytes();
+        if bytes > 0 && self.bytes + bytes <= SPARE_BYTES_MAX {
+            self.bytes += bytes;
+            self.bufs.push(buf);
+        }
+    }
+
+    /// An empty reply header.
+    pub(crate) fn head(&mut self) -> Vec<u8> {
+        self.heads.pop().unwrap_or_default()
+    }
+
+    /// Keeps `head` for a later reply if there is room and it is small.
+    pub(crate) fn keep_head(&mut self, mut head: Vec<u8>) {
+        if self.heads.len() < SPARE_HEADS_MAX
+            && (1..=SPARE_HEAD_BYTES_MAX).contains(&head.capacity())
+        {
+            head.clear();
+            self.heads.push(head);
         }
     }
 }
@@ -153,5 +216,53 @@ impl Drop for Mapping {
         // SAFETY: `ptr` and `len` are exactly what `mmap` returned and no slice of the mapping
         // outlives `self`.
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spares_are_handed_out_again_bounded_and_never_mapped() {
+        let mut spares = Spares::default();
+        let mut buf = spares.buf();
+        let first = buf.slice(4096).as_ptr();
+        spares.keep_buf(buf);
+        let mut buf = spares.buf();
+        assert_eq!(
+            buf.slice(4096).as_ptr(),
+            first,
+            "the freed buffer is reused"
+        );
+        // A large request's mapping goes at once; its heap part is kept.
+        assert_eq!(buf.slice(2 * REUSE_BYTES_MAX).len(), 2 * REUSE_BYTES_MAX);
+        assert!(buf.large.is_some());
+        spares.keep_buf(buf);
+        assert!(spares.bufs.iter().all(|b| b.large.is_none()));
+        assert_eq!(spares.bufs.len(), 1);
+        for _ in 0..2 * SPARE_BYTES_MAX / (64 << 10) {
+            let mut buf = IoBuf::default();
+            buf.slice(64 << 10);
+            spares.keep_buf(buf);
+        }
+        let kept: usize = spares.bufs.iter().map(IoBuf::heap_bytes).sum();
+        assert_eq!(kept, spares.bytes);
+        assert!(spares.bytes <= SPARE_BYTES_MAX && spares.bytes > SPARE_BYTES_MAX / 2);
+        while !spares.bufs.is_empty() {
+            spares.buf();
+        }
+        assert_eq!(spares.bytes, 0);
+        // Reply headers: small ones only, up to a count, handed out empty.
+        for _ in 0..2 * SPARE_HEADS_MAX {
+            let mut head = spares.head();
+            head.extend_from_slice(&[1; 16]);
+            spares.keep_head(head);
+            spares.keep_head(vec![2; 16]);
+        }
+        spares.keep_head(Vec::with_capacity(4 * SPARE_HEAD_BYTES_MAX));
+        assert_eq!(spares.heads.len(), SPARE_HEADS_MAX);
+        assert!(spares.heads.iter().all(|h| h.is_empty()));
+        assert!(spares.head().capacity() <= SPARE_HEAD_BYTES_MAX);
     }
 }

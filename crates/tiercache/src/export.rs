@@ -7,7 +7,7 @@
 //! served it, how long it took), since every client request passes here.
 
 use crate::metrics::volume::{Op, Timer, VolumeMetrics};
-use engine::{Absorb, Hit, ReadPlan, Volume, WritePlan};
+use engine::{Absorb, AroundRead, Hit, ReadPlan, Volume, WritePlan};
 use server::{DeviceIo, DirectIo, Finished, Rest, Start, ValidRequest};
 use std::io;
 use std::sync::Arc;
@@ -52,17 +52,20 @@ fn on_worker(
 /// What the engine left of a request, for a worker thread.
 type EngineRest = Box<dyn FnOnce(&mut [u8]) -> engine::Result<()> + Send>;
 
-/// What the server carries out itself: a hit read from the cache device, or a write the
-/// cache absorbs written to it (the io_uring data path).
+/// What the server carries out itself (the io_uring data path): a hit read from the cache
+/// device, a write the cache absorbs written to it, or a read around the cache read from the
+/// backing device.
 enum Staged {
     Hit(Hit),
     Absorb(Absorb),
+    Around(AroundRead),
 }
 
 struct Direct {
     staged: Staged,
     fd: std::os::fd::RawFd,
-    pieces: Vec<DeviceIo>,
+    /// The staged request's pieces (up to four without allocating, as the engine's).
+    pieces: smallvec::SmallVec<[DeviceIo; 4]>,
     vol: Volume,
     metrics: Arc<VolumeMetrics>,
     t: Timer,
@@ -72,11 +75,15 @@ impl Direct {
     fn start(
         staged: Staged,
         fd: std::os::fd::RawFd,
-        pieces: &[engine::Piece],
         vol: Volume,
         metrics: Arc<VolumeMetrics>,
         t: Timer,
     ) -> Start {
+        let pieces = match &staged {
+            Staged::Hit(hit) => hit.pieces(),
+            Staged::Absorb(absorb) => absorb.pieces(),
+            Staged::Around(around) => around.pieces(),
+        };
         let pieces = pieces
             .iter()
             .map(|p| DeviceIo {
@@ -115,6 +122,9 @@ impl DirectIo for Direct {
             ..
         } = *self;
         let n = buf.len() as u64;
+        // The request is judged by the devices its own finish accounts on this thread (a
+        // reactor finishes other requests between this one's start and its finish).
+        let t = t.here();
         // What the engine left to do, for a worker (`None`: done).
         let (op, left): (Op, engine::Result<Option<EngineRest>>) = match staged {
             Staged::Hit(hit) => (
@@ -129,6 +139,7 @@ impl DirectIo for Direct {
                     again.map(|slow| -> EngineRest { Box::new(move |b| vol.write_slow(slow, b)) })
                 }),
             ),
+            Staged::Around(around) => (Op::Read, around.finish(result).map(|()| None)),
         };
         match left {
             Ok(Some(f)) => Finished::Again(on_worker(metrics, op, t, f)),
@@ -190,9 +201,10 @@ impl server::Export for VolumeExport {
         let n = buf.len() as u64;
         self.timed(Op::Read, n, || self.vol.read(offset, buf))
     }
-    /// The engine's staged read: a hit whose cache device has a descriptor is read by the
-    /// server itself (`DirectHit`); anything else continues on a worker from where the plan
-    /// left it (the request is noted once).
+    /// The engine's staged read: a hit whose cache device has a descriptor, and a read around
+    /// the cache that the engine lets the server make on the backing device's descriptor
+    /// (`Volume::read_around`), are read by the server itself (`Direct`); anything else
+    /// continues on a worker from where the plan left it (the request is noted once).
     fn start_read(&self, offset: u64, len: usize) -> Start {
         let t = self.metrics.start();
         let (vol, metrics) = (self.vol.clone(), Arc::clone(&self.metrics));
@@ -202,18 +214,21 @@ impl server::Export for VolumeExport {
                 Start::Failed(io::Error::from(err))
             }
             Ok(ReadPlan::Hit(hit)) => match hit.fd() {
-                Some(fd) => {
-                    let pieces = hit.pieces().to_vec();
-                    Direct::start(Staged::Hit(hit), fd, &pieces, vol, metrics, t)
-                }
+                Some(fd) => Direct::start(Staged::Hit(hit), fd, vol, metrics, t),
                 None => Start::Rest(on_worker(metrics, Op::Read, t, move |buf| {
                     let again = hit.read_blocking(buf)?;
                     again.map_or(Ok(()), |s| vol.read_slow(s, buf))
                 })),
             },
-            Ok(ReadPlan::Slow(slow)) => Start::Rest(on_worker(metrics, Op::Read, t, move |buf| {
-                vol.read_slow(slow, buf)
-            })),
+            Ok(ReadPlan::Slow(slow)) => match self.vol.read_around(slow) {
+                Ok(around) => {
+                    let fd = around.fd();
+                    Direct::start(Staged::Around(around), fd, vol, metrics, t)
+                }
+                Err(slow) => Start::Rest(on_worker(metrics, Op::Read, t, move |buf| {
+                    vol.read_slow(slow, buf)
+                })),
+            },
         }
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
@@ -221,7 +236,7 @@ impl server::Export for VolumeExport {
         self.timed(Op::Write, n, || self.vol.write(offset, data, fua))
     }
     /// The engine's staged write: a write the cache absorbs, on a cache device with a
-    /// descriptor, is written by the server itself (`DirectAbsorb`); anything else continues
+    /// descriptor, is written by the server itself (`Direct`); anything else continues
     /// on a worker from where the plan left it.
     fn start_write(&self, offset: u64, len: usize, fua: bool) -> Start {
         let t = self.metrics.start();
@@ -232,10 +247,7 @@ impl server::Export for VolumeExport {
                 Start::Failed(io::Error::from(err))
             }
             Ok(WritePlan::Absorb(absorb)) => match absorb.fd() {
-                Some(fd) => {
-                    let pieces = absorb.pieces().to_vec();
-                    Direct::start(Staged::Absorb(absorb), fd, &pieces, vol, metrics, t)
-                }
+                Some(fd) => Direct::start(Staged::Absorb(absorb), fd, vol, metrics, t),
                 None => Start::Rest(on_worker(metrics, Op::Write, t, move |data| {
                     let again = absorb.write_blocking(data)?;
                     again.map_or(Ok(()), |s| vol.write_slow(s, data))

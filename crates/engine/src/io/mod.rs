@@ -22,7 +22,7 @@ mod read;
 mod write;
 
 pub use absorb::{Absorb, SlowWrite, WritePlan};
-pub use plan::{Hit, Piece, ReadPlan, SlowRead};
+pub use plan::{AroundRead, Hit, Piece, ReadPlan, SlowRead};
 
 use crate::policy::WriteRoute as Route;
 

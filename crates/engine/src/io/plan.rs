@@ -16,6 +16,14 @@
 //!    data, drops the copy and hands back a `SlowRead` that reads the backing device. Dirty
 //!    data that cannot be read correctly is an error, never wrong data.
 //!
+//! A `SlowRead` that goes around the cache (`Read::Bypass`: mode `none`, a detach) over a
+//! range the cache holds no block of, on a backing device with a descriptor, can also be
+//! read by the caller itself: `Volume::read_around` turns it into an [`AroundRead`] (one read
+//! of the backing device's descriptor), and [`AroundRead::finish`] accounts it as
+//! `read_inner` accounts the same read (`backing_read_bytes`, the client stamp, the device's
+//! cost model sample and wrappers, `io_errors`, `cache_bypass_misses` and the bypass reason's
+//! bytes).
+//!
 //! Invariants: a `Hit`'s buckets stay pinned from the plan until it is finished or dropped
 //! (dropping an unfinished hit unpins them and abandons its timing), so its cache blocks
 //! cannot be reused while the caller's reads are in flight; a request is noted by the stream
@@ -321,6 +329,134 @@ impl Hit {
         }
         vol.count_read(self.read, self.len as u64, true, false);
         Ok(None)
+    }
+}
+
+/// A read around the cache carried out by the caller (see the module header): `len` bytes of
+/// the backing device at [`AroundRead::pieces`] of [`AroundRead::fd`] into its buffer, then
+/// [`AroundRead::finish`]. Dropping it unfinished abandons it (its bytes stay counted as
+/// `backing_read_bytes`, which the slow path counts before its read too).
+pub struct AroundRead {
+    vol: Volume,
+    offset: u64,
+    why: crate::policy::Bypass,
+    fd: RawFd,
+    piece: [Piece; 1],
+    /// When the read was issued, on the backing device's `io_epoch` (the cost model's clock).
+    issued_ns: u64,
+    /// Held until the read is done, as by every read (see `CacheUse`).
+    _use: Option<super::CacheUse>,
+}
+
+impl std::fmt::Debug for AroundRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AroundRead")
+            .field("offset", &self.offset)
+            .field("piece", &self.piece[0])
+            .finish()
+    }
+}
+
+impl Volume {
+    /// Stage 1 of a read around the cache on the backing device's descriptor: `Ok` if `slow`
+    /// is a bypassed read (not a stream read ahead) of a range with no cached block (the
+    /// cache may hold the only current copy of one) and the backing device has a descriptor
+    /// for it; else `slow` back, for `read_slow`.
+    /// (`slow` comes back by value, as `ReadPlan` carries a `Hit`: boxing it would cost an
+    /// allocation per read for nothing.)
+    #[allow(clippy::result_large_err)]
+    pub fn read_around(&self, slow: SlowRead) -> std::result::Result<AroundRead, SlowRead> {
+        let Route::Normal(Read::Bypass(why)) = slow.route else {
+            return Err(slow);
+        };
+        let inner = &*self.inner;
+        let backing = &self.backing;
+        let at = backing.data_offset() + slow.offset;
+        let Some(fd) = backing.dev.direct_fd(at, slow.len) else {
+            return Err(slow);
+        };
+        let (b0, b1) = BackingBlock::touched_by(slow.offset, slow.len as u64, inner.block_size());
+        if inner
+            .state
+            .lock()
+            .index
+            .any_overlapping(backing.id, b0, b1, |_| true)
+        {
+            return Err(slow);
+        }
+        // What `read_inner` and `backing_read` do before the device read.
+        inner.next_tick();
+        Counters::add(&backing.counters.backing_read_bytes, slow.len as u64);
+        backing
+            .client_backing_ns
+            .store(inner.now_ns(), std::sync::atomic::Ordering::Relaxed);
+        Ok(AroundRead {
+            vol: self.clone(),
+            offset: slow.offset,
+            why,
+            fd,
+            piece: [Piece {
+                dev_offset: at,
+                buf_offset: 0,
+                len: slow.len,
+            }],
+            issued_ns: backing.io_epoch.elapsed().as_nanos() as u64,
+            _use: slow._use,
+        })
+    }
+}
+
+impl AroundRead {
+    /// The backing device's descriptor to read from, into a 4 KiB-aligned buffer.
+    pub fn fd(&self) -> RawFd {
+        self.fd
+    }
+
+    /// The one read: at `dev_offset` of [`AroundRead::fd`], the whole buffer.
+    pub fn pieces(&self) -> &[Piece] {
+        &self.piece
+    }
+
+    /// Stage 3 after the caller's read (`io`: `Ok` if it was read whole): accounts it as
+    /// `read_inner` does the same read (see the module header; the cost model's sample as in
+    /// `Backing::timed`). `Err`: the read fails.
+    pub fn finish(self, io: std::io::Result<()>) -> Result<()> {
+        let vol = self.vol.clone();
+        crate::guard::contain(&vol.inner, "read", || self.complete(io))
+    }
+
+    fn complete(self, io: std::io::Result<()>) -> Result<()> {
+        use crate::types::IoContext;
+        use std::sync::atomic::Ordering;
+        let (vol, p) = (&self.vol, self.piece[0]);
+        let backing = &vol.backing;
+        let done = backing.io_epoch.elapsed().as_nanos() as u64;
+        let prev = backing.last_done_ns.fetch_max(done, Ordering::Relaxed);
+        backing
+            .client_backing_ns
+            .store(vol.inner.now_ns(), Ordering::Relaxed);
+        if io.is_ok() {
+            let ns = crate::cost::service_ns(self.issued_ns, done, prev);
+            let op = crate::cost::Op::Read;
+            backing
+                .policy
+                .observe_io(op, p.dev_offset, p.len as u64, ns);
+        }
+        let took = std::time::Duration::from_nanos(done.saturating_sub(self.issued_ns));
+        backing
+            .dev
+            .direct_done(false, p.dev_offset, p.len, took, io.is_ok());
+        let offset = self.offset;
+        match io.ctx(|| format!("reading backing device at {offset}")) {
+            Ok(()) => {
+                vol.count_read(Read::Bypass(self.why), p.len as u64, false, false);
+                Ok(())
+            }
+            Err(err) => {
+                Counters::add(&backing.counters.io_errors, 1);
+                Err(err)
+            }
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use super::reactor::{Kind, Sq};
 use super::{Adopted, Handle, Pool};
 use crate::budget::{Account, Permit};
 use crate::execute::{error_reply, permit_bytes, PAYLOAD_BYTES_MAX};
-use crate::iobuf::IoBuf;
+use crate::iobuf::{IoBuf, Spares};
 use crate::table::InFlight;
 use crate::{DirectIo, Finished as ReadFinished, Start};
 use io_uring::{opcode, types};
@@ -54,7 +54,7 @@ enum ReqState {
         answer: Answer,
         /// Pieces not yet read whole, and bytes of each already read.
         left: usize,
-        done: Vec<usize>,
+        done: smallvec::SmallVec<[usize; 4]>,
         result: io::Result<()>,
     },
     /// At a worker, or waiting for a worker place of this connection.
@@ -80,11 +80,12 @@ struct Reply {
     in_flight: Option<InFlight>,
 }
 
-/// The `sendmsg` in flight: its iovecs and header stay here, unmoved, until it completes.
+/// The `sendmsg` of a connection: its iovecs and header, kept (and reused) by the connection
+/// and read by the kernel while a send is in flight, when neither is touched.
 struct Sending {
-    /// Read by the kernel until the send completes (through `_msg`).
-    _iov: Vec<libc::iovec>,
-    _msg: Box<libc::msghdr>,
+    iov: Vec<libc::iovec>,
+    msg: Box<libc::msghdr>,
+    in_flight: bool,
 }
 
 pub(super) struct Conn {
@@ -118,7 +119,7 @@ pub(super) struct Conn {
     /// When sending `outq`'s first reply began: it must be sent whole within
     /// `reply_timeout` (however slowly the client takes the bytes).
     front_since: Option<Instant>,
-    sending: Option<Sending>,
+    sending: Sending,
     /// Waiting for a budget permit.
     pub(super) wants_permit: bool,
 }
@@ -150,7 +151,12 @@ impl Conn {
             outq: VecDeque::new(),
             sent_front: 0,
             front_since: None,
-            sending: None,
+            sending: Sending {
+                iov: Vec::new(),
+                // SAFETY: an all-zero msghdr is a valid empty one.
+                msg: Box::new(unsafe { std::mem::zeroed() }),
+                in_flight: false,
+            },
             wants_permit: false,
         }
     }
@@ -161,7 +167,7 @@ impl Conn {
             && !self.recv_armed
             && self.reqs.is_empty()
             && self.at_workers == 0
-            && self.sending.is_none()
+            && !self.sending.in_flight
             && (self.outq.is_empty() || self.gone)
     }
 
@@ -202,7 +208,7 @@ impl Conn {
         for job in self.waiting.drain(..) {
             self.reqs.remove(job.req);
         }
-        if self.sending.is_none() {
+        if !self.sending.in_flight {
             self.outq.clear();
         }
     }
@@ -214,9 +220,10 @@ impl Conn {
         sq: &mut Sq<'_>,
         handle: &Arc<Handle>,
         pool: &Arc<Pool>,
+        spares: &mut Spares,
     ) {
         if self.reading && !self.gone {
-            self.decode(key, sq, handle, pool);
+            self.decode(key, sq, handle, pool, spares);
         }
         if self.reading && !self.recv_armed && !self.wants_permit {
             if self.rpos > 0 {
@@ -233,13 +240,20 @@ impl Conn {
                 self.recv_armed = true;
             }
         }
-        if self.sending.is_none() && !self.outq.is_empty() && !self.gone {
+        if !self.sending.in_flight && !self.outq.is_empty() && !self.gone {
             self.send(key, sq);
         }
     }
 
     /// Decodes and starts every request received whole.
-    fn decode(&mut self, key: usize, sq: &mut Sq<'_>, handle: &Arc<Handle>, pool: &Arc<Pool>) {
+    fn decode(
+        &mut self,
+        key: usize,
+        sq: &mut Sq<'_>,
+        handle: &Arc<Handle>,
+        pool: &Arc<Pool>,
+        spares: &mut Spares,
+    ) {
         self.wants_permit = false;
         while self.reading {
             if self.partial.is_none() {
@@ -257,9 +271,9 @@ impl Conn {
                         return;
                     };
                     self.starting = Some(in_flight);
-                    self.receiving_since = Some(Instant::now());
                 }
                 if avail < Request::HEADER_BYTES {
+                    self.receiving_since.get_or_insert_with(Instant::now);
                     return;
                 }
                 let header = &self.rbuf[self.rpos..self.rpos + Request::HEADER_BYTES];
@@ -295,10 +309,11 @@ impl Conn {
                     self.wants_permit = true;
                     return;
                 };
-                let mut buf = IoBuf::default();
+                let mut buf = spares.buf();
                 buf.slice(partial.request.payload_bytes() as usize);
                 partial.permit = Some((permit, buf));
-                self.receiving_since = Some(Instant::now());
+                // Waiting for the permit is not receiving: the time starts again.
+                self.receiving_since = None;
             }
             let payload = partial.request.payload_bytes() as usize;
             let take = (payload - partial.got).min(self.rlen - self.rpos);
@@ -310,6 +325,7 @@ impl Conn {
                 self.rpos += take;
             }
             if partial.got < payload {
+                self.receiving_since.get_or_insert_with(Instant::now);
                 return;
             }
             let Partial {
@@ -335,12 +351,11 @@ impl Conn {
                 key,
                 request.cookie,
                 action,
-                permit,
-                in_flight,
-                buf,
+                (permit, in_flight, buf),
                 sq,
                 handle,
                 pool,
+                spares,
             );
         }
     }
@@ -352,17 +367,16 @@ impl Conn {
         key: usize,
         cookie: u64,
         action: Result<ValidRequest, NbdErrno>,
-        permit: Permit,
-        in_flight: InFlight,
-        mut buf: IoBuf,
+        (permit, in_flight, mut buf): (Permit, InFlight, IoBuf),
         sq: &mut Sq<'_>,
         handle: &Arc<Handle>,
         pool: &Arc<Pool>,
+        spares: &mut Spares,
     ) {
         let request = match action {
             Ok(r) => r,
             Err(errno) => {
-                let mut head = Vec::new();
+                let mut head = spares.head();
                 error_reply(&self.a.ctx, cookie, errno, "invalid request", &mut head);
                 self.reply(head, buf, 0, Some(permit), Some(in_flight));
                 return;
@@ -415,7 +429,7 @@ impl Conn {
             Start::Rest(rest) => Work::Rest(rest),
             Start::Whole => Work::Execute(request),
             Start::Failed(err) => {
-                let mut head = Vec::new();
+                let mut head = spares.head();
                 let n = answer.reply(&self.a.ctx, cookie, Err(err), &mut head);
                 self.reply(head, buf, n, Some(permit), Some(in_flight));
                 return;
@@ -492,7 +506,7 @@ impl Conn {
                 direct,
                 answer,
                 left: n,
-                done: vec![0; n],
+                done: smallvec::smallvec![0; n],
                 result: Ok(()),
             },
         });
@@ -543,6 +557,7 @@ impl Conn {
         sq: &mut Sq<'_>,
         handle: &Arc<Handle>,
         pool: &Arc<Pool>,
+        spares: &mut Spares,
     ) {
         let ReqState::Direct {
             direct,
@@ -580,13 +595,20 @@ impl Conn {
         }
         *left -= 1;
         if *left == 0 {
-            self.direct_finished(key, req, handle, pool);
+            self.direct_finished(key, req, handle, pool, spares);
         }
     }
 
     /// Every device I/O of direct request `req` ended: finish it and answer (or hand its rest
     /// to a worker).
-    fn direct_finished(&mut self, key: usize, req: usize, handle: &Arc<Handle>, pool: &Arc<Pool>) {
+    fn direct_finished(
+        &mut self,
+        key: usize,
+        req: usize,
+        handle: &Arc<Handle>,
+        pool: &Arc<Pool>,
+        spares: &mut Spares,
+    ) {
         let state = std::mem::replace(&mut self.reqs[req].state, ReqState::AtWorker);
         let ReqState::Direct {
             direct,
@@ -621,7 +643,7 @@ impl Conn {
         match finished {
             ReadFinished::Done(result) => {
                 let r = self.reqs.remove(req);
-                let mut head = Vec::new();
+                let mut head = spares.head();
                 let n = answer.reply(&self.a.ctx, cookie, result, &mut head);
                 self.reply(head, r.buf, n, Some(r.permit), Some(r.in_flight));
             }
@@ -689,7 +711,8 @@ impl Conn {
 
     /// Sends the replies ready, many at once.
     fn send(&mut self, key: usize, sq: &mut Sq<'_>) {
-        let mut iov = Vec::with_capacity(2 * self.outq.len().min(BATCH_REPLIES_MAX));
+        let iov = &mut self.sending.iov;
+        iov.clear();
         let mut skip = self.sent_front;
         for r in self.outq.iter().take(BATCH_REPLIES_MAX) {
             for part in [&r.head[..], r.buf.data(r.data_len)] {
@@ -705,26 +728,22 @@ impl Conn {
                 });
             }
         }
-        // SAFETY: an all-zero msghdr is a valid empty one; the iovec fields are set below.
-        let mut msg: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
+        let msg = &mut *self.sending.msg;
         msg.msg_iov = iov.as_mut_ptr();
         msg.msg_iovlen = iov.len() as _;
-        let sqe = opcode::SendMsg::new(self.fd, &*msg)
+        let sqe = opcode::SendMsg::new(self.fd, msg)
             .flags(libc::MSG_NOSIGNAL as u32)
             .build()
             .user_data(super::reactor::user_data(Kind::Send, key, 0, 0));
         sq.push(sqe);
         self.front_since.get_or_insert_with(Instant::now);
-        self.sending = Some(Sending {
-            _iov: iov,
-            _msg: msg,
-        });
+        self.sending.in_flight = true;
     }
 
     /// The `sendmsg` in flight completed with `res`.
-    pub(super) fn on_send(&mut self, res: i32) {
-        let sending = self.sending.take().expect("a send was in flight");
-        drop(sending);
+    pub(super) fn on_send(&mut self, res: i32, spares: &mut Spares) {
+        debug_assert!(self.sending.in_flight, "a send was in flight");
+        self.sending.in_flight = false;
         if res <= 0 {
             let err = if res == 0 {
                 io::Error::new(io::ErrorKind::WriteZero, "the socket took no bytes")
@@ -749,7 +768,8 @@ impl Conn {
             let mut r = self.outq.pop_front().expect("checked");
             // The buffer first, then the budget, then (last) the place in flight: an idle
             // connection holds no permit.
-            drop(std::mem::take(&mut r.buf));
+            spares.keep_buf(std::mem::take(&mut r.buf));
+            spares.keep_head(std::mem::take(&mut r.head));
             drop(r.permit.take());
             drop(r.in_flight.take());
             self.front_since = None;
@@ -809,7 +829,7 @@ impl Conn {
                 )));
             }
         }
-        if let (Some(_), Some(since)) = (&self.sending, self.front_since) {
+        if let (true, Some(since)) = (self.sending.in_flight, self.front_since) {
             if now.saturating_duration_since(since) > config.reply_timeout {
                 if self.result.is_ok() {
                     self.result = Err(io::Error::new(

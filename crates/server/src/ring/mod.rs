@@ -7,9 +7,10 @@
 //! machine (`conn`): one `recv` at a time fills its read buffer, requests are decoded from it,
 //! and each is started at once:
 //! - a read or write the export can carry out on a descriptor ([`crate::Export::start_read`],
-//!   [`crate::Export::start_write`] → `Direct`: a cache hit, a write the cache absorbs) is
-//!   read into its reply buffer or written from its payload with io_uring, finished
-//!   (checksums, index, statistics) on the reactor and answered, with no thread hand-over;
+//!   [`crate::Export::start_write`] → `Direct`: a cache hit, a write the cache absorbs, a
+//!   read around the cache from a backing file) is read into its reply buffer or written
+//!   from its payload with io_uring, finished (checksums, index, statistics) on the reactor
+//!   and answered, with no thread hand-over;
 //! - anything that may block (a miss, a write around the cache, a flush, a trim, block
 //!   status, the rest of a direct request that needs more) goes to the server-wide worker
 //!   pool (`pool`) and comes back to the reactor as a finished reply, so a miss waiting on a
@@ -29,6 +30,8 @@
 //! `kernel.io_uring_disabled`, a seccomp filter): [`Rings::start`] probes it and fails, and
 //! the server then serves through threads, logging why once. A reactor never blocks on a
 //! device: a device read that hangs holds its request (and its connection's teardown) only.
+//! (It may wait for the engine's state lock, as any request does: an absorbed write's index
+//! insert, the index check of a read around the cache.)
 
 mod conn;
 mod pool;

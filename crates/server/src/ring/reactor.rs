@@ -9,6 +9,7 @@
 
 use super::conn::Conn;
 use super::{Handle, Msg, Pool};
+use crate::iobuf::Spares;
 use io_uring::{opcode, squeue, types, IoUring};
 use slab::Slab;
 use std::io;
@@ -105,6 +106,8 @@ pub(super) struct Reactor {
     handle: Arc<Handle>,
     pool: Arc<Pool>,
     conns: Slab<Conn>,
+    /// Buffers and reply headers of finished requests, for the next ones.
+    spares: Spares,
     wake_buf: Box<u64>,
     timer: Box<types::Timespec>,
     timer_armed: bool,
@@ -119,6 +122,7 @@ impl Reactor {
             handle,
             pool,
             conns: Slab::new(),
+            spares: Spares::default(),
             wake_buf: Box::new(0),
             timer: Box::new(types::Timespec::new()),
             timer_armed: false,
@@ -162,7 +166,7 @@ impl Reactor {
                     sq: unsafe { self.ring.submission_shared() },
                 };
                 for (key, c) in self.conns.iter_mut() {
-                    c.poll(key, &mut sq, &self.handle, &self.pool);
+                    c.poll(key, &mut sq, &self.handle, &self.pool, &mut self.spares);
                 }
                 if !self.wake_armed {
                     let sqe = opcode::Read::new(
@@ -224,7 +228,7 @@ impl Reactor {
             k if k == Kind::Wake as u64 => self.wake_armed = false,
             k if k == Kind::Timer as u64 => self.timer_armed = false,
             k if k == Kind::Recv as u64 => self.conns[conn].on_recv(res),
-            k if k == Kind::Send as u64 => self.conns[conn].on_send(res),
+            k if k == Kind::Send as u64 => self.conns[conn].on_send(res, &mut self.spares),
             k if k == Kind::Device as u64 => {
                 let mut sq = Sq {
                     ring: &self.ring,
@@ -239,6 +243,7 @@ impl Reactor {
                     &mut sq,
                     &self.handle,
                     &self.pool,
+                    &mut self.spares,
                 );
                 sq.sq.sync();
             }
