@@ -999,12 +999,11 @@ fn concurrent_flushes_share_a_commit_and_wait_for_at_most_two() {
 
 #[test]
 fn a_backing_device_that_grew_is_served_whole_live_and_after_a_restart() {
-    use blockdev::FileDevice;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("backing.img");
     let header = engine::format::BACKING_DATA_OFFSET;
     let file = || {
-        Arc::new(FileDevice::open(&path, blockdev::FileDeviceOptions::default()).unwrap())
+        Arc::new(blockdev::FileDevice::open(&path, blockdev::FileDeviceOptions::default()).unwrap())
             as Arc<dyn BlockDevice>
     };
     std::fs::File::create(&path)
@@ -1373,6 +1372,17 @@ fn the_engine_carries_out_a_scripted_policy() {
     );
 }
 
+/// A writeback set on a 16 MiB cache file and a 4 MiB backing file in `dir` (real
+/// descriptors, for the staged tests' own reads and writes), no background threads.
+fn file_backed(dir: &std::path::Path) -> (CacheSet, engine::Volume) {
+    use blockdev::FileDevice;
+    let cache: Arc<dyn BlockDevice> =
+        Arc::new(FileDevice::create(&dir.join("cache.img"), 16 << 20).unwrap());
+    let backing: Arc<dyn BlockDevice> =
+        Arc::new(FileDevice::create(&dir.join("backing.img"), 4 << 20).unwrap());
+    format_and_open(cache, backing, CacheMode::Writeback, no_threads())
+}
+
 /// The staged read (`plan_read`, the caller's own device reads, `Hit::finish`): a hit on a
 /// file cache device names its descriptor and pieces, the caller's `pread`s of them finish
 /// into the right data and count as a hit; a miss is a `SlowRead` that `read_slow` carries
@@ -1380,15 +1390,10 @@ fn the_engine_carries_out_a_scripted_policy() {
 /// backing device, and the copy is gone.
 #[test]
 fn a_staged_hit_is_read_by_the_caller_from_the_cache_devices_descriptor() {
-    use blockdev::FileDevice;
     use engine::ReadPlan;
     use std::os::unix::fs::FileExt;
     let dir = tempfile::tempdir().unwrap();
-    let cache: Arc<dyn BlockDevice> =
-        Arc::new(FileDevice::create(&dir.path().join("cache.img"), 16 << 20).unwrap());
-    let backing: Arc<dyn BlockDevice> =
-        Arc::new(FileDevice::create(&dir.path().join("backing.img"), 4 << 20).unwrap());
-    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, no_threads());
+    let (_set, vol) = file_backed(dir.path());
     let d = data(21, 0, 64 << 10);
     vol.write(0, &d, false).unwrap();
     let hits = |vol: &engine::Volume| vol.status().stats.total.cache_hits;
@@ -1447,15 +1452,10 @@ fn a_staged_hit_is_read_by_the_caller_from_the_cache_devices_descriptor() {
 /// device. Every read afterwards returns what was written last.
 #[test]
 fn a_staged_write_is_written_by_the_caller_and_inserted_at_finish() {
-    use blockdev::FileDevice;
     use engine::WritePlan;
     use std::os::unix::fs::FileExt;
     let dir = tempfile::tempdir().unwrap();
-    let cache: Arc<dyn BlockDevice> =
-        Arc::new(FileDevice::create(&dir.path().join("cache.img"), 16 << 20).unwrap());
-    let backing: Arc<dyn BlockDevice> =
-        Arc::new(FileDevice::create(&dir.path().join("backing.img"), 4 << 20).unwrap());
-    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, no_threads());
+    let (_set, vol) = file_backed(dir.path());
     // The first dirty write marks the header (the slow path).
     vol.write(0, &data(30, 0, 4096), false).unwrap();
     let d = aligned(16 << 10);
@@ -1507,15 +1507,10 @@ fn a_staged_write_is_written_by_the_caller_and_inserted_at_finish() {
 /// hold its only current copy) stays slow; a failed read is an error, counted as one.
 #[test]
 fn a_read_around_the_cache_is_read_by_the_caller_and_counted_as_the_slow_path_counts() {
-    use blockdev::FileDevice;
     use engine::ReadPlan;
     use std::os::unix::fs::FileExt;
     let dir = tempfile::tempdir().unwrap();
-    let cache: Arc<dyn BlockDevice> =
-        Arc::new(FileDevice::create(&dir.path().join("cache.img"), 16 << 20).unwrap());
-    let backing: Arc<dyn BlockDevice> =
-        Arc::new(FileDevice::create(&dir.path().join("backing.img"), 4 << 20).unwrap());
-    let (_set, vol) = format_and_open(cache, backing, CacheMode::Writeback, no_threads());
+    let (_set, vol) = file_backed(dir.path());
     // A dirty block at 1 MiB; then mode none, where reads go around the cache.
     let dirty = data(40, 2048, 4096);
     vol.write(1 << 20, &dirty, false).unwrap();
