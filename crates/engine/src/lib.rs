@@ -68,7 +68,9 @@ pub use check::{check_device, CheckReport};
 pub use checkpoint::{load as load_metadata, Loaded};
 pub use cost::DevCost;
 pub use degraded::{Degraded, HealthReport};
-pub use io::{Absorb, AroundRead, Hit, Piece, ReadPlan, SlowRead, SlowWrite, Volume, WritePlan};
+pub use io::{
+    Absorb, AroundRead, AroundWrite, Hit, Piece, ReadPlan, SlowRead, SlowWrite, Volume, WritePlan,
+};
 pub use knobs::{
     Knob, Tunables, DEFAULT_SEQUENTIAL_CUTOFF, DEFAULT_WRITEBACK_DELAY_SECS,
     DEFAULT_WRITEBACK_PERCENT,

@@ -393,16 +393,35 @@ impl Backing {
         len: u64,
         io: impl FnOnce(&dyn BlockDevice) -> std::io::Result<T>,
     ) -> std::io::Result<T> {
-        let at = || self.io_epoch.elapsed().as_nanos() as u64;
-        let issued = at();
+        let issued = self.io_issued();
         let r = io(&*self.dev);
-        let done = at();
+        self.io_done(op, offset, len, issued, r.is_ok());
+        r
+    }
+
+    /// When an I/O timed for the cost model is issued (see `timed`; for a caller that makes
+    /// the I/O itself, with `io_done` after it).
+    pub(crate) fn io_issued(&self) -> u64 {
+        self.io_epoch.elapsed().as_nanos() as u64
+    }
+
+    /// An I/O issued at `issued` (`io_issued`) is done: its service time is the cost model's
+    /// sample if it succeeded. Returns how long it took since it was issued (ns).
+    pub(crate) fn io_done(
+        &self,
+        op: crate::cost::Op,
+        offset: u64,
+        len: u64,
+        issued: u64,
+        ok: bool,
+    ) -> u64 {
+        let done = self.io_issued();
         let prev = self.last_done_ns.fetch_max(done, Ordering::Relaxed);
-        if r.is_ok() {
+        if ok {
             let ns = crate::cost::service_ns(issued, done, prev);
             self.policy.observe_io(op, offset, len, ns);
         }
-        r
+        done.saturating_sub(issued)
     }
 
     /// The current read and write estimates of the device's cost model.

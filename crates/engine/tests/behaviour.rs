@@ -1569,6 +1569,81 @@ fn a_read_around_the_cache_is_read_by_the_caller_and_counted_as_the_slow_path_co
     assert_eq!((failed.io_errors, failed.cache_bypass_misses), (1, 0));
 }
 
+/// A write around the cache on the backing device's descriptor (`Volume::write_around`, the
+/// caller's own write, `AroundWrite::finish`) lands on the backing device and counts exactly
+/// what `write_slow` counts for such a write; a range with a cached block stays slow (its copy
+/// must be dropped); a FUA write hands back its flush; a failed write is an error and leaves
+/// the range free.
+#[test]
+fn a_write_around_the_cache_is_written_by_the_caller_and_counted_as_the_slow_path_counts() {
+    use engine::WritePlan;
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (_set, vol) = file_backed(dir.path());
+    // A dirty block at 1 MiB; then writearound, where writes go around the cache.
+    vol.write(1 << 20, &data(50, 2048, 4096), false).unwrap();
+    vol.set_mode(CacheMode::Writearound).unwrap();
+    let stats = |vol: &engine::Volume| vol.status().stats.total;
+    let slow_of = |offset: u64, len: usize, fua: bool| match vol.plan_write(offset, len, fua) {
+        Ok(WritePlan::Slow(slow)) => slow,
+        _ => panic!("writearound absorbs nothing"),
+    };
+    // The slow path's accounting of a 16 KiB write (the plan counts the bypass: both include it).
+    let d = aligned(16 << 10);
+    d.copy_from_slice(&data(51, 0, 16 << 10));
+    let before = stats(&vol);
+    vol.write_slow(slow_of(0, 16 << 10, false), d).unwrap();
+    let slow = stats(&vol).since(&before);
+    assert_eq!(
+        (slow.bypassed_mode, slow.backing_written_bytes),
+        (16 << 10, 16 << 10)
+    );
+    // The caller's own write of another 16 KiB.
+    let e = aligned(16 << 10);
+    e.copy_from_slice(&data(52, 128, 16 << 10));
+    let before = stats(&vol);
+    let around = vol
+        .write_around(slow_of(64 << 10, 16 << 10, false))
+        .expect("around the cache, nothing cached, a file: written by the caller");
+    // SAFETY: the descriptor stays open while `vol` lives; the File is never closed.
+    let file = std::mem::ManuallyDrop::new(unsafe {
+        <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(around.fd())
+    });
+    for p in around.pieces() {
+        file.write_all_at(&e[p.buf_offset..p.buf_offset + p.len], p.dev_offset)
+            .unwrap();
+    }
+    assert!(
+        around.finish(Ok(())).unwrap().is_none(),
+        "no FUA: nothing left"
+    );
+    assert_eq!(stats(&vol).since(&before).fields(), slow.fields());
+    let got = aligned(16 << 10);
+    vol.read(64 << 10, got).unwrap();
+    assert!(got[..] == e[..]);
+    // The range is free again: the slow path can take it.
+    vol.write(64 << 10, &data(53, 128, 4096), false).unwrap();
+    // Half of this range is cached (dirty): the slow path's, which drops the copy.
+    let slow = vol
+        .write_around(slow_of((1 << 20) - 4096, 8192, false))
+        .expect_err("a cached block in the range");
+    let f = aligned(8192);
+    f.copy_from_slice(&data(54, 2040, 8192));
+    vol.write_slow(slow, f).unwrap();
+    let got = aligned(8192);
+    vol.read((1 << 20) - 4096, got).unwrap();
+    assert!(got[..] == f[..]);
+    // FUA: the flush is handed back.
+    let around = vol.write_around(slow_of(256 << 10, 4096, true)).unwrap();
+    let rest = around.finish(Ok(())).unwrap().expect("the flush");
+    vol.write_slow(rest, &data(0, 0, 4096)).unwrap();
+    // A failed write of the caller's: an error, and the range is given back.
+    let around = vol.write_around(slow_of(384 << 10, 4096, false)).unwrap();
+    let err = std::io::Error::other("injected device error");
+    assert!(around.finish(Err(err)).is_err());
+    vol.write(384 << 10, &data(55, 768, 4096), false).unwrap();
+}
+
 /// A zeroed buffer of `len` bytes at a 4 KiB-aligned address.
 fn aligned(len: usize) -> &'static mut [u8] {
     let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();

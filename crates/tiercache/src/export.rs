@@ -7,7 +7,7 @@
 //! served it, how long it took), since every client request passes here.
 
 use crate::metrics::volume::{Op, Timer, VolumeMetrics};
-use engine::{Absorb, AroundRead, Hit, ReadPlan, Volume, WritePlan};
+use engine::{Absorb, AroundRead, AroundWrite, Hit, ReadPlan, Volume, WritePlan};
 use server::{DeviceIo, DirectIo, Finished, Rest, Start, ValidRequest};
 use std::io;
 use std::sync::Arc;
@@ -53,12 +53,13 @@ fn on_worker(
 type EngineRest = Box<dyn FnOnce(&mut [u8]) -> engine::Result<()> + Send>;
 
 /// What the server carries out itself (the io_uring data path): a hit read from the cache
-/// device, a write the cache absorbs written to it, or a read around the cache read from the
-/// backing device.
+/// device, a write the cache absorbs written to it, or a read or a write around the cache on
+/// the backing device.
 enum Staged {
     Hit(Hit),
     Absorb(Absorb),
     Around(AroundRead),
+    AroundWrite(AroundWrite),
 }
 
 struct Direct {
@@ -83,6 +84,7 @@ impl Direct {
             Staged::Hit(hit) => hit.pieces(),
             Staged::Absorb(absorb) => absorb.pieces(),
             Staged::Around(around) => around.pieces(),
+            Staged::AroundWrite(around) => around.pieces(),
         };
         let pieces = pieces
             .iter()
@@ -111,7 +113,7 @@ impl DirectIo for Direct {
         &self.pieces
     }
     fn writes(&self) -> bool {
-        matches!(self.staged, Staged::Absorb(_))
+        matches!(self.staged, Staged::Absorb(_) | Staged::AroundWrite(_))
     }
     fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished {
         let Direct {
@@ -140,6 +142,12 @@ impl DirectIo for Direct {
                 }),
             ),
             Staged::Around(around) => (Op::Read, around.finish(result).map(|()| None)),
+            Staged::AroundWrite(around) => (
+                Op::Write,
+                around.finish(result).map(|again| {
+                    again.map(|slow| -> EngineRest { Box::new(move |b| vol.write_slow(slow, b)) })
+                }),
+            ),
         };
         match left {
             Ok(Some(f)) => Finished::Again(on_worker(metrics, op, t, f)),
@@ -236,8 +244,9 @@ impl server::Export for VolumeExport {
         self.timed(Op::Write, n, || self.vol.write(offset, data, fua))
     }
     /// The engine's staged write: a write the cache absorbs, on a cache device with a
-    /// descriptor, is written by the server itself (`Direct`); anything else continues
-    /// on a worker from where the plan left it.
+    /// descriptor, and a write around the cache that the engine lets the server make on the
+    /// backing device's descriptor (`Volume::write_around`) are written by the server itself
+    /// (`Direct`); anything else continues on a worker from where the plan left it.
     fn start_write(&self, offset: u64, len: usize, fua: bool) -> Start {
         let t = self.metrics.start();
         let (vol, metrics) = (self.vol.clone(), Arc::clone(&self.metrics));
@@ -253,11 +262,15 @@ impl server::Export for VolumeExport {
                     again.map_or(Ok(()), |s| vol.write_slow(s, data))
                 })),
             },
-            Ok(WritePlan::Slow(slow)) => {
-                Start::Rest(on_worker(metrics, Op::Write, t, move |data| {
+            Ok(WritePlan::Slow(slow)) => match self.vol.write_around(slow) {
+                Ok(around) => {
+                    let fd = around.fd();
+                    Direct::start(Staged::AroundWrite(around), fd, vol, metrics, t)
+                }
+                Err(slow) => Start::Rest(on_worker(metrics, Op::Write, t, move |data| {
                     vol.write_slow(slow, data)
-                }))
-            }
+                })),
+            },
         }
     }
     fn flush(&self) -> io::Result<()> {

@@ -366,3 +366,162 @@ impl Drop for Absorb {
         self.release();
     }
 }
+
+/// A write around the cache carried out by the caller (see the module header): the request's
+/// data to the backing device at [`AroundWrite::pieces`] of [`AroundWrite::fd`], then
+/// [`AroundWrite::finish`]. Its range is locked from the plan to the finish; dropping it
+/// unfinished gives the range back (the backing device may hold the data or not, as for any
+/// write whose reply was never sent).
+pub struct AroundWrite {
+    vol: Volume,
+    offset: u64,
+    fua: bool,
+    fd: RawFd,
+    piece: [Piece; 1],
+    range: Option<(DevId, BackingBlock, BackingBlock)>,
+    /// When the write was issued (`Backing::io_issued`).
+    issued_ns: u64,
+    /// Held until the write is done, as by every write (see `CacheUse`).
+    cache_use: Option<CacheUse>,
+}
+
+impl std::fmt::Debug for AroundWrite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AroundWrite")
+            .field("offset", &self.offset)
+            .field("piece", &self.piece[0])
+            .finish()
+    }
+}
+
+impl Volume {
+    /// Stage 1 of a write around the cache on the backing device's descriptor: `Ok` if `slow`
+    /// goes around the cache, in whole blocks, over a range the cache holds no block of (else
+    /// its copies must be dropped, dirty ones with a flush owed: the slow path's job), whose
+    /// range lock is free right now, and the backing device has a descriptor for it; else
+    /// `slow` back, for `write_slow`. What `write_range` does before its backing write is done
+    /// here: the range locked, promotions in flight over it marked collided, the bytes and the
+    /// client's use of the backing device counted.
+    #[allow(clippy::result_large_err)]
+    pub fn write_around(&self, slow: SlowWrite) -> std::result::Result<AroundWrite, SlowWrite> {
+        let How::Range(Route::Bypass(_)) = slow.how else {
+            return Err(slow);
+        };
+        let inner = &*self.inner;
+        let bs = inner.block_size();
+        if slow.len == 0 || !slow.offset.is_multiple_of(bs) || !slow.len.is_multiple_of(bs) {
+            return Err(slow);
+        }
+        let backing = &self.backing;
+        let at = backing.data_offset() + slow.offset;
+        let Some(fd) = backing.dev.direct_fd(at, slow.len as usize) else {
+            return Err(slow);
+        };
+        let dev = backing.id;
+        let (b0, b1) = BackingBlock::touched_by(slow.offset, slow.len, bs);
+        if !inner.ranges.try_lock(dev, b0, b1) {
+            return Err(slow);
+        }
+        {
+            let mut st = inner.state.lock();
+            if st.index.any_overlapping(dev, b0, b1, |_| true) {
+                drop(st);
+                inner.ranges.unlock((dev, b0, b1));
+                return Err(slow);
+            }
+            st.collide(dev, b0, b1);
+        }
+        Counters::add(&backing.counters.backing_written_bytes, slow.len);
+        backing
+            .client_backing_ns
+            .store(inner.now_ns(), std::sync::atomic::Ordering::Relaxed);
+        let SlowWrite {
+            offset,
+            len,
+            fua,
+            _use,
+            ..
+        } = slow;
+        Ok(AroundWrite {
+            vol: self.clone(),
+            offset,
+            fua,
+            fd,
+            piece: [Piece {
+                dev_offset: at,
+                buf_offset: 0,
+                len: len as usize,
+            }],
+            range: Some((dev, b0, b1)),
+            issued_ns: backing.io_issued(),
+            cache_use: _use,
+        })
+    }
+}
+
+impl AroundWrite {
+    /// The backing device's descriptor to write to, from a buffer aligned to 4 KiB.
+    pub fn fd(&self) -> RawFd {
+        self.fd
+    }
+
+    /// The one write: the whole request at `dev_offset` of [`AroundWrite::fd`].
+    pub fn pieces(&self) -> &[Piece] {
+        &self.piece
+    }
+
+    /// Stage 3 after the caller's write (`io`: `Ok` if it was written whole): accounts it as
+    /// `write_range` does the same write (the cost model's sample, the device wrappers, the
+    /// client's use, readahead dropped, the backing device owed a flush) and drops what the
+    /// cache may have promoted over the range meanwhile. `Ok(Some(slow))`: a FUA write's
+    /// flush, for `Volume::write_slow`. `Err`: the write failed.
+    pub fn finish(mut self, io: std::io::Result<()>) -> Result<Option<SlowWrite>> {
+        let vol = self.vol.clone();
+        crate::guard::contain(&vol.inner, "write", || self.complete(io))
+    }
+
+    fn complete(&mut self, io: std::io::Result<()>) -> Result<Option<SlowWrite>> {
+        use crate::types::IoContext;
+        use std::sync::atomic::Ordering;
+        let (vol, p) = (&self.vol, self.piece[0]);
+        let inner = &*vol.inner;
+        let backing = &vol.backing;
+        let op = crate::cost::Op::Write;
+        let took = backing.io_done(op, p.dev_offset, p.len as u64, self.issued_ns, io.is_ok());
+        backing
+            .client_backing_ns
+            .store(inner.now_ns(), Ordering::Relaxed);
+        let took = std::time::Duration::from_nanos(took);
+        backing
+            .dev
+            .direct_done(true, p.dev_offset, p.len, took, io.is_ok());
+        let (offset, len) = (self.offset, p.len as u64);
+        backing.readahead.lock().invalidate(offset, offset + len);
+        backing.backing_written.store(true, Ordering::SeqCst);
+        io.ctx(|| format!("writing backing device at {offset}"))?;
+        if let Some((dev, b0, b1)) = self.range {
+            let now = inner.now_ns();
+            inner.state.lock().invalidate(dev, b0, b1, now);
+        }
+        self.release();
+        Ok(self.fua.then(|| SlowWrite {
+            offset,
+            len,
+            fua: true,
+            how: How::Nothing,
+            _use: self.cache_use.take(),
+        }))
+    }
+
+    fn release(&mut self) {
+        if let Some(range) = self.range.take() {
+            self.vol.inner.ranges.unlock(range);
+        }
+    }
+}
+
+impl Drop for AroundWrite {
+    fn drop(&mut self) {
+        self.release();
+    }
+}

@@ -21,7 +21,7 @@ mod plan;
 mod read;
 mod write;
 
-pub use absorb::{Absorb, SlowWrite, WritePlan};
+pub use absorb::{Absorb, AroundWrite, SlowWrite, WritePlan};
 pub use plan::{AroundRead, Hit, Piece, ReadPlan, SlowRead};
 
 use crate::policy::WriteRoute as Route;

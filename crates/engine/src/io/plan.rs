@@ -400,7 +400,7 @@ impl Volume {
                 buf_offset: 0,
                 len: slow.len,
             }],
-            issued_ns: backing.io_epoch.elapsed().as_nanos() as u64,
+            issued_ns: backing.io_issued(),
             _use: slow._use,
         })
     }
@@ -430,19 +430,12 @@ impl AroundRead {
         use std::sync::atomic::Ordering;
         let (vol, p) = (&self.vol, self.piece[0]);
         let backing = &vol.backing;
-        let done = backing.io_epoch.elapsed().as_nanos() as u64;
-        let prev = backing.last_done_ns.fetch_max(done, Ordering::Relaxed);
+        let op = crate::cost::Op::Read;
+        let took = backing.io_done(op, p.dev_offset, p.len as u64, self.issued_ns, io.is_ok());
         backing
             .client_backing_ns
             .store(vol.inner.now_ns(), Ordering::Relaxed);
-        if io.is_ok() {
-            let ns = crate::cost::service_ns(self.issued_ns, done, prev);
-            let op = crate::cost::Op::Read;
-            backing
-                .policy
-                .observe_io(op, p.dev_offset, p.len as u64, ns);
-        }
-        let took = std::time::Duration::from_nanos(done.saturating_sub(self.issued_ns));
+        let took = std::time::Duration::from_nanos(took);
         backing
             .dev
             .direct_done(false, p.dev_offset, p.len, took, io.is_ok());
