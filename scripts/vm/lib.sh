@@ -31,11 +31,17 @@ tc_serve() {
     done
 }
 
-# Stops the server cleanly (SIGTERM) and waits for it; fails if it does not exit 0.
+# Stops the server cleanly (SIGTERM) and waits for it; fails if it does not exit 0. A hang
+# guard kills it after 300 s (a shutdown is bounded by --shutdown-timeout, 30 s by default,
+# twice: the requests in flight, then the save).
 tc_stop() {
     pid=$(cat /tmp/serve.pid)
     kill -TERM "$pid"
-    wait "$pid" || { tail -20 /tmp/serve.log; die "serve exited $? after SIGTERM"; }
+    ( sleep 300; kill -9 "$pid" 2> /dev/null && echo "tc_stop: serve hung after SIGTERM, killed" ) &
+    guard=$!
+    rc=0; wait "$pid" || rc=$?
+    kill "$guard" 2> /dev/null || true
+    [ $rc = 0 ] || { tail -20 /tmp/serve.log; die "serve exited $rc after SIGTERM"; }
     rm -f /tmp/serve.pid
 }
 
@@ -154,3 +160,58 @@ ublk_wait() {
 
 # kernel_io_errors: how many I/O errors the kernel logged so far.
 kernel_io_errors() { dmesg | grep -c -i 'I/O error' || true; }
+
+# detach_in_use KIND (ublk or nbd): `tiercache detach` of the volume while ext4 on its block
+# device is mounted and written (fio with verify, writeback so there is dirty data to write
+# back), then `attach` again. The contract is the socket's: detach writes everything back and
+# ends the volume's block device once its requests in flight are done (the filesystem on it
+# gets errors from then on, as on a lost disk); attach serves the volume again, as a new device.
+# Checked: detach and attach complete while the filesystem stays mounted, the old device goes,
+# the new one comes (ublk: numbered 1, as 0 stays with the dead device while a filesystem is
+# mounted on it; nbd: connected as /dev/nbd1), every file fsync'd before the detach is intact, the checker is clean (after
+# the journal replays) and the server stops cleanly.
+detach_in_use() {
+    tc_make --writeback
+    case "$1" in
+        ublk) tc_serve --ublk --shutdown-timeout 10; ublk_wait 0; dev=/dev/ublkb0 ;;
+        nbd) tc_serve --shutdown-timeout 10; nbd_up; dev=/dev/nbd0 ;;
+        *) die "detach_in_use: unknown kind $1" ;;
+    esac
+    mkfs.ext4 -q -F "$dev"
+    mount "$dev" "$MNT"
+    make_files "$MNT/before" 20 b
+    ( fio_verify "$MNT" --size=64m ) > /dev/null 2>&1 &
+    fio=$!
+    sleep 3
+    kill -0 $fio 2> /dev/null || die "fio ended before the detach: nothing was in use"
+    say "detach while fio runs ($(tc status --json | grep -o '"dirty_bytes": *[0-9]*' | head -1))"
+    tc detach data > /dev/null 2>&1 || { tail -20 /tmp/serve.log; die "detach failed"; }
+    if tc status --json | grep -q '"name": *"data"'; then die "data is still attached after detach"; fi
+    i=0
+    case "$1" in
+        ublk) until [ ! -e /sys/block/ublkb0 ]; do
+                  i=$((i + 1)); [ $i -lt 300 ] || die "/dev/ublkb0 is still there after the detach"; sleep 0.1
+              done ;;
+        nbd) until [ "$(metric "tiercache_connections{" unix)" = 0 ]; do
+                 i=$((i + 1)); [ $i -lt 300 ] || die "the server still has the connection of /dev/nbd0 after the detach"; sleep 0.1
+             done ;;
+    esac
+    if wait $fio; then say "fio finished before the device went"; else say "fio failed: its filesystem lost its device"; fi
+    say "attach again, the old filesystem still mounted"
+    tc attach "$BACKING" > /dev/null || { tail -20 /tmp/serve.log; die "attach failed"; }
+    case "$1" in
+        # The number 0 stays with the dead device as long as a filesystem is mounted on it.
+        ublk) ublk_wait 1; new=/dev/ublkb1 ;;
+        nbd) new=/dev/nbd1; nbd-client -unix "$SOCK" "$new" -name data > /dev/null ;;
+    esac
+    umount "$MNT" 2> /dev/null || umount -l "$MNT"
+    mount "$new" "$MNT"
+    umount "$MNT"
+    fs_check ext4 "$new"
+    mount "$new" "$MNT"
+    verify_files
+    umount "$MNT"
+    [ "$1" = nbd ] && { nbd-client -d "$new" > /dev/null; nbd_down 2> /dev/null || true; }
+    tail -5 /tmp/serve.log
+    tc_stop
+}

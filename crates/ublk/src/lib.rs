@@ -14,8 +14,9 @@
 //! Devices are added with `UBLK_F_USER_RECOVERY | UBLK_F_USER_RECOVERY_REISSUE`: when the
 //! server dies, the driver quiesces the device instead of removing it (requests wait), and the
 //! next [`Device::start`] with the same id takes it over and has the driver re-issue the
-//! requests that were in flight. [`Device::stop`] stops and deletes the device (the clean
-//! shutdown).
+//! requests that were in flight. [`Device::stop`] stops the device and ends its queues, and
+//! [`Stopped::delete`] deletes it (the clean shutdown, in two steps because the driver answers
+//! the delete only once no filesystem is mounted on the device any more).
 //!
 //! Invariants: a request's result reaches the driver only after the export returned for it;
 //! and every write is made durable before it is acknowledged (the device is advertised without
@@ -502,15 +503,39 @@ impl Device {
         self.recovered
     }
 
-    /// The clean shutdown: the driver stops the device (the block device disappears once its
-    /// requests are done, which the queues still serve), then the queues end and the device
-    /// is deleted.
-    pub fn stop(mut self) -> io::Result<()> {
+    /// The clean shutdown, first half: the driver stops the device (the block device goes
+    /// away once its requests in flight are done, which the queues still serve; a filesystem
+    /// still mounted on it gets errors from then on), then the queues end, dropping the
+    /// export. What is left is the device's number, which [`Stopped::delete`] gives back.
+    pub fn stop(mut self) -> io::Result<Stopped> {
         let id = self.dev_id;
         let stopped = self.ctrl.simple(CMD_STOP_DEV, id, 0);
         self.abandon();
         stopped?;
-        self.ctrl.simple(CMD_DEL_DEV, id, 0)
+        Ok(Stopped {
+            dev_id: id,
+            ctrl: self.ctrl,
+        })
+    }
+}
+
+/// A device whose queues have ended ([`Device::stop`]), not yet deleted.
+pub struct Stopped {
+    dev_id: u32,
+    ctrl: Control,
+}
+
+impl Stopped {
+    /// The device number N of `/dev/ublkbN`.
+    pub fn id(&self) -> u32 {
+        self.dev_id
+    }
+
+    /// Deletes the device, giving its number back. The driver answers only once the last
+    /// user of the block device let it go: this waits for as long as a filesystem stays
+    /// mounted on it.
+    pub fn delete(mut self) -> io::Result<()> {
+        self.ctrl.simple(CMD_DEL_DEV, self.dev_id, 0)
     }
 }
 
