@@ -120,6 +120,7 @@ cleanup() {
     umount "$MNT" 2> /dev/null || true
     [ -e /sys/block/nbd0/pid ] && nbd-client -d /dev/nbd0 > /dev/null 2>&1
     if [ -f /tmp/serve.pid ]; then kill -9 "$(cat /tmp/serve.pid)" 2> /dev/null; rm -f /tmp/serve.pid; fi
+    [ -e /dev/mapper/tccache ] && DM_DISABLE_UDEV=1 dmsetup remove --force tccache 2> /dev/null
     rm -f "$SUMS" /tmp/serve.log "$SOCK" "$ADMIN" /tmp/stop-writer
     sleep 0.2
     true
@@ -161,6 +162,21 @@ ublk_wait() {
 # kernel_io_errors: how many I/O errors the kernel logged so far.
 kernel_io_errors() { dmesg | grep -c -i 'I/O error' || true; }
 
+# serve_dev KIND [serve options]: starts the server and its block device, /dev/ublkb0 (KIND
+# ublk) or /dev/nbd0 (KIND nbd); $dev names it.
+serve_dev() {
+    kind="$1"; shift
+    case "$kind" in
+        ublk) tc_serve --ublk "$@"; ublk_wait 0; dev=/dev/ublkb0 ;;
+        nbd) tc_serve "$@"; nbd_up; dev=/dev/nbd0 ;;
+        *) die "unknown block device kind $kind (ublk or nbd)" ;;
+    esac
+}
+
+# dev_io_errors DEV: how many I/O errors the kernel logged so far on DEV (a name like nbd0),
+# and errors of a filesystem on it.
+dev_io_errors() { dmesg | grep -i -e 'I/O error' -e 'EXT4-fs error' | grep -c "$1" || true; }
+
 # detach_in_use KIND (ublk or nbd): `tiercache detach` of the volume while ext4 on its block
 # device is mounted and written (fio with verify, writeback so there is dirty data to write
 # back), then `attach` again. The contract is the socket's: detach writes everything back and
@@ -172,11 +188,7 @@ kernel_io_errors() { dmesg | grep -c -i 'I/O error' || true; }
 # the journal replays) and the server stops cleanly.
 detach_in_use() {
     tc_make --writeback
-    case "$1" in
-        ublk) tc_serve --ublk --shutdown-timeout 10; ublk_wait 0; dev=/dev/ublkb0 ;;
-        nbd) tc_serve --shutdown-timeout 10; nbd_up; dev=/dev/nbd0 ;;
-        *) die "detach_in_use: unknown kind $1" ;;
-    esac
+    serve_dev "$1" --shutdown-timeout 10
     mkfs.ext4 -q -F "$dev"
     mount "$dev" "$MNT"
     make_files "$MNT/before" 20 b
@@ -214,4 +226,53 @@ detach_in_use() {
     [ "$1" = nbd ] && { nbd-client -d "$new" > /dev/null; nbd_down 2> /dev/null || true; }
     tail -5 /tmp/serve.log
     tc_stop
+}
+
+# cache_fails KIND (ublk or nbd): the cache device fails under a mounted, written filesystem
+# in writethrough. The cache is a device-mapper target over vdb whose table is swapped for
+# dm-error while fio with verify runs on ext4 over the volume's block device, after the files
+# written before were read once (so the cache holds clean copies of them). Checked: the set
+# degrades (the failure was real), fio verifies every block, the kernel logs no I/O error on
+# the block device, no request of the server failed, every file reads back intact (from the
+# backing device), the checker is clean; then the table is restored and `readmit` puts the
+# cache back in service.
+cache_fails() {
+    sectors=$(blockdev --getsz /dev/vdb)
+    DM_DISABLE_UDEV=1 dmsetup create tccache --table "0 $sectors linear /dev/vdb 0"
+    CACHE=/dev/mapper/tccache
+    tc_make
+    serve_dev "$1"
+    name=${dev#/dev/}
+    errors0=$(dev_io_errors "$name")
+    mkfs.ext4 -q -F "$dev"
+    mount "$dev" "$MNT"
+    make_files "$MNT/tree" 30 c
+    echo 3 > /proc/sys/vm/drop_caches
+    verify_files
+    ( fio_verify "$MNT" --size=32m ) &
+    fio=$!
+    sleep 3
+    kill -0 $fio 2> /dev/null || die "fio ended before the cache failed: nothing was in use"
+    say "the cache device fails (dm-error)"
+    DM_DISABLE_UDEV=1 dmsetup suspend tccache
+    DM_DISABLE_UDEV=1 dmsetup load tccache --table "0 $sectors error"
+    DM_DISABLE_UDEV=1 dmsetup resume tccache
+    wait $fio || die "fio failed after the cache device failed"
+    tc status | grep -q DEGRADED || { tc status; die "the set did not degrade: the cache did not fail?"; }
+    echo 3 > /proc/sys/vm/drop_caches
+    verify_files
+    rm -f "$MNT"/verify.*
+    umount "$MNT"
+    fs_check ext4 "$dev"
+    [ "$(dev_io_errors "$name")" = "$errors0" ] || { dmesg | tail -20; die "the kernel logged I/O errors on $dev"; }
+    no_errors
+    say "the cache device is repaired: readmit"
+    DM_DISABLE_UDEV=1 dmsetup suspend tccache
+    DM_DISABLE_UDEV=1 dmsetup load tccache --table "0 $sectors linear /dev/vdb 0"
+    DM_DISABLE_UDEV=1 dmsetup resume tccache
+    tc readmit > /dev/null
+    if tc status | grep -q DEGRADED; then die "still degraded after readmit"; fi
+    [ "$1" = nbd ] && nbd_down
+    tc_stop
+    DM_DISABLE_UDEV=1 dmsetup remove tccache
 }

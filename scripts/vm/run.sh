@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Boots Debian's Linux 6.12 under qemu (TCG, no KVM) with a small initramfs holding tiercache,
-# nbd-client, mkfs/fsck for ext4 and XFS, fio and the kernel modules (nbd, ublk_drv, ext4, xfs,
-# bcache, loop, virtio_blk), runs scenarios inside on two virtio disks (backing and cache), and
-# reports their results. Exit status 0 only when every scenario printed PASS.
+# nbd-client, mkfs/fsck for ext4 and XFS, fio, dmsetup and the kernel modules (nbd, ublk_drv,
+# ext4, xfs, bcache, dm-mod, loop, virtio_blk), runs scenarios inside on two virtio disks
+# (backing and cache), and reports their results. Exit status 0 only when every scenario
+# printed PASS.
 #
 #   scripts/vm/run.sh [--bin PATH] [SCENARIO...]
 #
@@ -43,7 +44,7 @@ missing() {
 }
 
 # ---- tools on the host ---------------------------------------------------------------
-host_tools=(busybox nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair fio make-bcache cpio depmod xz ldd strip)
+host_tools=(busybox nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair fio make-bcache dmsetup cpio depmod xz ldd strip)
 qemu=""
 find_qemu() {
     if command -v qemu-system-x86_64 >/dev/null; then qemu="$(command -v qemu-system-x86_64)"; return 0; fi
@@ -62,7 +63,7 @@ if [ "$need_install" = 1 ]; then
     echo "vm: installing packages" >&2
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends busybox-static nbd-client e2fsprogs xfsprogs \
-        fio bcache-tools cpio kmod xz-utils binutils libc-bin >/dev/null
+        fio bcache-tools dmsetup cpio kmod xz-utils binutils libc-bin >/dev/null
     if ! find_qemu; then
         # qemu-system-x86 and qemu-utils go in one command. When the machine has a newer
         # qemu-utils than this release's qemu-system-x86 can live with (a backport), apt would
@@ -118,8 +119,8 @@ fi
 moddir="$kdir/lib/modules/$kver"
 
 # ---- the base initramfs (tools, libraries, modules), cached --------------------------
-guest_tools=(nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair xfs_db fio make-bcache)
-guest_modules=(crc32c_generic crc32c-intel libcrc32c loop virtio_blk nbd ublk_drv ext4 xfs bcache)
+guest_tools=(nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair xfs_db fio make-bcache dmsetup)
+guest_modules=(crc32c_generic crc32c-intel libcrc32c loop virtio_blk nbd ublk_drv ext4 xfs bcache dm-mod)
 base_key="$(printf '%s\n' "$kver" "${guest_tools[@]}" "${guest_modules[@]}" | cat - "$here/run.sh" | sha256sum | cut -c1-16)"
 base="$cache/base-$base_key.cpio"
 if [ ! -f "$base" ]; then
