@@ -7,12 +7,16 @@
 #
 #   scripts/vm/run.sh [--bin PATH] [SCENARIO...]
 #
-# SCENARIO names a file in scripts/vm/scenarios/ (without .sh); default: all of them.
+# SCENARIO names a file in scripts/vm/scenarios/ (without .sh); default: all of them (not those
+# of its subdirectories, named DIR/NAME: bench/ holds the measurements of scripts/vm/compare.sh,
+# repro/ reproducers of open bugs, which fail until they are fixed).
 # --bin: the tiercache binary to put in the guest (default: cargo build --release).
 # Environment: TIERCACHE_VM_CACHE (kernel, qemu and base initramfs cache; default
 # /var/cache/tiercache-vm), TIERCACHE_VM_KERNEL (a linux-image-... package version to use
 # instead of the newest 6.12), VM_MEM (MiB, 1536), VM_CPUS (2), VM_TIMEOUT (seconds for the
-# whole boot, 1500), VM_LOG (where to keep the serial console; default a temporary file).
+# whole boot, 1500), VM_LOG (where to keep the serial console; default a temporary file),
+# VM_BACKING_OPTS (extra qemu -drive options of the backing disk, e.g. throttling.iops-total=150
+# for a disk with a disk's speed).
 #
 # It installs what it needs with apt-get when run as root (idempotent). Without the tools and
 # without root it exits 77 (skipped) unless CI=true, where a missing tool is a failure.
@@ -25,7 +29,7 @@ scenarios=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --bin) bin="$2"; shift 2 ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) scenarios+=("$1"); shift ;;
     esac
 done
@@ -178,7 +182,9 @@ ldd "$bin" | grep -o '/[^ ]*' | while read -r lib; do
 done
 cp "$here/init" "$over/init"; chmod 755 "$over/init"
 cp "$here/lib.sh" "$over/lib.sh"
-for s in "${scenarios[@]}"; do cp "$here/scenarios/$s.sh" "$over/scenarios/"; done
+for s in "${scenarios[@]}"; do
+    mkdir -p "$over/scenarios/$(dirname "$s")"; cp "$here/scenarios/$s.sh" "$over/scenarios/$s.sh"
+done
 (cd "$over" && find . | cpio -o -H newc --quiet) > "$work/overlay.cpio"
 cat "$base" "$work/overlay.cpio" > "$work/initrd"
 
@@ -198,7 +204,7 @@ timeout --foreground -k 10 "${VM_TIMEOUT:-1500}" "$qemu" "${firmware[@]}" \
     -nodefaults -no-reboot -display none -serial stdio -monitor none \
     -kernel "$kdir/boot/vmlinuz-$kver" -initrd "$work/initrd" \
     -append "console=ttyS0 rdinit=/init panic=-1 loglevel=4 tc.scenarios=$list" \
-    -drive "file=$work/backing.img,if=virtio,format=raw,cache=unsafe" \
+    -drive "file=$work/backing.img,if=virtio,format=raw,cache=unsafe${VM_BACKING_OPTS:+,$VM_BACKING_OPTS}" \
     -drive "file=$work/cache.img,if=virtio,format=raw,cache=unsafe" \
     -drive "file=$work/spare1.img,if=virtio,format=raw,cache=unsafe" \
     -drive "file=$work/spare2.img,if=virtio,format=raw,cache=unsafe" \
