@@ -2,8 +2,9 @@
 # The test command from the README: every unit, property, crash-simulation and interop test.
 # TIERCACHE_CRASH_POINTS (default 10000) sets how many crash points the crash test checks.
 # Under CI=true (or TIERCACHE_VM=1) it also boots Linux in qemu for the block-device scenarios
-# of scripts/vm/ (about 5 minutes on 2 cores for the 9 scenarios, plus installing qemu and
-# fetching the kernel package once).
+# of scripts/vm/ (the 14 scenarios took 215 s on 2 cores with the host lightly loaded on
+# 2026-11-27, and up to about three times that per scenario under load; plus installing qemu
+# and fetching the kernel package once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TIERCACHE_CRASH_POINTS="${TIERCACHE_CRASH_POINTS:-10000}"

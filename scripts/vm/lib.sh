@@ -31,11 +31,17 @@ tc_serve() {
     done
 }
 
-# Stops the server cleanly (SIGTERM) and waits for it; fails if it does not exit 0.
+# Stops the server cleanly (SIGTERM) and waits for it; fails if it does not exit 0. A hang
+# guard kills it after 300 s (a shutdown is bounded by --shutdown-timeout, 30 s by default,
+# twice: the requests in flight, then the save).
 tc_stop() {
     pid=$(cat /tmp/serve.pid)
     kill -TERM "$pid"
-    wait "$pid" || { tail -20 /tmp/serve.log; die "serve exited $? after SIGTERM"; }
+    ( sleep 300; kill -9 "$pid" 2> /dev/null && echo "tc_stop: serve hung after SIGTERM, killed" ) &
+    guard=$!
+    rc=0; wait "$pid" || rc=$?
+    kill "$guard" 2> /dev/null || true
+    [ $rc = 0 ] || { tail -20 /tmp/serve.log; die "serve exited $rc after SIGTERM"; }
     rm -f /tmp/serve.pid
 }
 
@@ -114,6 +120,7 @@ cleanup() {
     umount "$MNT" 2> /dev/null || true
     [ -e /sys/block/nbd0/pid ] && nbd-client -d /dev/nbd0 > /dev/null 2>&1
     if [ -f /tmp/serve.pid ]; then kill -9 "$(cat /tmp/serve.pid)" 2> /dev/null; rm -f /tmp/serve.pid; fi
+    [ -e /dev/mapper/tccache ] && DM_DISABLE_UDEV=1 dmsetup remove --force tccache 2> /dev/null
     rm -f "$SUMS" /tmp/serve.log "$SOCK" "$ADMIN" /tmp/stop-writer
     sleep 0.2
     true
@@ -154,3 +161,177 @@ ublk_wait() {
 
 # kernel_io_errors: how many I/O errors the kernel logged so far.
 kernel_io_errors() { dmesg | grep -c -i 'I/O error' || true; }
+
+# serve_dev KIND [serve options]: starts the server and its block device, /dev/ublkb0 (KIND
+# ublk) or /dev/nbd0 (KIND nbd); $dev names it.
+serve_dev() {
+    kind="$1"; shift
+    case "$kind" in
+        ublk) tc_serve --ublk "$@"; ublk_wait 0; dev=/dev/ublkb0 ;;
+        nbd) tc_serve "$@"; nbd_up; dev=/dev/nbd0 ;;
+        *) die "unknown block device kind $kind (ublk or nbd)" ;;
+    esac
+}
+
+# dev_io_errors DEV: how many I/O errors the kernel logged so far on DEV (a name like nbd0),
+# and errors of a filesystem on it.
+dev_io_errors() { dmesg | grep -i -e 'I/O error' -e 'EXT4-fs error' | grep -c "$1" || true; }
+
+# detach_in_use KIND MODE [serve options]: `tiercache detach` of the volume (KIND ublk or nbd,
+# cache mode MODE, writethrough or writeback) while ext4 on its block device is mounted and
+# written (fio with verify), then `attach` again. The contract is the socket's: detach writes
+# everything back and ends the volume's block device once its requests in flight are done (the
+# filesystem on it gets errors from then on, as on a lost disk); attach serves the volume
+# again, as a new device. Checked: detach and attach complete while the filesystem stays
+# mounted, the old device goes, the new one comes (ublk: numbered 1, as 0 stays with the dead
+# device while a filesystem is mounted on it; nbd: connected as /dev/nbd1), every file fsync'd
+# before the detach is intact, the checker is clean (after the journal replays) and the server
+# stops cleanly. CI runs it in writethrough; in writeback over nbd the detach can hang (see
+# scenarios/repro/nbd-detach-writeback.sh).
+detach_in_use() {
+    kind="$1"; mode="$2"; shift 2
+    case "$mode" in
+        writeback) tc_make --writeback ;;
+        writethrough) tc_make ;;
+        *) die "detach_in_use: unknown mode $mode" ;;
+    esac
+    serve_dev "$kind" --shutdown-timeout 10 "$@"
+    mkfs.ext4 -q -F "$dev"
+    mount "$dev" "$MNT"
+    make_files "$MNT/before" 20 b
+    ( fio_verify "$MNT" --size=64m ) > /dev/null 2>&1 &
+    fio=$!
+    sleep 3
+    kill -0 $fio 2> /dev/null || die "fio ended before the detach: nothing was in use"
+    say "detach while fio runs ($(tc status --json | grep -o '"dirty_bytes": *[0-9]*' | head -1))"
+    tc detach data > /dev/null 2>&1 || { tail -20 /tmp/serve.log; die "detach failed"; }
+    if tc status --json | grep -q '"name": *"data"'; then die "data is still attached after detach"; fi
+    i=0
+    case "$kind" in
+        ublk) until [ ! -e /sys/block/ublkb0 ]; do
+                  i=$((i + 1)); [ $i -lt 300 ] || die "/dev/ublkb0 is still there after the detach"; sleep 0.1
+              done ;;
+        nbd) until [ "$(metric "tiercache_connections{" unix)" = 0 ]; do
+                 i=$((i + 1)); [ $i -lt 300 ] || die "the server still has the connection of /dev/nbd0 after the detach"; sleep 0.1
+             done ;;
+    esac
+    if wait $fio; then say "fio finished before the device went"; else say "fio failed: its filesystem lost its device"; fi
+    say "attach again, the old filesystem still mounted"
+    tc attach "$BACKING" > /dev/null || { tail -20 /tmp/serve.log; die "attach failed"; }
+    case "$kind" in
+        # The number 0 stays with the dead device as long as a filesystem is mounted on it.
+        ublk) ublk_wait 1; new=/dev/ublkb1 ;;
+        nbd) new=/dev/nbd1; nbd-client -unix "$SOCK" "$new" -name data > /dev/null ;;
+    esac
+    umount "$MNT" 2> /dev/null || umount -l "$MNT"
+    mount "$new" "$MNT"
+    umount "$MNT"
+    fs_check ext4 "$new"
+    mount "$new" "$MNT"
+    verify_files
+    umount "$MNT"
+    [ "$kind" = nbd ] && { nbd-client -d "$new" > /dev/null; nbd_down 2> /dev/null || true; }
+    tail -5 /tmp/serve.log
+    tc_stop
+}
+
+# cache_fails KIND (ublk or nbd): the cache device fails under a mounted, written filesystem
+# in writethrough. The cache is a device-mapper target over vdb whose table is swapped for
+# dm-error while fio with verify runs on ext4 over the volume's block device, after the files
+# written before were read once (so the cache holds clean copies of them). Checked: the set
+# degrades (the failure was real), fio verifies every block, the kernel logs no I/O error on
+# the block device, no request of the server failed, every file reads back intact (from the
+# backing device), the checker is clean; then the table is restored and `readmit` puts the
+# cache back in service.
+cache_fails() {
+    sectors=$(blockdev --getsz /dev/vdb)
+    DM_DISABLE_UDEV=1 dmsetup create tccache --table "0 $sectors linear /dev/vdb 0"
+    CACHE=/dev/mapper/tccache
+    tc_make
+    serve_dev "$1"
+    name=${dev#/dev/}
+    errors0=$(dev_io_errors "$name")
+    mkfs.ext4 -q -F "$dev"
+    mount "$dev" "$MNT"
+    make_files "$MNT/tree" 30 c
+    echo 3 > /proc/sys/vm/drop_caches
+    verify_files
+    ( fio_verify "$MNT" --size=32m ) &
+    fio=$!
+    sleep 3
+    kill -0 $fio 2> /dev/null || die "fio ended before the cache failed: nothing was in use"
+    say "the cache device fails (dm-error)"
+    DM_DISABLE_UDEV=1 dmsetup suspend tccache
+    DM_DISABLE_UDEV=1 dmsetup load tccache --table "0 $sectors error"
+    DM_DISABLE_UDEV=1 dmsetup resume tccache
+    wait $fio || die "fio failed after the cache device failed"
+    tc status | grep -q DEGRADED || { tc status; die "the set did not degrade: the cache did not fail?"; }
+    echo 3 > /proc/sys/vm/drop_caches
+    verify_files
+    rm -f "$MNT"/verify.*
+    umount "$MNT"
+    fs_check ext4 "$dev"
+    [ "$(dev_io_errors "$name")" = "$errors0" ] || { dmesg | tail -20; die "the kernel logged I/O errors on $dev"; }
+    no_errors
+    say "the cache device is repaired: readmit"
+    DM_DISABLE_UDEV=1 dmsetup suspend tccache
+    DM_DISABLE_UDEV=1 dmsetup load tccache --table "0 $sectors linear /dev/vdb 0"
+    DM_DISABLE_UDEV=1 dmsetup resume tccache
+    tc readmit > /dev/null
+    if tc status | grep -q DEGRADED; then die "still degraded after readmit"; fi
+    [ "$1" = nbd ] && nbd_down
+    tc_stop
+    DM_DISABLE_UDEV=1 dmsetup remove tccache
+}
+
+# bench_fio CONFIG DEV: the measurements of scripts/vm/compare.sh on DEV (O_DIRECT, libaio,
+# BENCH_SECS seconds each, within the first BENCH_REGION of the device): 4 KiB random reads
+# and writes at queue depth 1 and 32, 1 MiB sequential reads and writes at depth 4; a cold pass
+# (first, on an empty cache; each job may hit what the ones before it cached), then one random
+# read of the whole region in 64 KiB blocks (a warm-up a cache keeps), then the warm pass.
+# Prints "BENCH CONFIG PASS JOB IOPS KIB/S" per job.
+bench_fio() {
+    secs=${BENCH_SECS:-5}; region=${BENCH_REGION:-64m}
+    for pass in cold warm; do
+        if [ $pass = warm ]; then
+            fio --name=warmup --filename="$2" --rw=randread --bs=64k --size="$region" \
+                --ioengine=libaio --iodepth=8 --direct=1 > /dev/null || die "fio warm-up failed"
+        fi
+        for job in randread:4k:1 randread:4k:32 read:1m:4 randwrite:4k:1 randwrite:4k:32 write:1m:4; do
+            rw=${job%%:*}; rest=${job#*:}; bs=${rest%%:*}; qd=${rest#*:}
+            fio --name=b --filename="$2" --rw="$rw" --bs="$bs" --iodepth="$qd" --size="$region" \
+                --ioengine=libaio --direct=1 --time_based --runtime="$secs" \
+                --output-format=terse --terse-version=3 > /tmp/bench.out || { cat /tmp/bench.out; die "fio $job failed"; }
+            case $rw in
+                *read) f=$(awk -F';' '{print $8, $7}' /tmp/bench.out) ;;
+                *) f=$(awk -F';' '{print $49, $48}' /tmp/bench.out) ;;
+            esac
+            echo "BENCH $1 $pass $rw-$bs-qd$qd $f"
+        done
+    done
+}
+
+# bench CONFIG: sets the configuration up on a fresh boot and measures it (bench_fio):
+# raw-backing and raw-cache (the disks alone), bcache (make-bcache, /dev/bcache0,
+# writethrough), ublk (/dev/ublkb0) and nbd (/dev/nbd0, -C 4), tiercache in writethrough.
+bench() {
+    case "$1" in
+        raw-backing) bench_fio "$1" "$BACKING" ;;
+        raw-cache) bench_fio "$1" "$CACHE" ;;
+        bcache)
+            # 64 KiB buckets: the 256 MiB cache disk has too few of the default size for the kernel.
+            make-bcache --wipe-bcache --bucket 64k -B "$BACKING" -C "$CACHE" > /dev/null
+            echo "$BACKING" > /sys/fs/bcache/register || true
+            echo "$CACHE" > /sys/fs/bcache/register || true
+            i=0
+            until [ -b /dev/bcache0 ] && [ "$(cat /sys/block/bcache0/bcache/state 2> /dev/null)" = clean ]; do
+                i=$((i + 1)); [ $i -lt 100 ] || { ls /dev/bcache* /sys/fs/bcache; cat /sys/block/bcache0/bcache/state; dmesg | grep -i bcache | tail; die "/dev/bcache0 did not come up attached"; }
+                sleep 0.1
+            done
+            say "bcache0: $(cat /sys/block/bcache0/bcache/cache_mode)"
+            bench_fio "$1" /dev/bcache0 ;;
+        ublk) tc_make; serve_dev ublk; bench_fio "$1" "$dev"; tc_stop ;;
+        nbd) tc_make; tc_serve; nbd_up -C 4; bench_fio "$1" /dev/nbd0; nbd_down; tc_stop ;;
+        *) die "bench: unknown configuration $1" ;;
+    esac
+}

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Boots Debian's Linux 6.12 under qemu (TCG, no KVM) with a small initramfs holding tiercache,
-# nbd-client, mkfs/fsck for ext4 and XFS, fio and the kernel modules (nbd, ublk_drv, ext4, xfs,
-# bcache, loop, virtio_blk), runs scenarios inside on two virtio disks (backing and cache), and
-# reports their results. Exit status 0 only when every scenario printed PASS.
+# nbd-client, mkfs/fsck for ext4 and XFS, fio, dmsetup and the kernel modules (nbd, ublk_drv,
+# ext4, xfs, bcache, dm-mod, loop, virtio_blk), runs scenarios inside on two virtio disks
+# (backing and cache), and reports their results. Exit status 0 only when every scenario
+# printed PASS.
 #
 #   scripts/vm/run.sh [--bin PATH] [SCENARIO...]
 #
-# SCENARIO names a file in scripts/vm/scenarios/ (without .sh); default: all of them.
+# SCENARIO names a file in scripts/vm/scenarios/ (without .sh); default: all of them (not those
+# of its subdirectories, named DIR/NAME: bench/ holds the measurements of scripts/vm/compare.sh,
+# repro/ reproducers of open bugs, which fail until they are fixed).
 # --bin: the tiercache binary to put in the guest (default: cargo build --release).
 # Environment: TIERCACHE_VM_CACHE (kernel, qemu and base initramfs cache; default
 # /var/cache/tiercache-vm), TIERCACHE_VM_KERNEL (a linux-image-... package version to use
 # instead of the newest 6.12), VM_MEM (MiB, 1536), VM_CPUS (2), VM_TIMEOUT (seconds for the
-# whole boot, 1500), VM_LOG (where to keep the serial console; default a temporary file).
+# whole boot, 1500), VM_LOG (where to keep the serial console; default a temporary file),
+# VM_BACKING_OPTS (extra qemu -drive options of the backing disk, e.g. throttling.iops-total=150
+# for a disk with a disk's speed).
 #
 # It installs what it needs with apt-get when run as root (idempotent). Without the tools and
 # without root it exits 77 (skipped) unless CI=true, where a missing tool is a failure.
@@ -24,7 +29,7 @@ scenarios=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --bin) bin="$2"; shift 2 ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) scenarios+=("$1"); shift ;;
     esac
 done
@@ -43,7 +48,7 @@ missing() {
 }
 
 # ---- tools on the host ---------------------------------------------------------------
-host_tools=(busybox nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair fio make-bcache cpio depmod xz ldd strip)
+host_tools=(busybox nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair fio make-bcache dmsetup cpio depmod xz ldd strip)
 qemu=""
 find_qemu() {
     if command -v qemu-system-x86_64 >/dev/null; then qemu="$(command -v qemu-system-x86_64)"; return 0; fi
@@ -62,7 +67,7 @@ if [ "$need_install" = 1 ]; then
     echo "vm: installing packages" >&2
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends busybox-static nbd-client e2fsprogs xfsprogs \
-        fio bcache-tools cpio kmod xz-utils binutils libc-bin >/dev/null
+        fio bcache-tools dmsetup cpio kmod xz-utils binutils libc-bin >/dev/null
     if ! find_qemu; then
         # qemu-system-x86 and qemu-utils go in one command. When the machine has a newer
         # qemu-utils than this release's qemu-system-x86 can live with (a backport), apt would
@@ -118,8 +123,8 @@ fi
 moddir="$kdir/lib/modules/$kver"
 
 # ---- the base initramfs (tools, libraries, modules), cached --------------------------
-guest_tools=(nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair xfs_db fio make-bcache)
-guest_modules=(crc32c_generic crc32c-intel libcrc32c loop virtio_blk nbd ublk_drv ext4 xfs bcache)
+guest_tools=(nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair xfs_db fio make-bcache dmsetup)
+guest_modules=(crc32c_generic crc32c-intel libcrc32c loop virtio_blk nbd ublk_drv ext4 xfs bcache dm-mod)
 base_key="$(printf '%s\n' "$kver" "${guest_tools[@]}" "${guest_modules[@]}" | cat - "$here/run.sh" | sha256sum | cut -c1-16)"
 base="$cache/base-$base_key.cpio"
 if [ ! -f "$base" ]; then
@@ -177,7 +182,9 @@ ldd "$bin" | grep -o '/[^ ]*' | while read -r lib; do
 done
 cp "$here/init" "$over/init"; chmod 755 "$over/init"
 cp "$here/lib.sh" "$over/lib.sh"
-for s in "${scenarios[@]}"; do cp "$here/scenarios/$s.sh" "$over/scenarios/"; done
+for s in "${scenarios[@]}"; do
+    mkdir -p "$over/scenarios/$(dirname "$s")"; cp "$here/scenarios/$s.sh" "$over/scenarios/$s.sh"
+done
 (cd "$over" && find . | cpio -o -H newc --quiet) > "$work/overlay.cpio"
 cat "$base" "$work/overlay.cpio" > "$work/initrd"
 
@@ -197,7 +204,7 @@ timeout --foreground -k 10 "${VM_TIMEOUT:-1500}" "$qemu" "${firmware[@]}" \
     -nodefaults -no-reboot -display none -serial stdio -monitor none \
     -kernel "$kdir/boot/vmlinuz-$kver" -initrd "$work/initrd" \
     -append "console=ttyS0 rdinit=/init panic=-1 loglevel=4 tc.scenarios=$list" \
-    -drive "file=$work/backing.img,if=virtio,format=raw,cache=unsafe" \
+    -drive "file=$work/backing.img,if=virtio,format=raw,cache=unsafe${VM_BACKING_OPTS:+,$VM_BACKING_OPTS}" \
     -drive "file=$work/cache.img,if=virtio,format=raw,cache=unsafe" \
     -drive "file=$work/spare1.img,if=virtio,format=raw,cache=unsafe" \
     -drive "file=$work/spare2.img,if=virtio,format=raw,cache=unsafe" \

@@ -4,8 +4,10 @@
 //! `tiercache stop`.
 //!
 //! Invariants: exports always mirror the set's attached volumes (attach/detach/label changes
-//! re-sync them); shutdown order is stop accepting → finish in-flight requests → close the
-//! cache set (journal + checkpoint durable) → exit 0, so a restart finds the cache warm; TCP
+//! re-sync them), and under `--ublk` the `/dev/ublkbN` devices mirror the exports; shutdown
+//! order is stop accepting → finish in-flight requests (sockets and ublk devices together,
+//! within `shutdown_timeout`) → close the cache set (journal + checkpoint durable, within it
+//! again) → exit 0, so a restart finds the cache warm; TCP
 //! binds to 127.0.0.1 unless an address is given. TLS (`tls_cert`, ...) applies to the TCP
 //! listener only; the unix socket serves in clear, guarded by its permissions. With a
 //! certificate and no `tls` mode, TLS is required; TLS settings that cannot take effect (a key
@@ -739,6 +741,9 @@ pub struct Running {
     pending: std::sync::Mutex<Vec<Pending>>,
     /// How they are attached when they answer (`--take-over`).
     attach: engine::AttachOptions,
+    /// The `/dev/ublkbN` devices (`serve --ublk`), following the exports; `None` without
+    /// `--ublk` and once the shutdown took them.
+    ublk: std::sync::Mutex<Option<crate::ublk::Devices>>,
 }
 
 impl Running {
@@ -780,6 +785,16 @@ impl Running {
                 if let Err(e) = self.exports.add(Arc::new(VolumeExport::new(v, m))) {
                     log::error!("cannot export a volume: {e}");
                 }
+            }
+        }
+        self.sync_ublk();
+    }
+
+    /// Makes the ublk devices (if any) match the exports.
+    fn sync_ublk(&self) {
+        if let Some(devices) = lock(&self.ublk).as_mut() {
+            if let Err(e) = devices.sync(&self.exports) {
+                log::error!("{e:#}");
             }
         }
     }
@@ -1064,6 +1079,7 @@ fn running(
         metrics,
         pending: std::sync::Mutex::new(pending),
         attach,
+        ublk: std::sync::Mutex::new(None),
     })
 }
 
@@ -1166,29 +1182,29 @@ fn run(
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, signals.clone()).context("installing signal handlers")?;
     }
-    let ublk = if cfg.ublk {
-        crate::ublk::start_all(
-            &running.exports,
+    let limit = cfg.shutdown_timeout()?;
+    if cfg.ublk {
+        let mut devices = crate::ublk::Devices::new(
             cfg.ublk_queues.unwrap_or(2),
             cfg.ublk_first_id.unwrap_or(0),
-        )
-    } else {
-        Ok(Vec::new())
-    };
-    let ublk = match ublk {
-        Ok(u) => u,
-        Err(e) => {
+            limit,
+        );
+        if let Err(e) = devices.sync(&running.exports) {
+            devices.stop_all();
             if let Err(close) = running.close() {
                 log::error!("{close:#}");
             }
             return Err(e);
         }
-    };
+        *lock(&running.ublk) = Some(devices);
+    }
     let (handles, admin_file, metrics_http) = match listen_all(cfg, &running) {
         Ok(l) => l,
         Err(e) => {
             // Nothing was served: close the set cleanly so the next start needs no recovery.
-            crate::ublk::stop_all(ublk);
+            if let Some(devices) = lock(&running.ublk).take() {
+                devices.stop_all();
+            }
             if let Err(close) = running.close() {
                 log::error!("{close:#}");
             }
@@ -1218,15 +1234,17 @@ fn run(
     });
     crate::notify::notify("STOPPING=1\nSTATUS=finishing in-flight requests, saving the cache");
     log::info!("shutting down: finishing in-flight requests");
-    let limit = cfg.shutdown_timeout()?;
-    // One deadline for all listeners: they stop accepting at once, then their requests get
-    // `limit` together.
-    let abandoned: usize = std::thread::scope(|s| {
+    // One deadline for all listeners and ublk devices: they stop taking requests at once,
+    // then their requests get `limit` together.
+    let ublk = lock(&running.ublk).take();
+    let (abandoned, ublk_abandoned) = std::thread::scope(|s| {
+        let devices = s.spawn(move || ublk.map_or(0, crate::ublk::Devices::stop_all));
         let stopping: Vec<_> = handles
             .into_iter()
             .map(|h| s.spawn(move || h.shutdown_within(Some(limit))))
             .collect();
-        stopping.into_iter().map(|t| t.join().unwrap_or(0)).sum()
+        let sockets: usize = stopping.into_iter().map(|t| t.join().unwrap_or(0)).sum();
+        (sockets, devices.join().unwrap_or(0))
     });
     if abandoned > 0 {
         log::warn!(
@@ -1234,7 +1252,9 @@ fn run(
              closed without a reply"
         );
     }
-    crate::ublk::stop_all(ublk);
+    if ublk_abandoned > 0 {
+        log::warn!("{ublk_abandoned} ublk device(s) left to the driver (see above)");
+    }
     if let Some(m) = metrics_http {
         m.shutdown();
     }

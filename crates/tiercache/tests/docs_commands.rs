@@ -18,7 +18,7 @@ use std::time::Duration;
 
 /// Commands as the docs show them (comments dropped) that are not run, and why.
 /// A pattern is a prefix, or with a leading '=' the whole command.
-const SKIP: [(&str, &str); 34] = [
+const SKIP: [(&str, &str); 35] = [
     ("cargo run --release -p tiercache -- demo", "serves until Ctrl-C; the demo has its own tests (tests/daytoday.rs, tests/interop.rs)"),
     ("bash scripts/test.sh", "runs this test among all the others"),
     ("qemu-system-x86_64", "boots a VM; its '...' stands for the rest of a VM's options"),
@@ -52,6 +52,7 @@ const SKIP: [(&str, &str); 34] = [
     ("tiercache attach --take-over 'nbd+unix:///?socket=/run/rbd/", "docs/deploy.md's take-over of a dead host's disk; tests/handover.rs and tests/ceph.rs run it"),
     ("cargo build --profile test -p tiercache --bin tiercache", "builds the binary the test already runs (cargo test built it)"),
     ("bash scripts/ceph/", "starts a Ceph cluster and measures for minutes; tests/ceph.rs uses the same fixture"),
+    ("BENCH_SECS=5 bash scripts/vm/compare.sh", "boots Linux in qemu five times and measures for minutes; the VM suite (scripts/vm/run.sh, CI) runs the same guest and the block-device setups"),
     ("tiercache top --admin /run/tiercache.sock.admin --once", "no server runs at this point of the README (the Live control block stopped it); `tiercache top --once` ran there"),
 ];
 

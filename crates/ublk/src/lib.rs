@@ -7,17 +7,24 @@
 //! Layout: [`Device::start`] adds (or, after a crash of the previous server, recovers) the
 //! device through `/dev/ublk-control`, starts one thread per hardware queue, each with its
 //! own io_uring, its `depth` tags and one buffer per tag (the driver copies request data into
-//! and out of these buffers), then starts the device. A queue thread executes the requests of
-//! its queue one at a time, synchronously, on the export: concurrency comes from the queues
-//! (the block layer spreads requests over them by CPU).
+//! and out of these buffers), then starts the device. A queue thread only talks to the driver
+//! (the driver takes a queue's commands from one thread only): it hands each request to the
+//! queue's workers (up to 16 threads, fewer if the depth is smaller), which execute it on the
+//! export, and sends their results back (a lone request while none is with the workers it
+//! executes itself, sparing a queue-depth-1 load two hand-overs); so up to that many requests of one queue are in flight
+//! at once, and the queues (spread over CPUs by the block layer) multiply that. A worker wakes
+//! the queue thread, waiting in its ring, through an eventfd read on the same ring.
 //!
 //! Devices are added with `UBLK_F_USER_RECOVERY | UBLK_F_USER_RECOVERY_REISSUE`: when the
 //! server dies, the driver quiesces the device instead of removing it (requests wait), and the
 //! next [`Device::start`] with the same id takes it over and has the driver re-issue the
-//! requests that were in flight. [`Device::stop`] stops and deletes the device (the clean
-//! shutdown).
+//! requests that were in flight. [`Device::stop`] stops the device and ends its queues, and
+//! [`Stopped::delete`] deletes it (the clean shutdown, in two steps because the driver answers
+//! the delete only once no filesystem is mounted on the device any more).
 //!
 //! Invariants: a request's result reaches the driver only after the export returned for it;
+//! a tag's buffer has one user at a time (the driver while the tag's command is with it, then
+//! the one worker its request went to), and the workers end before the buffers are freed;
 //! and every write is made durable before it is acknowledged (the device is advertised without
 //! a volatile write cache, and writes run as FUA). A device that outlives a crash of its
 //! server must: the filesystem on it stays mounted across the recovery and is never told that
@@ -502,15 +509,39 @@ impl Device {
         self.recovered
     }
 
-    /// The clean shutdown: the driver stops the device (the block device disappears once its
-    /// requests are done, which the queues still serve), then the queues end and the device
-    /// is deleted.
-    pub fn stop(mut self) -> io::Result<()> {
+    /// The clean shutdown, first half: the driver stops the device (the block device goes
+    /// away once its requests in flight are done, which the queues still serve; a filesystem
+    /// still mounted on it gets errors from then on), then the queues end, dropping the
+    /// export. What is left is the device's number, which [`Stopped::delete`] gives back.
+    pub fn stop(mut self) -> io::Result<Stopped> {
         let id = self.dev_id;
         let stopped = self.ctrl.simple(CMD_STOP_DEV, id, 0);
         self.abandon();
         stopped?;
-        self.ctrl.simple(CMD_DEL_DEV, id, 0)
+        Ok(Stopped {
+            dev_id: id,
+            ctrl: self.ctrl,
+        })
+    }
+}
+
+/// A device whose queues have ended ([`Device::stop`]), not yet deleted.
+pub struct Stopped {
+    dev_id: u32,
+    ctrl: Control,
+}
+
+impl Stopped {
+    /// The device number N of `/dev/ublkbN`.
+    pub fn id(&self) -> u32 {
+        self.dev_id
+    }
+
+    /// Deletes the device, giving its number back. The driver answers only once the last
+    /// user of the block device let it go: this waits for as long as a filesystem stays
+    /// mounted on it.
+    pub fn delete(mut self) -> io::Result<()> {
+        self.ctrl.simple(CMD_DEL_DEV, self.dev_id, 0)
     }
 }
 
@@ -541,12 +572,6 @@ impl IoBuf {
             return Err(io::Error::new(io::ErrorKind::OutOfMemory, "ublk buffer"));
         }
         Ok(IoBuf { ptr, layout })
-    }
-    fn slice(&mut self, len: usize) -> &mut [u8] {
-        // SAFETY: len <= the allocation (the driver never sends more than max_io_buf_bytes),
-        // and the driver writes it only while the tag's command is with the driver, not while
-        // this thread handles the request.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, len.min(self.layout.size())) }
     }
 }
 
@@ -628,13 +653,25 @@ impl Queue {
         .user_data(u64::from(tag))
     }
 
+    /// Queues the result of `tag`'s request for the driver, with the fetch of its next one.
+    fn commit(&self, ring: &mut IoUring, tag: u16, result: i32, buf: &IoBuf) -> io::Result<()> {
+        let sqe = self.io_cmd(IO_COMMIT_AND_FETCH_REQ, tag, result, buf);
+        // SAFETY: the buffer lives as long as the ring; the ring has room for every tag and
+        // the wake-up read.
+        unsafe { ring.submission().push(&sqe) }
+            .map_err(|_| io::Error::other("ublk queue ring full"))
+    }
+
     fn serve(&self, ready: &mut Option<mpsc::Sender<io::Result<()>>>) -> io::Result<()> {
         let depth = self.depth;
         let descs = Descs::map(self.chardev.as_raw_fd(), self.q_id, depth)?;
-        let mut bufs = (0..depth)
+        let bufs = (0..depth)
             .map(|_| IoBuf::new(self.buf_bytes))
             .collect::<io::Result<Vec<_>>>()?;
-        let mut ring: IoUring = IoUring::builder().build(u32::from(depth).next_power_of_two())?;
+        let wake = Arc::new(EventFd::new()?);
+        // The tags' commands and the wake-up read.
+        let mut ring: IoUring =
+            IoUring::builder().build((u32::from(depth) + 1).next_power_of_two())?;
         for tag in 0..depth {
             let sqe = self.io_cmd(IO_FETCH_REQ, tag, 0, &bufs[usize::from(tag)]);
             // SAFETY: the buffer lives as long as the ring (both dropped at the end).
@@ -642,25 +679,68 @@ impl Queue {
                 .map_err(|_| io::Error::other("ublk queue ring full"))?;
         }
         ring.submit()?;
+        let pool = Workers::start(
+            self.q_id,
+            usize::from(depth).min(WORKERS_PER_QUEUE),
+            &self.export,
+            &wake,
+            &self.stop,
+        )?;
         if let Some(tx) = ready.take() {
             let _ = tx.send(Ok(()));
         }
+        let served = self.serve_tags(&mut ring, &descs, &bufs, wake.0, &pool);
+        // The workers may be using buffers: they end before the buffers are freed.
+        pool.finish();
+        served
+    }
+
+    /// Hands each request the driver completes to the workers and each result they send back
+    /// to the driver, until every tag's command was aborted (the device stops) or `stop`.
+    fn serve_tags(
+        &self,
+        ring: &mut IoUring,
+        descs: &Descs,
+        bufs: &[IoBuf],
+        wake: RawFd,
+        pool: &Workers,
+    ) -> io::Result<()> {
+        let depth = self.depth;
         let mut live = usize::from(depth);
+        let mut wake_armed = false;
+        // Leaked (8 bytes a queue): a wake-up read still armed when the ring goes may complete
+        // late, and must never write into freed memory.
+        let wake_buf: &'static mut u64 = Box::leak(Box::new(0u64));
         let ts = types::Timespec::new().nsec(100_000_000);
         let args = types::SubmitArgs::new().timespec(&ts);
-        let mut done = Vec::with_capacity(usize::from(depth));
+        let mut done = Vec::with_capacity(usize::from(depth) + 1);
+        let mut arrived = Vec::with_capacity(usize::from(depth));
+        // Requests with the workers.
+        let mut in_flight = 0usize;
         while live > 0 && !self.stop.load(Ordering::SeqCst) {
+            if !wake_armed {
+                let sqe =
+                    opcode::Read::new(types::Fd(wake), &mut *wake_buf as *mut u64 as *mut u8, 8)
+                        .build()
+                        .user_data(WAKE);
+                // SAFETY: `wake_buf` is never freed; the eventfd is closed only after the ring.
+                unsafe { ring.submission().push(&sqe) }
+                    .map_err(|_| io::Error::other("ublk queue ring full"))?;
+                wake_armed = true;
+            }
             match ring.submitter().submit_with_args(1, &args) {
                 Ok(_) => {}
                 Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME | libc::EINTR)) => {}
                 Err(e) => return Err(e),
             }
             done.clear();
-            done.extend(
-                ring.completion()
-                    .map(|c| (c.user_data() as u16, c.result())),
-            );
-            for &(tag, res) in &done {
+            done.extend(ring.completion().map(|c| (c.user_data(), c.result())));
+            for &(data, res) in &done {
+                if data == WAKE {
+                    wake_armed = false;
+                    continue;
+                }
+                let tag = data as u16;
                 if res < 0 {
                     // UBLK_IO_RES_ABORT (-ENODEV): the device is going away.
                     if res != -libc::ENODEV {
@@ -673,28 +753,172 @@ impl Queue {
                     live -= 1;
                     continue;
                 }
-                let buf = &mut bufs[usize::from(tag)];
-                let result = execute(&*self.export, descs.get(tag), buf);
-                let sqe = self.io_cmd(IO_COMMIT_AND_FETCH_REQ, tag, result, buf);
-                // SAFETY: as above; the ring has room for every tag.
-                unsafe { ring.submission().push(&sqe) }
-                    .map_err(|_| io::Error::other("ublk queue ring full"))?;
+                arrived.push(tag);
+            }
+            // A lone request with none in flight runs here, saving the hand-over to a worker
+            // and back (its latency at queue depth 1); any more go to the workers.
+            if arrived.len() == 1 && in_flight == 0 {
+                let tag = arrived[0];
+                let buf = &bufs[usize::from(tag)];
+                // SAFETY: see `Job`: the request is with this thread, the buffer's only user.
+                let data = unsafe { std::slice::from_raw_parts_mut(buf.ptr, buf.layout.size()) };
+                let result = execute(&*self.export, descs.get(tag), data);
+                self.commit(ring, tag, result, buf)?;
+            } else {
+                for &tag in &arrived {
+                    let buf = &bufs[usize::from(tag)];
+                    pool.submit(Job {
+                        tag,
+                        desc: descs.get(tag),
+                        buf: buf.ptr,
+                        cap: buf.layout.size(),
+                    });
+                    in_flight += 1;
+                }
+            }
+            arrived.clear();
+            while let Ok((tag, result)) = pool.results.try_recv() {
+                in_flight -= 1;
+                self.commit(ring, tag, result, &bufs[usize::from(tag)])?;
             }
         }
         Ok(())
     }
 }
 
+/// Most threads executing one queue's requests at once (the NBD server's default per
+/// connection).
+const WORKERS_PER_QUEUE: usize = 16;
+
+/// `user_data` of the wake-up read on the queue's eventfd (tags are below 4096).
+const WAKE: u64 = u64::MAX;
+
+/// An eventfd the workers write after sending a result, so that the queue thread, waiting
+/// in its ring, wakes up for it.
+struct EventFd(RawFd);
+
+impl EventFd {
+    fn new() -> io::Result<EventFd> {
+        // SAFETY: eventfd has no memory-safety preconditions.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(EventFd(fd))
+    }
+    fn signal(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from a live u64 to our own descriptor.
+        unsafe { libc::write(self.0, &one as *const u64 as *const libc::c_void, 8) };
+    }
+}
+
+impl Drop for EventFd {
+    fn drop(&mut self) {
+        // SAFETY: our descriptor, closed once.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+/// One request for a worker: the tag, its descriptor, and the tag's buffer.
+struct Job {
+    tag: u16,
+    desc: IoDesc,
+    buf: *mut u8,
+    cap: usize,
+}
+
+// SAFETY: a tag's buffer is used by one party at a time: the driver while the tag's command
+// is with it, then the one worker its job went to until it sent the result back; and the
+// buffers outlive the workers (`Workers::finish` before they are freed).
+unsafe impl Send for Job {}
+
+/// The threads of one queue that execute its requests on the export, so that up to
+/// `WORKERS_PER_QUEUE` of the queue's tags are in flight at once.
+struct Workers {
+    jobs: Option<mpsc::Sender<Job>>,
+    results: mpsc::Receiver<(u16, i32)>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Workers {
+    fn start(
+        q_id: u16,
+        n: usize,
+        export: &Arc<dyn Export>,
+        wake: &Arc<EventFd>,
+        stop: &Arc<AtomicBool>,
+    ) -> io::Result<Workers> {
+        let (jobs, job_rx) = mpsc::channel::<Job>();
+        let job_rx = Arc::new(std::sync::Mutex::new(job_rx));
+        let (result_tx, results) = mpsc::channel();
+        let mut pool = Workers {
+            jobs: Some(jobs),
+            results,
+            threads: Vec::with_capacity(n),
+        };
+        for w in 0..n {
+            let (job_rx, result_tx) = (job_rx.clone(), result_tx.clone());
+            let (export, stop, wake) = (export.clone(), stop.clone(), wake.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("ublkq{q_id}w{w}"))
+                .spawn(move || loop {
+                    let job = match job_rx.lock().unwrap_or_else(|p| p.into_inner()).recv() {
+                        Ok(job) => job,
+                        Err(_) => return,
+                    };
+                    if stop.load(Ordering::SeqCst) {
+                        continue;
+                    }
+                    // SAFETY: see `Job`: this worker is the buffer's only user until it sends
+                    // the result.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(job.buf, job.cap) };
+                    let result = execute(&*export, job.desc, buf);
+                    if result_tx.send((job.tag, result)).is_err() {
+                        return;
+                    }
+                    wake.signal();
+                });
+            match t {
+                Ok(t) => pool.threads.push(t),
+                Err(e) => {
+                    pool.finish();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(pool)
+    }
+
+    fn submit(&self, job: Job) {
+        if let Some(jobs) = &self.jobs {
+            // The workers end only when `jobs` is dropped.
+            let _ = jobs.send(job);
+        }
+    }
+
+    /// Ends the workers once the jobs they have are done (jobs not started are dropped when
+    /// the queue is stopping) and waits for them.
+    fn finish(mut self) {
+        self.jobs = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
 /// Executes one request on the export; the result for the driver: bytes done, or -errno.
-fn execute(export: &dyn Export, d: IoDesc, buf: &mut IoBuf) -> i32 {
+fn execute(export: &dyn Export, d: IoDesc, buf: &mut [u8]) -> i32 {
     let op = d.op_flags & 0xff;
     let flags = d.op_flags;
     let offset = d.start_sector << 9;
     let len = (u64::from(d.nr_sectors) << 9) as usize;
+    // The driver never sends more than max_io_buf_bytes, the buffer's size.
+    let data = len.min(buf.len());
     let r = match op {
-        IO_OP_READ => export.read(offset, buf.slice(len)),
+        IO_OP_READ => export.read(offset, &mut buf[..data]),
         // Durable before acknowledged, FUA or not (see the module comment).
-        IO_OP_WRITE => export.write(offset, buf.slice(len), true),
+        IO_OP_WRITE => export.write(offset, &buf[..data], true),
         IO_OP_FLUSH => export.flush(),
         IO_OP_DISCARD => export.trim(offset, len as u64),
         IO_OP_WRITE_ZEROES => {

@@ -1,0 +1,2 @@
+# Measurements for scripts/vm/compare.sh (not run in CI): raw-cache.
+bench raw-cache

@@ -1,0 +1,2 @@
+# Measurements for scripts/vm/compare.sh (not run in CI): ublk.
+bench ublk
