@@ -374,7 +374,10 @@ fn copy_at(region: &[u8], set: &Uuid, pos: u64, seq: u64) -> Option<(Vec<Entry>,
 /// flushes the data and the record together, so after a crash the last record can be on the
 /// device while data it points to is not; that commit never returned, and when `last_ok`
 /// says so the record is dropped as if torn (only the last: every earlier record was followed
-/// by a completed flush before the next one was written).
+/// by a completed flush before the next one was written). The check is about the crash that
+/// cut the record only: an opener that replayed records writes an empty one after them before
+/// it writes anything else (`Inner::seal_journal`), so a record accepted once is never the
+/// last again when the set crashes later, after it reused the blocks that record named.
 pub fn replay(
     region: &[u8],
     set: &Uuid,

@@ -378,6 +378,9 @@ impl CacheSet {
             report.cached_blocks,
             report.dirty_blocks
         );
+        if report.records_replayed > 0 {
+            inner.seal_journal()?;
+        }
         let set = CacheSet {
             inner,
             threads: Mutex::new(Vec::new()),

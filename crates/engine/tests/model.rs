@@ -67,6 +67,21 @@ proptest! {
     }
 }
 
+/// Inputs the property test once failed on, replayed every run (`model_cases/`, as proptest
+/// printed them).
+#[test]
+fn model_regression_cases() {
+    let cases: [(u64, usize, Vec<Step>); 1] = [(
+        12791780051680594996,
+        0,
+        include!("model_cases/s12791780051680594996.rs"),
+    )];
+    for (seed, mode, steps) in cases {
+        let r = run(seed, &steps, CacheMode::ALL[mode]);
+        assert!(r.is_ok(), "seed {seed}: {}", r.unwrap_err());
+    }
+}
+
 /// A long seeded run (printed seed; `TIERCACHE_SEED` replays it).
 #[test]
 fn long_random_run_matches_model() {
