@@ -1268,23 +1268,11 @@ fn a_full_cache_keeps_its_hot_set_through_a_scan_and_admits_what_misses_twice() 
     assert_eq!(third, 2);
 }
 
-/// The engine's decisions, without miss fills.
+/// The engine's decisions (the trait's defaults), without miss fills.
 #[derive(Debug)]
 struct NoFill;
 
 impl engine::policy::Decisions for NoFill {
-    fn sequential_bypass(&self, stream_bytes: u64, cutoff: u64) -> bool {
-        engine::policy::Measured.sequential_bypass(stream_bytes, cutoff)
-    }
-    fn admit_miss(
-        &self,
-        admission: engine::policy::Admission,
-        full: bool,
-        earlier: u8,
-        fill_share: Option<f64>,
-    ) -> bool {
-        engine::policy::Measured.admit_miss(admission, full, earlier, fill_share)
-    }
     fn fill_window(
         &self,
         _: &engine::cost::CostEstimate,

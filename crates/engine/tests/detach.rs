@@ -27,7 +27,7 @@ mod common;
 use blockdev::{BlockDevice, MemDevice};
 use common::*;
 use engine::format::{BackingHeader, BackingState, BACKING_DATA_OFFSET};
-use engine::{CacheMode, CacheSet, Config, FormatOptions, Volume};
+use engine::{CacheMode, CacheSet, Config, Volume};
 use rand_chacha::ChaCha8Rng;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -159,15 +159,7 @@ fn gc_rig() -> GcRig {
     let cache = GatedDev::new(4 << 20);
     let b0 = GatedDev::new((1 << 20) + BACKING_DATA_OFFSET);
     let b1: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((8 << 20) + BACKING_DATA_OFFSET));
-    CacheSet::format(
-        &*cache,
-        &FormatOptions {
-            bucket_size: 64 << 10,
-            ..FormatOptions::default()
-        },
-        false,
-    )
-    .unwrap();
+    format_cache(&*cache);
     engine::format_backing(&*b0, "zero", CacheMode::Writeback, false).unwrap();
     engine::format_backing(&*b1, "one", CacheMode::Writeback, false).unwrap();
     let config = Config {
@@ -430,15 +422,7 @@ fn stress_round(seed: u64) -> Result<(), String> {
         slow.clone(),
     ));
     let b1: Arc<dyn BlockDevice> = Arc::new(MemDevice::new((8 << 20) + BACKING_DATA_OFFSET));
-    CacheSet::format(
-        &*cache,
-        &FormatOptions {
-            bucket_size: 64 << 10,
-            ..FormatOptions::default()
-        },
-        false,
-    )
-    .unwrap();
+    format_cache(&*cache);
     engine::format_backing(&*b0, "zero", CacheMode::Writeback, false).unwrap();
     engine::format_backing(&*b1, "one", CacheMode::Writeback, false).unwrap();
     let (set, _) = CacheSet::open(cache, no_threads()).unwrap();

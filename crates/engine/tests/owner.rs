@@ -8,10 +8,10 @@
 mod common;
 
 use blockdev::{BlockDevice, MemDevice};
-use common::format_and_open;
+use common::{format_and_open, format_cache};
 use engine::format::{BackingHeader, BackingState};
 use engine::knobs::Knob;
-use engine::{AttachOptions, CacheMode, CacheSet, Config, FormatOptions};
+use engine::{AttachOptions, CacheMode, CacheSet, Config};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,15 +39,7 @@ fn until(what: &str, ok: impl Fn() -> bool) {
 /// A second set (host B) on a cache device of its own.
 fn second_set() -> CacheSet {
     let cache: Arc<dyn BlockDevice> = Arc::new(MemDevice::new(4 << 20));
-    CacheSet::format(
-        &*cache,
-        &FormatOptions {
-            bucket_size: 64 << 10,
-            ..FormatOptions::default()
-        },
-        false,
-    )
-    .unwrap();
+    format_cache(&*cache);
     let cfg = Config {
         host_name: "host-b".into(),
         ..config()

@@ -486,15 +486,7 @@ impl AroundWrite {
         let (vol, p) = (&self.vol, self.piece[0]);
         let inner = &*vol.inner;
         let backing = &vol.backing;
-        let op = crate::cost::Op::Write;
-        let took = backing.io_done(op, p.dev_offset, p.len as u64, self.issued_ns, io.is_ok());
-        backing
-            .client_backing_ns
-            .store(inner.now_ns(), Ordering::Relaxed);
-        let took = std::time::Duration::from_nanos(took);
-        backing
-            .dev
-            .direct_done(true, p.dev_offset, p.len, took, io.is_ok());
+        vol.caller_backing_done(crate::cost::Op::Write, p, self.issued_ns, io.is_ok());
         let (offset, len) = (self.offset, p.len as u64);
         backing.readahead.lock().invalidate(offset, offset + len);
         backing.backing_written.store(true, Ordering::SeqCst);

@@ -427,6 +427,28 @@ impl Volume {
         r
     }
 
+    /// Accounts a backing-device I/O the caller made itself (`AroundRead`, `AroundWrite`):
+    /// issued at `issued_ns` (`Backing::io_issued`), as `timed` and `on_backing` account
+    /// theirs — the cost model's sample, the client's use of the device, its wrappers.
+    pub(super) fn caller_backing_done(
+        &self,
+        op: crate::cost::Op,
+        p: plan::Piece,
+        issued_ns: u64,
+        ok: bool,
+    ) {
+        let backing = &self.backing;
+        let took = backing.io_done(op, p.dev_offset, p.len as u64, issued_ns, ok);
+        backing
+            .client_backing_ns
+            .store(self.inner.now_ns(), Ordering::Relaxed);
+        let took = std::time::Duration::from_nanos(took);
+        let write = op == crate::cost::Op::Write;
+        backing
+            .dev
+            .direct_done(write, p.dev_offset, p.len, took, ok);
+    }
+
     fn backing_write(&self, data: &[u8], offset: u64) -> Result<()> {
         let len = data.len() as u64;
         Counters::add(&self.backing.counters.backing_written_bytes, len);

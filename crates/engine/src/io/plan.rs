@@ -427,18 +427,9 @@ impl AroundRead {
 
     fn complete(self, io: std::io::Result<()>) -> Result<()> {
         use crate::types::IoContext;
-        use std::sync::atomic::Ordering;
         let (vol, p) = (&self.vol, self.piece[0]);
         let backing = &vol.backing;
-        let op = crate::cost::Op::Read;
-        let took = backing.io_done(op, p.dev_offset, p.len as u64, self.issued_ns, io.is_ok());
-        backing
-            .client_backing_ns
-            .store(vol.inner.now_ns(), Ordering::Relaxed);
-        let took = std::time::Duration::from_nanos(took);
-        backing
-            .dev
-            .direct_done(false, p.dev_offset, p.len, took, io.is_ok());
+        vol.caller_backing_done(crate::cost::Op::Read, p, self.issued_ns, io.is_ok());
         let offset = self.offset;
         match io.ctx(|| format!("reading backing device at {offset}")) {
             Ok(()) => {

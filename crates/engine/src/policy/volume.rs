@@ -31,43 +31,16 @@ use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// The decisions a volume's policy takes from its state: the engine's are [`Measured`] (the
-/// pure functions of the other policy files); a test can drive the engine with decisions of
-/// its own (`Config::decisions`) to check what the mechanism does with each answer.
+/// The decisions a volume's policy takes from its state: the engine's are the defaults
+/// ([`Measured`]: the pure functions of the other policy files); a test can drive the engine
+/// with decisions of its own (`Config::decisions`), overriding those it scripts, to check
+/// what the mechanism does with each answer.
 pub trait Decisions: Send + Sync + 'static {
     /// Whether a request continuing a stream of `stream_bytes` goes around the cache.
-    fn sequential_bypass(&self, stream_bytes: u64, cutoff: u64) -> bool;
-    /// Whether a read miss is promoted into the cache (see `admit_miss`).
-    fn admit_miss(
-        &self,
-        admission: Admission,
-        full: bool,
-        earlier: u8,
-        fill_share: Option<f64>,
-    ) -> bool;
-    /// The miss-fill window in blocks (see `miss_fill_window`).
-    fn fill_window(
-        &self,
-        backing: &CostEstimate,
-        cache: &CacheCosts,
-        fill_share: Option<f64>,
-        block_size: u64,
-        miss_no: u64,
-    ) -> u64;
-    /// Whether a miss with `holes` uncached runs is read in one backing read (see
-    /// `span_holes`).
-    fn span_holes(&self, backing: &CostEstimate, holes: u64, gap_bytes: u64) -> bool;
-}
-
-/// The engine's decisions: by measurement (the cost models, the fills' benefit) and bcache's
-/// rules where no measurement decides.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Measured;
-
-impl Decisions for Measured {
     fn sequential_bypass(&self, stream_bytes: u64, cutoff: u64) -> bool {
         is_sequential_bypass(stream_bytes, cutoff)
     }
+    /// Whether a read miss is promoted into the cache (see `admit_miss`).
     fn admit_miss(
         &self,
         admission: Admission,
@@ -77,6 +50,7 @@ impl Decisions for Measured {
     ) -> bool {
         admit_miss(admission, full, earlier, fill_share)
     }
+    /// The miss-fill window in blocks (see `miss_fill_window`).
     fn fill_window(
         &self,
         backing: &CostEstimate,
@@ -87,10 +61,19 @@ impl Decisions for Measured {
     ) -> u64 {
         miss_fill_window(backing, cache, fill_share, block_size, miss_no)
     }
+    /// Whether a miss with `holes` uncached runs is read in one backing read (see
+    /// `span_holes`).
     fn span_holes(&self, backing: &CostEstimate, holes: u64, gap_bytes: u64) -> bool {
         span_holes(backing, holes, gap_bytes)
     }
 }
+
+/// The engine's decisions (the trait's own): by measurement (the cost models, the fills'
+/// benefit) and bcache's rules where no measurement decides.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Measured;
+
+impl Decisions for Measured {}
 
 /// A stream of more than one request and at least this long that goes around the cache is
 /// read ahead (`readahead::WINDOW_BYTES` at a time).

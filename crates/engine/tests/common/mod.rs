@@ -895,14 +895,10 @@ pub fn open_on_mem_cache(backing: Arc<dyn BlockDevice>, mode: CacheMode) -> (Cac
     )
 }
 
-pub fn format_and_open(
-    cache: Arc<dyn BlockDevice>,
-    backing: Arc<dyn BlockDevice>,
-    mode: CacheMode,
-    config: Config,
-) -> (CacheSet, Volume) {
+/// Formats `cache` as a cache device of 64 KiB buckets (small caches with many buckets).
+pub fn format_cache(cache: &dyn BlockDevice) {
     CacheSet::format(
-        &*cache,
+        cache,
         &FormatOptions {
             bucket_size: 64 << 10,
             ..FormatOptions::default()
@@ -910,6 +906,15 @@ pub fn format_and_open(
         false,
     )
     .expect("format cache");
+}
+
+pub fn format_and_open(
+    cache: Arc<dyn BlockDevice>,
+    backing: Arc<dyn BlockDevice>,
+    mode: CacheMode,
+    config: Config,
+) -> (CacheSet, Volume) {
+    format_cache(&*cache);
     engine::format_backing(&*backing, "vol", mode, false).expect("format backing");
     let (set, _) = CacheSet::open(cache, config).expect("open set");
     let vol = set.attach(backing).expect("attach");

@@ -116,12 +116,7 @@ impl Host {
     }
 
     pub fn admin_cmd(&self, args: &[&str]) -> Command {
-        let mut c = tc();
-        c.args(&args[..1])
-            .arg("--admin")
-            .arg(self.admin())
-            .args(&args[1..]);
-        c
+        super::admin_cmd(&self.admin(), args)
     }
 
     pub fn tc_admin(&self, args: &[&str]) -> Output {

@@ -18,6 +18,17 @@ pub fn tc() -> Command {
     c
 }
 
+/// `tiercache ARGS[0] --admin ADMIN ARGS[1..]`: an admin command against the server whose
+/// admin socket is `admin`.
+pub fn admin_cmd(admin: &str, args: &[&str]) -> Command {
+    let mut c = tc();
+    c.args(&args[..1])
+        .arg("--admin")
+        .arg(admin)
+        .args(&args[1..]);
+    c
+}
+
 pub fn run(cmd: &mut Command) -> Output {
     let o = cmd.output().expect("spawning a command");
     assert!(
@@ -138,12 +149,7 @@ impl Fixture {
 
     /// The command line of an admin command, to run it expecting failure.
     pub fn admin_cmd(&self, args: &[&str]) -> Command {
-        let mut c = tc();
-        c.args(&args[..1])
-            .arg("--admin")
-            .arg(self.admin())
-            .args(&args[1..]);
-        c
+        admin_cmd(&self.admin(), args)
     }
 
     /// Graceful stop through the admin socket; the server must exit 0.
