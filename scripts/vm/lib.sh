@@ -215,6 +215,15 @@ detach_in_use() {
                  i=$((i + 1)); [ $i -lt 300 ] || die "the server still has the connection of /dev/nbd0 after the detach"; sleep 0.1
              done ;;
     esac
+    # The kernel's NBD client requeues requests on a dead connection and waits for one that
+    # never comes back (no timeout is set): disconnecting /dev/nbd0 fails them instead, so the
+    # filesystem's journal and fio see errors rather than blocking for good (a CI run saw jbd2
+    # and fio blocked for minutes here).
+    [ "$kind" = nbd ] && { nbd_down 2> /dev/null || true; }
+    i=0
+    while kill -0 $fio 2> /dev/null; do
+        i=$((i + 1)); [ $i -lt 600 ] || die "fio still runs 60 s after its device went"; sleep 0.1
+    done
     if wait $fio; then say "fio finished before the device went"; else say "fio failed: its filesystem lost its device"; fi
     say "attach again, the old filesystem still mounted"
     tc attach "$BACKING" > /dev/null || { tail -20 /tmp/serve.log; die "attach failed"; }
