@@ -180,14 +180,16 @@ dev_io_errors() { dmesg | grep -i -e 'I/O error' -e 'EXT4-fs error' | grep -c "$
 # detach_in_use KIND MODE [serve options]: `tiercache detach` of the volume (KIND ublk or nbd,
 # cache mode MODE, writethrough or writeback) while ext4 on its block device is mounted and
 # written (fio with verify), then `attach` again. The contract is the socket's: detach writes
-# everything back and ends the volume's block device once its requests in flight are done (the
-# filesystem on it gets errors from then on, as on a lost disk); attach serves the volume
-# again, as a new device. Checked: detach and attach complete while the filesystem stays
-# mounted, the old device goes, the new one comes (ublk: numbered 1, as 0 stays with the dead
-# device while a filesystem is mounted on it; nbd: connected as /dev/nbd1), every file fsync'd
-# before the detach is intact, the checker is clean (after the journal replays) and the server
-# stops cleanly. CI runs it in writethrough; in writeback over nbd the detach can hang (see
-# scenarios/repro/nbd-detach-writeback.sh).
+# everything back and ends the volume's block device (the filesystem on it gets errors from
+# then on, as on a lost disk; over NBD every request is answered with an error and the
+# connection closed once idle, so nothing waits for a reply that never comes); attach serves
+# the volume again, as a new device. Checked: detach and attach complete while the filesystem
+# stays mounted (a detach that has not returned in 90 s prints the server's threads: with
+# VM_GDB set, their stacks), the writer on the old device ends by itself, the old device
+# goes, the new one comes (ublk: numbered 1, as 0 stays with the dead device while a
+# filesystem is mounted on it; nbd: connected as /dev/nbd1), every file fsync'd before the
+# detach is intact, the checker is clean (after the journal replays) and the server stops
+# cleanly.
 detach_in_use() {
     kind="$1"; mode="$2"; shift 2
     case "$mode" in
@@ -204,27 +206,42 @@ detach_in_use() {
     sleep 3
     kill -0 $fio 2> /dev/null || die "fio ended before the detach: nothing was in use"
     say "detach while fio runs ($(tc status --json | grep -o '"dirty_bytes": *[0-9]*' | head -1))"
-    tc detach data > /dev/null 2>&1 || { tail -20 /tmp/serve.log; die "detach failed"; }
+    tc detach data > /tmp/detach.out 2>&1 &
+    det=$!
+    i=0
+    while kill -0 $det 2> /dev/null; do
+        i=$((i + 1))
+        if [ $i -eq 900 ]; then
+            say "detach has not returned in 90 s: its output, the status, the server's threads"
+            tail -5 /tmp/detach.out; tc status --json | grep -e dirty -e '"mode"' | head -5
+            for t in /proc/$(cat /tmp/serve.pid)/task/*; do echo "$(cat $t/comm) $(cat $t/wchan)"; done
+            if command -v gdb > /dev/null; then
+                gdb -p "$(cat /tmp/serve.pid)" -batch -ex 'thread apply all bt' 2>&1 | grep -e '^Thread' -e '^#' | head -400
+            fi
+            tail -20 /tmp/serve.log
+            die "detach hangs"
+        fi
+        sleep 0.1
+    done
+    wait $det || { cat /tmp/detach.out; tail -20 /tmp/serve.log; die "detach failed"; }
     if tc status --json | grep -q '"name": *"data"'; then die "data is still attached after detach"; fi
+    # The writer ends by itself: its requests fail (before the server answered them with
+    # errors, the kernel's NBD client could wait forever for replies to requests it had sent
+    # on the connection the detach closed, leaving fio and the journal blocked).
+    i=0
+    while kill -0 $fio 2> /dev/null; do
+        i=$((i + 1)); [ $i -lt 600 ] || die "fio still runs 60 s after its device went"; sleep 0.1
+    done
+    if wait $fio; then say "fio finished before the device went"; else say "fio failed: its filesystem lost its device"; fi
     i=0
     case "$kind" in
         ublk) until [ ! -e /sys/block/ublkb0 ]; do
                   i=$((i + 1)); [ $i -lt 300 ] || die "/dev/ublkb0 is still there after the detach"; sleep 0.1
               done ;;
         nbd) until [ "$(metric "tiercache_connections{" unix)" = 0 ]; do
-                 i=$((i + 1)); [ $i -lt 300 ] || die "the server still has the connection of /dev/nbd0 after the detach"; sleep 0.1
+                 i=$((i + 1)); [ $i -lt 400 ] || die "the server still has the connection of /dev/nbd0 40 s after the detach"; sleep 0.1
              done ;;
     esac
-    # The kernel's NBD client requeues requests on a dead connection and waits for one that
-    # never comes back (no timeout is set): disconnecting /dev/nbd0 fails them instead, so the
-    # filesystem's journal and fio see errors rather than blocking for good (a CI run saw jbd2
-    # and fio blocked for minutes here).
-    [ "$kind" = nbd ] && { nbd_down 2> /dev/null || true; }
-    i=0
-    while kill -0 $fio 2> /dev/null; do
-        i=$((i + 1)); [ $i -lt 600 ] || die "fio still runs 60 s after its device went"; sleep 0.1
-    done
-    if wait $fio; then say "fio finished before the device went"; else say "fio failed: its filesystem lost its device"; fi
     say "attach again, the old filesystem still mounted"
     tc attach "$BACKING" > /dev/null || { tail -20 /tmp/serve.log; die "attach failed"; }
     case "$kind" in
@@ -316,6 +333,15 @@ bench_fio() {
                 *) f=$(awk -F';' '{print $49, $48}' /tmp/bench.out) ;;
             esac
             echo "BENCH $1 $pass $rw-$bs-qd$qd $f"
+            # tiercache's own account of the job (counters since the server started).
+            if [ -f /tmp/serve.pid ] && kill -0 "$(cat /tmp/serve.pid)" 2> /dev/null; then
+                c=""
+                for m in cache_hits cache_misses cache_bypass_hits cache_bypass_misses congested \
+                    bypassed_sequential_bytes backing_read_bytes; do
+                    c="$c $m=$(metric "tiercache_volume_${m}_total{" data)"
+                done
+                echo "COUNTERS $1 $pass $rw-$bs-qd$qd$c"
+            fi
         done
     done
 }

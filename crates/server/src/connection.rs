@@ -68,7 +68,7 @@
 
 use crate::budget::{Account, Permit};
 use crate::config::Shared;
-use crate::execute::{error_reply, execute};
+use crate::execute::{admit, error_reply, execute, refusal};
 use crate::export::Lease;
 use crate::iobuf::{IoBuf, REUSE_BYTES_MAX};
 use crate::net::{Deadlined, Stream};
@@ -234,7 +234,12 @@ fn serve_inner(
         activity.touch();
         hs.feed(&buf[..n]);
     };
-    let Some(lease) = registry.attach(&negotiated.export.name, id, Arc::clone(stream)) else {
+    let Some(lease) = registry.attach(
+        &negotiated.export.name,
+        id,
+        Arc::clone(stream),
+        Arc::clone(activity),
+    ) else {
         return Err(io::Error::new(
             io::ErrorKind::NotFound,
             "export removed during handshake",
@@ -255,6 +260,7 @@ fn serve_inner(
             stream: Arc::clone(stream),
             leftover: negotiated.leftover,
             export: Arc::clone(lease.export()),
+            removed: Arc::clone(lease.removed()),
             ctx,
             activity: Arc::clone(activity),
             shared: Arc::clone(shared),
@@ -305,6 +311,7 @@ fn transmission(
         shared,
         ctx,
         export: lease.export().as_ref(),
+        removed: lease.removed(),
     };
     // The scope returns once every worker has exited, i.e. reading has ended and every request
     // read has been answered (or its reply dropped because the socket failed).
@@ -352,6 +359,8 @@ struct Connection<'a> {
     shared: &'a Shared,
     ctx: TransmissionContext,
     export: &'a dyn Export,
+    /// Set once the export is removed: requests are refused from then on.
+    removed: &'a std::sync::atomic::AtomicBool,
 }
 
 /// A request read from the socket, with the budget it holds until its reply is written. A
@@ -417,7 +426,7 @@ impl<'a> Connection<'a> {
                     })
                 }
                 Err(errno) => {
-                    error_reply(&self.ctx, cookie, errno, "invalid request", &mut head);
+                    error_reply(&self.ctx, cookie, errno, refusal(errno), &mut head);
                     0
                 }
             };
@@ -559,7 +568,7 @@ impl<'a> Connection<'a> {
         reader
             .read_exact(buf.slice(payload_bytes as usize))
             .map_err(late)?;
-        let action = match self.ctx.validate(&request) {
+        let action = match admit(&self.ctx, &request, self.removed) {
             Ok(ValidRequest::Disconnect) => return Ok(None),
             other => other,
         };

@@ -8,9 +8,34 @@
 use crate::iobuf::IoBuf;
 use crate::Export;
 use nbd_proto::{
-    encode_offset_data_header, encode_simple_reply, Chunk, Extent, NbdErrno, TransmissionContext,
-    ValidRequest,
+    encode_offset_data_header, encode_simple_reply, Chunk, Extent, NbdErrno, Request,
+    TransmissionContext, ValidRequest,
 };
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// A received request as both data paths start it: validated, and refused with
+/// `NBD_ESHUTDOWN` once its export has been removed (`removed`, see `export`), so that no
+/// request reaches an export after its removal while every one is still answered. A
+/// disconnect is always let through.
+pub(crate) fn admit(
+    ctx: &TransmissionContext,
+    request: &Request,
+    removed: &AtomicBool,
+) -> Result<ValidRequest, NbdErrno> {
+    match ctx.validate(request) {
+        Ok(ValidRequest::Disconnect) => Ok(ValidRequest::Disconnect),
+        Ok(_) if removed.load(Ordering::Acquire) => Err(NbdErrno::Eshutdown),
+        other => other,
+    }
+}
+
+/// The message of the error reply to a request `admit` refused.
+pub(crate) fn refusal(errno: NbdErrno) -> &'static str {
+    match errno {
+        NbdErrno::Eshutdown => "the export was removed (detached)",
+        _ => "invalid request",
+    }
+}
 
 /// Most extents returned for one block status request (the spec lets us return fewer).
 const EXTENT_COUNT_MAX: usize = 1024;

@@ -1,9 +1,18 @@
 //! The [`Export`] trait the server serves, and the live [`ExportRegistry`] of exports.
 //!
 //! Owns: which exports exist right now, and which connections use each one. Exports can be
-//! added and removed while the server runs; removal disconnects the export's clients (after
-//! their in-flight requests are answered) and hands back a [`Detached`] that can wait until the
-//! last connection is gone, so the embedder can safely tear the export down.
+//! added and removed while the server runs; removal hands back a [`Detached`] that can wait
+//! until the last connection is gone, so the embedder can safely tear the export down.
+//!
+//! Removal and the clients still connected: from the moment an export is removed, no request
+//! of its connections reaches it — every request read from then on is answered with
+//! `NBD_ESHUTDOWN` (see `execute::admit`) — and each connection is closed once it has been
+//! idle (nothing in flight, nothing arriving) for [`REMOVED_IDLE_CLOSE`], or after
+//! [`REMOVED_CLOSE_MAX`] whatever it does, as a shutdown for reading: requests in flight are
+//! answered first. A client is never cut off with requests it sent unanswered: the kernel's
+//! NBD client waits forever for the reply of a request it sent on a connection that then
+//! died (without a timeout set, the default of `nbd-client`), which left the filesystem on
+//! `/dev/nbd0` and its writers blocked after a `detach`; answered with errors, they fail.
 //!
 //! Invariants: export names are unique in the registry; once an entry is marked removed no new
 //! connection can attach to it (both happen under the entry's lock); a connection attached to
@@ -14,12 +23,19 @@
 //! reply (the connection goes on).
 
 use crate::net::Stream;
+use crate::table::Activity;
 use nbd_proto::{BlockSize, ExportCaps, ExportCatalog, ExportInfo, ExportListing, ValidRequest};
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::net::Shutdown;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
+
+/// A connection of a removed export idle this long is closed.
+pub const REMOVED_IDLE_CLOSE: Duration = Duration::from_secs(1);
+/// A connection of a removed export is closed this long after the removal at the latest.
+pub const REMOVED_CLOSE_MAX: Duration = Duration::from_secs(30);
 
 /// A block device served over NBD. Offsets and lengths passed in are already validated: inside
 /// the export, aligned to 512 bytes (or ending at the end of an export whose size is not a
@@ -154,6 +170,9 @@ pub(crate) fn export_info(export: &dyn Export) -> ExportInfo {
 
 struct Entry {
     export: Arc<dyn Export>,
+    /// Set once, under the state's lock, when the export is removed; read by the connections
+    /// for every request they receive.
+    removed: Arc<AtomicBool>,
     state: Mutex<EntryState>,
     idle: Condvar,
 }
@@ -161,8 +180,9 @@ struct Entry {
 #[derive(Default)]
 struct EntryState {
     removed: bool,
-    /// Connection id → its socket (shared, not duplicated), to disconnect it on removal.
-    connections: HashMap<u64, Arc<Stream>>,
+    /// Connection id → its socket (shared, not duplicated) and activity, to close it once it
+    /// is idle after a removal.
+    connections: HashMap<u64, (Arc<Stream>, Arc<Activity>)>,
 }
 
 impl Entry {
@@ -210,6 +230,7 @@ impl ExportRegistry {
             name,
             Arc::new(Entry {
                 export,
+                removed: Arc::new(AtomicBool::new(false)),
                 state: Mutex::new(EntryState::default()),
                 idle: Condvar::new(),
             }),
@@ -217,16 +238,25 @@ impl ExportRegistry {
         Ok(())
     }
 
-    /// Removes an export: new clients can no longer open it, and its current connections are
-    /// shut down for reading (in-flight requests still get their replies).
+    /// Removes an export: new clients can no longer open it, requests of its current
+    /// connections are refused from now on (`NBD_ESHUTDOWN`), and each connection is closed
+    /// once idle (see the module's header) by a thread of its own.
     pub fn remove(&self, name: &str) -> Option<Detached> {
         let entry = self.write().remove(name)?;
         let mut state = entry.lock();
         state.removed = true;
-        for stream in state.connections.values() {
-            stream.shutdown(Shutdown::Read);
-        }
+        entry.removed.store(true, Ordering::SeqCst);
         drop(state);
+        let closer = Arc::clone(&entry);
+        let spawned = std::thread::Builder::new()
+            .name("export-close".into())
+            .spawn(move || close_when_idle(&closer));
+        if let Err(err) = spawned {
+            log::warn!("export {name:?} removed: closing its connections now ({err})");
+            for (stream, _) in entry.lock().connections.values() {
+                stream.shutdown(Shutdown::Read);
+            }
+        }
         Some(Detached { entry })
     }
 
@@ -241,15 +271,50 @@ impl ExportRegistry {
     }
 
     /// Registers connection `id` as a user of export `name`.
-    pub(crate) fn attach(&self, name: &str, id: u64, stream: Arc<Stream>) -> Option<Lease> {
+    pub(crate) fn attach(
+        &self,
+        name: &str,
+        id: u64,
+        stream: Arc<Stream>,
+        activity: Arc<Activity>,
+    ) -> Option<Lease> {
         let entry = Arc::clone(self.read().get(name)?);
         let mut state = entry.lock();
         if state.removed {
             return None;
         }
-        state.connections.insert(id, stream);
+        state.connections.insert(id, (stream, activity));
         drop(state);
         Some(Lease { entry, id })
+    }
+}
+
+/// Closes the connections of a removed export: each once it has been idle for
+/// `REMOVED_IDLE_CLOSE`, the rest `REMOVED_CLOSE_MAX` after the removal; returns when none
+/// is left or at that deadline.
+fn close_when_idle(entry: &Entry) {
+    let deadline = Instant::now() + REMOVED_CLOSE_MAX;
+    let mut state = entry.lock();
+    loop {
+        if state.connections.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let late = now >= deadline;
+        for (stream, activity) in state.connections.values() {
+            if late || activity.close_if_idle(REMOVED_IDLE_CLOSE, now) {
+                stream.shutdown(Shutdown::Read);
+            }
+        }
+        if late {
+            return;
+        }
+        // Woken when a connection goes; otherwise looks again soon.
+        state = entry
+            .idle
+            .wait_timeout(state, Duration::from_millis(100))
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
     }
 }
 
@@ -280,6 +345,11 @@ pub(crate) struct Lease {
 impl Lease {
     pub(crate) fn export(&self) -> &Arc<dyn Export> {
         &self.entry.export
+    }
+
+    /// Set once the export is removed (see `execute::admit`).
+    pub(crate) fn removed(&self) -> &Arc<AtomicBool> {
+        &self.entry.removed
     }
 }
 

@@ -470,7 +470,7 @@ fn shutdown_answers_requests_in_flight() {
 #[test]
 fn exports_are_added_and_removed_live() {
     let a = MemExport::new("a", MIB);
-    let srv = TestServer::start(exports(vec![a]));
+    let srv = TestServer::start(exports(vec![a.clone()]));
     let registry = srv.handle().registry().clone();
     assert!(RawClient::connect_unix(&srv.socket, "b", true).is_err());
     registry.add(MemExport::new("b", 2 * MIB)).unwrap();
@@ -484,8 +484,21 @@ fn exports_are_added_and_removed_live() {
     let mut ca = RawClient::connect_unix(&srv.socket, "a", true).unwrap();
     assert_eq!(ca.call(Command::Read, 0, 0, 512, &[]).unwrap().error, None);
 
+    let writes = a.writes.load(Ordering::SeqCst);
     let detached = registry.remove("a").expect("a was registered");
-    // The client of `a` is disconnected; the client of `b` is not.
+    // The client of `a` is answered from now on, but nothing reaches the export: a write is
+    // refused with ESHUTDOWN (the kernel's client fails it instead of waiting for a reply on
+    // a connection that died), and so is a read.
+    let w = ca.call(Command::Write, 0, 0, 512, &[7u8; 512]).unwrap();
+    assert_eq!(w.error, Some(NbdErrno::Eshutdown));
+    let r = ca.call(Command::Read, 0, 0, 512, &[]).unwrap();
+    assert_eq!(r.error, Some(NbdErrno::Eshutdown));
+    assert_eq!(
+        a.writes.load(Ordering::SeqCst),
+        writes,
+        "no write reached the removed export"
+    );
+    // Once idle, it is closed; the client of `b` is not.
     let mut rest = Vec::new();
     assert_eq!(ca.stream.read_to_end(&mut rest).unwrap_or(0), 0);
     let export = detached

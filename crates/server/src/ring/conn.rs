@@ -13,7 +13,7 @@ use super::pool::{Answer, Finished, Job, Work};
 use super::reactor::{Kind, Sq};
 use super::{Adopted, Handle, Pool};
 use crate::budget::{Account, Permit};
-use crate::execute::{error_reply, permit_bytes, PAYLOAD_BYTES_MAX};
+use crate::execute::{admit, error_reply, permit_bytes, refusal, PAYLOAD_BYTES_MAX};
 use crate::iobuf::{IoBuf, Spares};
 use crate::table::InFlight;
 use crate::{DirectIo, Finished as ReadFinished, Start};
@@ -340,7 +340,7 @@ impl Conn {
                 // Displaced while it arrived: it is answered, nothing more is read.
                 self.stop_reading(Ok(()));
             }
-            let action = match self.a.ctx.validate(&request) {
+            let action = match admit(&self.a.ctx, &request, &self.a.removed) {
                 Ok(ValidRequest::Disconnect) => {
                     self.stop_reading(Ok(()));
                     return;
@@ -377,7 +377,7 @@ impl Conn {
             Ok(r) => r,
             Err(errno) => {
                 let mut head = spares.head();
-                error_reply(&self.a.ctx, cookie, errno, "invalid request", &mut head);
+                error_reply(&self.a.ctx, cookie, errno, refusal(errno), &mut head);
                 self.reply(head, buf, 0, Some(permit), Some(in_flight));
                 return;
             }

@@ -61,6 +61,8 @@ pub(crate) struct Adopted {
     /// Bytes received after the handshake's last option.
     pub(crate) leftover: Vec<u8>,
     pub(crate) export: Arc<dyn Export>,
+    /// Set once the export is removed (see `execute::admit`).
+    pub(crate) removed: Arc<std::sync::atomic::AtomicBool>,
     pub(crate) ctx: TransmissionContext,
     pub(crate) activity: Arc<Activity>,
     pub(crate) shared: Arc<Shared>,
