@@ -645,6 +645,7 @@ impl CacheSet {
             writeback_error: Mutex::new(None),
             io_epoch: std::time::Instant::now(),
             last_done_ns: AtomicU64::new(0),
+            io_in_flight: AtomicU64::new(0),
             dirty_writers: AtomicU64::new(0),
             amount_written_ns: AtomicU64::new(inner.now_ns()),
             owner_checked_ns: AtomicU64::new(inner.now_ns()),

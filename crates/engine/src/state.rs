@@ -282,6 +282,20 @@ impl State {
 }
 
 /// One attached backing device.
+/// A backing I/O the caller makes itself (see `Backing::io_start`), counted in
+/// `Backing::io_in_flight` until dropped.
+pub(crate) struct IoUnderWay {
+    /// When it was issued (`Backing::io_issued`).
+    pub(crate) issued_ns: u64,
+    backing: Arc<Backing>,
+}
+
+impl Drop for IoUnderWay {
+    fn drop(&mut self) {
+        self.backing.io_in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 pub struct Backing {
     pub id: DevId,
     pub dev: Arc<dyn BlockDevice>,
@@ -323,6 +337,9 @@ pub struct Backing {
     /// ns of that clock: what `cost::service_ns` needs to leave queueing out of the samples.
     pub(crate) io_epoch: std::time::Instant,
     pub(crate) last_done_ns: AtomicU64,
+    /// Data I/Os under way on the device (`timed`, `IoUnderWay`): a request sent to it now
+    /// waits behind them (see `Volume::cache_congested`).
+    pub(crate) io_in_flight: AtomicU64,
     /// Writes between their look at the header's dirty mark and their dirty insert (see
     /// `owner`).
     pub(crate) dirty_writers: AtomicU64,
@@ -393,10 +410,29 @@ impl Backing {
         len: u64,
         io: impl FnOnce(&dyn BlockDevice) -> std::io::Result<T>,
     ) -> std::io::Result<T> {
+        struct Counted<'a>(&'a AtomicU64);
+        impl Drop for Counted<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        self.io_in_flight.fetch_add(1, Ordering::Relaxed);
+        let counted = Counted(&self.io_in_flight);
         let issued = self.io_issued();
         let r = io(&*self.dev);
+        drop(counted);
         self.io_done(op, offset, len, issued, r.is_ok());
         r
+    }
+
+    /// An I/O the caller makes itself starts now: issued now (`io_issued`), and counted in
+    /// `io_in_flight` until the returned value is dropped.
+    pub(crate) fn io_start(self: &Arc<Self>) -> IoUnderWay {
+        self.io_in_flight.fetch_add(1, Ordering::Relaxed);
+        IoUnderWay {
+            issued_ns: self.io_issued(),
+            backing: Arc::clone(self),
+        }
     }
 
     /// When an I/O timed for the cost model is issued (see `timed`; for a caller that makes

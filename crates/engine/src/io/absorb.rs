@@ -380,7 +380,7 @@ pub struct AroundWrite {
     piece: [Piece; 1],
     range: Option<(DevId, BackingBlock, BackingBlock)>,
     /// When the write was issued (`Backing::io_issued`).
-    issued_ns: u64,
+    issued: crate::state::IoUnderWay,
     /// Held until the write is done, as by every write (see `CacheUse`).
     cache_use: Option<CacheUse>,
 }
@@ -453,7 +453,7 @@ impl Volume {
                 len: len as usize,
             }],
             range: Some((dev, b0, b1)),
-            issued_ns: backing.io_issued(),
+            issued: backing.io_start(),
             cache_use: _use,
         })
     }
@@ -486,7 +486,7 @@ impl AroundWrite {
         let (vol, p) = (&self.vol, self.piece[0]);
         let inner = &*vol.inner;
         let backing = &vol.backing;
-        vol.caller_backing_done(crate::cost::Op::Write, p, self.issued_ns, io.is_ok());
+        vol.caller_backing_done(crate::cost::Op::Write, p, self.issued.issued_ns, io.is_ok());
         let (offset, len) = (self.offset, p.len as u64);
         backing.readahead.lock().invalidate(offset, offset + len);
         backing.backing_written.store(true, Ordering::SeqCst);

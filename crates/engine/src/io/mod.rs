@@ -331,8 +331,9 @@ impl Volume {
     }
 
     /// Whether requests of `kind` should avoid the cache device now (it is slower than its
-    /// congestion threshold and than the backing device's model expects the request to take
-    /// there; see `cachedev`); counted when they do.
+    /// congestion threshold and than the request would take on the backing device: its cost
+    /// model's time for the request behind the I/Os already under way there, see
+    /// `backing_wait_ns`; see `cachedev`); counted when they do.
     fn cache_congested(&self, kind: crate::cachedev::Kind, len: u64) -> bool {
         let c = &self.inner.config;
         let threshold = match kind {
@@ -344,7 +345,8 @@ impl Volume {
                 crate::cachedev::Kind::Read => crate::cost::Op::Read,
                 _ => crate::cost::Op::Write,
             };
-            self.backing.policy.expected_ns(op, len)
+            let queued = self.backing.io_in_flight.load(Ordering::Relaxed);
+            backing_wait_ns(self.backing.policy.expected_ns(op, len), queued)
         });
         if congested {
             Counters::add(&self.backing.counters.congested, 1);
@@ -578,6 +580,17 @@ impl Volume {
     }
 }
 
+/// How long a request the backing device's cost model expects to take `service_ns` would
+/// take there now, behind the `queued` data I/Os under way on it: the cache device's latency
+/// it is compared with (`cachedev::CacheDev::congested`) includes the cache's own queue, so
+/// the backing device's must include its queue too. Leaving it out sent every cached 512 KiB
+/// read of a sequential stream at depth 4 to a disk four times slower under its load
+/// (Linux 6.12 under qemu, `/dev/nbd0` and `/dev/ublkb0`: warm 1 MiB reads at 1.0-1.4x the
+/// disk alone where kernel bcache gave 24x).
+fn backing_wait_ns(service_ns: u64, queued: u64) -> u64 {
+    service_ns.saturating_mul(queued.saturating_add(1))
+}
+
 /// A request under way that may put data of its device into the cache (a write, a read that
 /// may promote), counted so a detach can wait for those that started before it (see
 /// `CacheSet::detach`). Taken before the request reads `detaching`, given back at once when
@@ -631,5 +644,17 @@ impl Backing {
 
     pub(crate) fn data_offset(&self) -> u64 {
         crate::format::BACKING_DATA_OFFSET
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::backing_wait_ns;
+
+    #[test]
+    fn a_request_for_the_backing_device_waits_behind_the_ios_under_way_there() {
+        assert_eq!(backing_wait_ns(8_000_000, 0), 8_000_000);
+        assert_eq!(backing_wait_ns(8_000_000, 3), 32_000_000);
+        assert_eq!(backing_wait_ns(u64::MAX / 2, 5), u64::MAX);
     }
 }

@@ -343,7 +343,7 @@ pub struct AroundRead {
     fd: RawFd,
     piece: [Piece; 1],
     /// When the read was issued, on the backing device's `io_epoch` (the cost model's clock).
-    issued_ns: u64,
+    issued: crate::state::IoUnderWay,
     /// Held until the read is done, as by every read (see `CacheUse`).
     _use: Option<super::CacheUse>,
 }
@@ -400,7 +400,7 @@ impl Volume {
                 buf_offset: 0,
                 len: slow.len,
             }],
-            issued_ns: backing.io_issued(),
+            issued: backing.io_start(),
             _use: slow._use,
         })
     }
@@ -429,7 +429,7 @@ impl AroundRead {
         use crate::types::IoContext;
         let (vol, p) = (&self.vol, self.piece[0]);
         let backing = &vol.backing;
-        vol.caller_backing_done(crate::cost::Op::Read, p, self.issued_ns, io.is_ok());
+        vol.caller_backing_done(crate::cost::Op::Read, p, self.issued.issued_ns, io.is_ok());
         let offset = self.offset;
         match io.ctx(|| format!("reading backing device at {offset}")) {
             Ok(()) => {
