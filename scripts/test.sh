@@ -2,8 +2,8 @@
 # The test command from the README: every unit, property, crash-simulation and interop test.
 # TIERCACHE_CRASH_POINTS (default 10000) sets how many crash points the crash test checks.
 # Under CI=true (or TIERCACHE_VM=1) it also boots Linux in qemu for the block-device scenarios
-# of scripts/vm/ (the 14 scenarios took 215 s on 2 cores with the host lightly loaded on
-# 2026-11-27, and up to about three times that per scenario under load; plus installing qemu
+# of scripts/vm/ (the 15 scenarios take about 230 s on 2 cores with the host lightly loaded
+# (2026-11-27), and up to about three times that per scenario under load; plus installing qemu
 # and fetching the kernel package once).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -45,6 +45,46 @@ tc_stop() {
     rm -f /tmp/serve.pid
 }
 
+# unit_config: the configuration tiercache.service reads (contrib/systemd/tiercache.toml's keys
+# for this guest's disks, and ublk), at /etc/tiercache/tiercache.toml.
+unit_config() {
+    mkdir -p /etc/tiercache
+    cat > /etc/tiercache/tiercache.toml << EOF
+cache = "$CACHE"
+backing = ["$BACKING"]
+socket = "/run/tiercache/tiercache.sock"
+ublk = true
+EOF
+    ADMIN=/run/tiercache/tiercache.sock.admin
+}
+
+# unit_start: starts the server as systemd starts tiercache.service (the unit's ExecStart with
+# its RuntimeDirectory, a notify socket) and returns when it sent READY=1, the moment units
+# ordered after it start; pid and log as tc_serve's.
+unit_start() {
+    cmd=$(sed -n 's/^ExecStart=//p' /unit/tiercache.service)
+    [ -n "$cmd" ] || die "no ExecStart in tiercache.service"
+    mkdir -p /run/tiercache
+    rm -f /run/notify /tmp/notify.out
+    socat -u UNIX-RECV:/run/notify OPEN:/tmp/notify.out,creat,append &
+    notify=$!
+    i=0
+    until [ -S /run/notify ]; do i=$((i + 1)); [ $i -lt 100 ] || die "socat did not listen"; sleep 0.1; done
+    # shellcheck disable=SC2086
+    NOTIFY_SOCKET=/run/notify ${cmd#/usr/local/bin/} >> /tmp/serve.log 2>&1 &
+    echo $! > /tmp/serve.pid
+    i=0
+    until grep -q READY=1 /tmp/notify.out 2> /dev/null; do
+        i=$((i + 1))
+        [ $i -lt 600 ] || { cat /tmp/serve.log; die "tiercache.service never became ready"; }
+        kill -0 "$(cat /tmp/serve.pid)" 2> /dev/null || { cat /tmp/serve.log; die "serve exited"; }
+        sleep 0.1
+    done
+    kill $notify 2> /dev/null || true
+    [ -b /dev/ublkb0 ] || die "tiercache.service is ready but /dev/ublkb0 is not there"
+    say "tiercache.service ready, /dev/ublkb0 there"
+}
+
 # kill -9 of the server, reaped.
 tc_kill9() {
     pid=$(cat /tmp/serve.pid)

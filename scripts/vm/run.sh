@@ -48,7 +48,7 @@ missing() {
 }
 
 # ---- tools on the host ---------------------------------------------------------------
-host_tools=(busybox nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair fio make-bcache dmsetup cpio depmod xz ldd strip)
+host_tools=(busybox nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair fio make-bcache dmsetup socat cpio depmod xz ldd strip)
 qemu=""
 find_qemu() {
     if command -v qemu-system-x86_64 >/dev/null; then qemu="$(command -v qemu-system-x86_64)"; return 0; fi
@@ -67,7 +67,7 @@ if [ "$need_install" = 1 ]; then
     echo "vm: installing packages" >&2
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends busybox-static nbd-client e2fsprogs xfsprogs \
-        fio bcache-tools dmsetup cpio kmod xz-utils binutils libc-bin >/dev/null
+        fio bcache-tools dmsetup socat cpio kmod xz-utils binutils libc-bin >/dev/null
     if ! find_qemu; then
         # qemu-system-x86 and qemu-utils go in one command. When the machine has a newer
         # qemu-utils than this release's qemu-system-x86 can live with (a backport), apt would
@@ -123,7 +123,7 @@ fi
 moddir="$kdir/lib/modules/$kver"
 
 # ---- the base initramfs (tools, libraries, modules), cached --------------------------
-guest_tools=(nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair xfs_db fio make-bcache dmsetup)
+guest_tools=(nbd-client mkfs.ext4 e2fsck mkfs.xfs xfs_repair xfs_db fio make-bcache dmsetup socat)
 guest_modules=(crc32c_generic crc32c-intel libcrc32c loop virtio_blk nbd ublk_drv ext4 xfs bcache dm-mod)
 base_key="$(printf '%s\n' "$kver" "${guest_tools[@]}" "${guest_modules[@]}" | cat - "$here/run.sh" | sha256sum | cut -c1-16)"
 base="$cache/base-$base_key.cpio"
@@ -193,6 +193,8 @@ fi
 overlay_with_libs "$bin"
 cp "$here/init" "$over/init"; chmod 755 "$over/init"
 cp "$here/lib.sh" "$over/lib.sh"
+# The systemd unit, whose ExecStart the boot scenario runs as systemd would.
+mkdir -p "$over/unit"; cp "$here/../../contrib/systemd/tiercache.service" "$over/unit/"
 for s in "${scenarios[@]}"; do
     mkdir -p "$over/scenarios/$(dirname "$s")"; cp "$here/scenarios/$s.sh" "$over/scenarios/$s.sh"
 done
