@@ -363,16 +363,25 @@ bench_fio() {
             fio --name=warmup --filename="$2" --rw=randread --bs=64k --size="$region" \
                 --ioengine=libaio --iodepth=8 --direct=1 > /dev/null || die "fio warm-up failed"
         fi
-        for job in randread:4k:1 randread:4k:32 read:1m:4 randwrite:4k:1 randwrite:4k:32 write:1m:4; do
-            rw=${job%%:*}; rest=${job#*:}; bs=${rest%%:*}; qd=${rest#*:}
-            fio --name=b --filename="$2" --rw="$rw" --bs="$bs" --iodepth="$qd" --size="$region" \
-                --ioengine=libaio --direct=1 --time_based --runtime="$secs" \
+        # RW:BS:QD with libaio over the region, then the field's job (bench W1: 4 KiB psync at
+        # depth 1 over 100 MiB, sequential and random reads and writes, in that order).
+        for job in randread:4k:1 randread:4k:32 read:1m:4 randwrite:4k:1 randwrite:4k:32 write:1m:4 \
+            w1:read w1:randread w1:write w1:randwrite; do
+            case $job in
+                w1:*) rw=${job#w1:}; args="--bs=4k --iodepth=1 --size=100m --ioengine=psync"
+                      name="W1-$(echo "$rw" | sed 's/^read$/read-seq/; s/^write$/write-seq/; s/^rand\(.*\)/\1-random/')" ;;
+                *) rw=${job%%:*}; rest=${job#*:}; bs=${rest%%:*}; qd=${rest#*:}
+                   args="--bs=$bs --iodepth=$qd --size=$region --ioengine=libaio"
+                   name="$rw-$bs-qd$qd" ;;
+            esac
+            # shellcheck disable=SC2086
+            fio --name=b --filename="$2" --rw="$rw" $args --direct=1 --time_based --runtime="$secs" \
                 --output-format=terse --terse-version=3 > /tmp/bench.out || { cat /tmp/bench.out; die "fio $job failed"; }
             case $rw in
                 *read) f=$(awk -F';' '{print $8, $7}' /tmp/bench.out) ;;
                 *) f=$(awk -F';' '{print $49, $48}' /tmp/bench.out) ;;
             esac
-            echo "BENCH $1 $pass $rw-$bs-qd$qd $f"
+            echo "BENCH $1 $pass $name $f"
             # tiercache's own account of the job (counters since the server started).
             if [ -f /tmp/serve.pid ] && kill -0 "$(cat /tmp/serve.pid)" 2> /dev/null; then
                 c=""
@@ -380,7 +389,7 @@ bench_fio() {
                     bypassed_sequential_bytes backing_read_bytes; do
                     c="$c $m=$(metric "tiercache_volume_${m}_total{" data)"
                 done
-                echo "COUNTERS $1 $pass $rw-$bs-qd$qd$c"
+                echo "COUNTERS $1 $pass $name$c"
             fi
         done
     done
