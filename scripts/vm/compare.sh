@@ -3,8 +3,10 @@
 # configuration (the backing disk alone, the cache disk alone, /dev/bcache0, /dev/ublkb0,
 # /dev/nbd0 with 4 connections), each measured cold and warm with fio (bench_fio in
 # scripts/vm/lib.sh: 4 KiB random reads and writes at queue depth 1 and 32, 1 MiB sequential
-# at depth 4); prints a Markdown table of IOPS as ratios to the backing disk alone. Not run by
-# CI (minutes, and its figures are not assertions).
+# at depth 4, and the field's job, bench W1's: 4 KiB psync sequential and random reads and
+# writes); prints a Markdown table of IOPS as ratios to the backing disk alone, and keeps the
+# guests' logs (tiercache's counters after each job, `COUNTERS` lines) in the directory it
+# names on stderr. Not run by CI (minutes, and its figures are not assertions).
 #
 #   scripts/vm/compare.sh [--bin PATH] [CONFIG...]
 #
@@ -20,14 +22,14 @@ configs=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --bin) bin=(--bin "$2"); shift 2 ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         *) configs+=("$1"); shift ;;
     esac
 done
 [ ${#configs[@]} -gt 0 ] || configs=(raw-backing raw-cache bcache ublk nbd)
 export VM_BACKING_OPTS="${VM_BACKING_OPTS:-throttling.iops-total=150,throttling.bps-total=60000000}"
 out="$(mktemp -d "${TMPDIR:-/tmp}/tiercache-compare.XXXXXX")"
-trap 'rm -rf "$out"' EXIT
+echo "compare: guest logs in $out" >&2
 for c in "${configs[@]}"; do
     echo "compare: $c" >&2
     VM_LOG="$out/$c.log" bash "$here/run.sh" "${bin[@]}" "bench/$c" > "$out/$c.run" 2>&1 \

@@ -253,7 +253,8 @@ fn gc_round(inner: &Inner, wait: bool) -> Result<Gc> {
                     .ctx(|| format!("GC writing cache at {off}"))?;
                 let mut st = inner.state.lock();
                 let from = s + u64::from(done);
-                if st.index.maps_to(dev, from, n, e.cache_block + done) {
+                let moved = st.index.maps_to(dev, from, n, e.cache_block + done);
+                if moved {
                     // Writeback may have cleaned part of the run since it was collected: each
                     // piece keeps its own state (a dirty block moved as clean would be lost).
                     let now = inner.now_ns();
@@ -269,6 +270,16 @@ fn gc_round(inner: &Inner, wait: bool) -> Result<Gc> {
                             dirty: old.dirty,
                         };
                         st.insert_extent(dev, seg.block, ext, crcs, now);
+                    }
+                }
+                drop(st);
+                if moved {
+                    // The backings' lock is never taken under the state's.
+                    if let Some(b) = inner.backings.read().get(&dev) {
+                        crate::stats::Counters::add(
+                            &b.counters.gc_moved_bytes,
+                            u64::from(n) * bs as u64,
+                        );
                     }
                 }
                 done += n;

@@ -74,6 +74,9 @@ counters!(
     bypassed_detaching,
     bypassed_zeroes,
     bypassed_admission,
+    // Bytes of the device's cached data that copying GC moved to other buckets (the cache's
+    // own write amplification).
+    gc_moved_bytes,
 );
 
 impl Counters {

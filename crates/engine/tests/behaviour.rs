@@ -747,6 +747,11 @@ fn dirty_overwrites_with_seed(seed: u64) {
     }
     let s = vol.status().stats.total;
     assert_eq!(s.bypassed_full, 0, "seed {seed}: {s:?}");
+    // The room came from GC, and what it moved is counted, in whole blocks.
+    assert!(
+        s.gc_moved_bytes > 0 && s.gc_moved_bytes % 4096 == 0,
+        "seed {seed}: {s:?}"
+    );
     let mut buf = vec![0u8; 4096];
     for (b, n) in last.iter().enumerate() {
         if let Some(n) = n {

@@ -29,7 +29,7 @@ use std::fmt::Error;
 
 /// The engine's counters (`engine::stats::Snapshot` fields): metric name (without unit and
 /// `_total`), whether it counts bytes, and what it means.
-pub const ENGINE_COUNTERS: [(&str, &str, bool, &str); 25] = [
+pub const ENGINE_COUNTERS: [(&str, &str, bool, &str); 26] = [
     ("cache_hits", "cache_hits", false, "Reads served entirely from the cache (bcache's cache_hits; bypassed reads not counted)."),
     ("cache_misses", "cache_misses", false, "Reads that needed the backing device and were not bypassed (bcache's cache_misses)."),
     ("cache_bypass_hits", "cache_bypass_hits", false, "Reads that bypassed the cache (sequential past the cutoff) and were entirely cached anyway."),
@@ -55,6 +55,7 @@ pub const ENGINE_COUNTERS: [(&str, &str, bool, &str); 25] = [
     ("bypassed_detaching", "bypassed_detaching", true, "Bytes sent around the cache while the volume was being detached."),
     ("bypassed_zeroes", "bypassed_zeroes", true, "Bytes of write-zeroes requests (always sent to the backing device as a zeroing command)."),
     ("bypassed_admission", "bypassed_admission", true, "Bytes of read misses the admission filter kept out of a full cache (their blocks had not missed recently)."),
+    ("gc_moved_bytes", "gc_moved", true, "Bytes of cached data that copying GC moved to other buckets to make room (written to the cache device again)."),
 ];
 
 /// A row of a table of metrics: name, help, and how to read the value.
