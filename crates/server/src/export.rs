@@ -9,10 +9,11 @@
 //! `NBD_ESHUTDOWN` (see `execute::admit`) — and each connection is closed once it has been
 //! idle (nothing in flight, nothing arriving) for [`REMOVED_IDLE_CLOSE`], or after
 //! [`REMOVED_CLOSE_MAX`] whatever it does, as a shutdown for reading: requests in flight are
-//! answered first. A client is never cut off with requests it sent unanswered: the kernel's
-//! NBD client waits forever for the reply of a request it sent on a connection that then
-//! died (without a timeout set, the default of `nbd-client`), which left the filesystem on
-//! `/dev/nbd0` and its writers blocked after a `detach`; answered with errors, they fail.
+//! answered first. So a client that is still sending is not cut off (for up to
+//! `REMOVED_CLOSE_MAX`) with requests it sent unanswered: the kernel's NBD client waits
+//! forever for the reply of a request it sent on a connection that then died (without a
+//! timeout set, the default of `nbd-client`), which left the filesystem on `/dev/nbd0` and
+//! its writers blocked after a `detach`; answered with errors, they fail.
 //!
 //! Invariants: export names are unique in the registry; once an entry is marked removed no new
 //! connection can attach to it (both happen under the entry's lock); a connection attached to
