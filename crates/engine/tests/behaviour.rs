@@ -1565,9 +1565,9 @@ fn a_read_around_the_cache_is_read_by_the_caller_and_counted_as_the_slow_path_co
 
 /// A write around the cache on the backing device's descriptor (`Volume::write_around`, the
 /// caller's own write, `AroundWrite::finish`) lands on the backing device and counts exactly
-/// what `write_slow` counts for such a write; a range with a cached block stays slow (its copy
-/// must be dropped); a FUA write hands back its flush; a failed write is an error and leaves
-/// the range free.
+/// what `write_slow` counts for such a write; over clean cached copies too, which it drops
+/// once written (a failed write keeps them); a range with a dirty block stays slow; a FUA
+/// write hands back its flush; a failed write is an error and leaves the range free.
 #[test]
 fn a_write_around_the_cache_is_written_by_the_caller_and_counted_as_the_slow_path_counts() {
     use engine::WritePlan;
@@ -1627,6 +1627,42 @@ fn a_write_around_the_cache_is_written_by_the_caller_and_counted_as_the_slow_pat
     let got = aligned(8192);
     vol.read((1 << 20) - 4096, got).unwrap();
     assert!(got[..] == f[..]);
+    // Clean copies (a read miss promoted in writearound): the caller's write too, and the
+    // copies are gone after it, so the new data is read; a failed write keeps them.
+    let at = 512 << 10;
+    let mut old = vec![0u8; 8192];
+    vol.read(at, &mut old).unwrap();
+    let clean = |vol: &engine::Volume| vol.cached_ranges(at, 8192).unwrap();
+    assert!(
+        !clean(&vol).is_empty() && clean(&vol).iter().all(|r| !r.2),
+        "{:?}",
+        clean(&vol)
+    );
+    let around = vol
+        .write_around(slow_of(at, 8192, false))
+        .expect("clean copies only");
+    assert!(around
+        .finish(Err(std::io::Error::other("injected")))
+        .is_err());
+    assert!(!clean(&vol).is_empty(), "a failed write keeps the copies");
+    let g = aligned(8192);
+    g.copy_from_slice(&data(56, 1024, 8192));
+    let before = stats(&vol);
+    let around = vol.write_around(slow_of(at, 8192, false)).unwrap();
+    for p in around.pieces() {
+        file.write_all_at(&g[p.buf_offset..p.buf_offset + p.len], p.dev_offset)
+            .unwrap();
+    }
+    around.finish(Ok(())).unwrap();
+    let counted = stats(&vol).since(&before);
+    assert_eq!(
+        (counted.bypassed_mode, counted.backing_written_bytes),
+        (8192, 8192)
+    );
+    assert!(clean(&vol).is_empty(), "{:?}", clean(&vol));
+    let got = aligned(8192);
+    vol.read(at, got).unwrap();
+    assert!(got[..] == g[..]);
     // FUA: the flush is handed back.
     let around = vol.write_around(slow_of(256 << 10, 4096, true)).unwrap();
     let rest = around.finish(Ok(())).unwrap().expect("the flush");

@@ -396,10 +396,11 @@ impl std::fmt::Debug for AroundWrite {
 
 impl Volume {
     /// Stage 1 of a write around the cache on the backing device's descriptor: `Ok` if `slow`
-    /// goes around the cache, in whole blocks, over a range the cache holds no block of (else
-    /// its copies must be dropped, dirty ones with a flush owed: the slow path's job), whose
-    /// range lock is free right now, and the backing device has a descriptor for it; else
-    /// `slow` back, for `write_slow`. What `write_range` does before its backing write is done
+    /// goes around the cache, in whole blocks, over a range the cache holds no dirty block of
+    /// (clean copies are dropped by the finish once the backing device has the data, as
+    /// `write_blocks` drops them; dirty ones stay the slow path's), whose range lock is free
+    /// right now, and the backing device has a descriptor for it; else `slow` back, for
+    /// `write_slow`. What `write_range` does before its backing write is done
     /// here: the range locked, promotions in flight over it marked collided, the bytes and the
     /// client's use of the backing device counted.
     #[allow(clippy::result_large_err)]
@@ -424,7 +425,7 @@ impl Volume {
         }
         {
             let mut st = inner.state.lock();
-            if st.index.any_overlapping(dev, b0, b1, |_| true) {
+            if st.index.any_overlapping(dev, b0, b1, |e| e.dirty) {
                 drop(st);
                 inner.ranges.unlock((dev, b0, b1));
                 return Err(slow);
@@ -472,8 +473,9 @@ impl AroundWrite {
 
     /// Stage 3 after the caller's write (`io`: `Ok` if it was written whole): accounts it as
     /// `write_range` does the same write (the cost model's sample, the device wrappers, the
-    /// client's use, readahead dropped, the backing device owed a flush) and drops what the
-    /// cache may have promoted over the range meanwhile. `Ok(Some(slow))`: a FUA write's
+    /// client's use, readahead dropped, the backing device owed a flush) and drops the cache's
+    /// copies of the range (clean ones it held, or promoted meanwhile), as `write_blocks` does
+    /// after its backing write; a failed write keeps them. `Ok(Some(slow))`: a FUA write's
     /// flush, for `Volume::write_slow`. `Err`: the write failed.
     pub fn finish(mut self, io: std::io::Result<()>) -> Result<Option<SlowWrite>> {
         let vol = self.vol.clone();
