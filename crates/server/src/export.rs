@@ -171,8 +171,9 @@ pub(crate) fn export_info(export: &dyn Export) -> ExportInfo {
 
 struct Entry {
     export: Arc<dyn Export>,
-    /// Set once, under the state's lock, when the export is removed; read by the connections
-    /// for every request they receive.
+    /// Set once, under the state's lock, when the export is removed: read under that lock by
+    /// `attach` (no connection attaches afterwards), and by the connections for every request
+    /// they receive.
     removed: Arc<AtomicBool>,
     state: Mutex<EntryState>,
     idle: Condvar,
@@ -180,7 +181,6 @@ struct Entry {
 
 #[derive(Default)]
 struct EntryState {
-    removed: bool,
     /// Connection id → its socket (shared, not duplicated) and activity, to close it once it
     /// is idle after a removal.
     connections: HashMap<u64, (Arc<Stream>, Arc<Activity>)>,
@@ -244,8 +244,7 @@ impl ExportRegistry {
     /// once idle (see the module's header) by a thread of its own.
     pub fn remove(&self, name: &str) -> Option<Detached> {
         let entry = self.write().remove(name)?;
-        let mut state = entry.lock();
-        state.removed = true;
+        let state = entry.lock();
         entry.removed.store(true, Ordering::SeqCst);
         drop(state);
         let closer = Arc::clone(&entry);
@@ -281,7 +280,7 @@ impl ExportRegistry {
     ) -> Option<Lease> {
         let entry = Arc::clone(self.read().get(name)?);
         let mut state = entry.lock();
-        if state.removed {
+        if entry.removed.load(Ordering::SeqCst) {
             return None;
         }
         state.connections.insert(id, (stream, activity));
