@@ -33,7 +33,7 @@ pub mod owner;
 
 pub use file::{FileDevice, FileDeviceOptions};
 pub use mem::MemDevice;
-pub use nbd::{is_nbd_uri, parse_uri, NbdDevice, NbdOptions, Target, TlsParams};
+pub use nbd::{is_nbd_uri, parse_uri, NbdDevice, NbdDirect, NbdOptions, Target, TlsParams};
 pub use owner::{DeviceBusy, DeviceId, LockMode};
 
 /// The unit of addressing for every device: offsets and lengths are multiples of this.
@@ -97,8 +97,17 @@ pub trait BlockDevice: Send + Sync + Debug {
         None
     }
 
+    /// A connection of a remote device lent whole for one read (`write` false) or write of
+    /// `len` bytes at `offset`, which the caller carries out itself on its socket (see
+    /// [`NbdDirect`]); `None` (the default): I/O goes through the calls, as for `direct_fd`.
+    /// A wrapper that only observes forwards it and accounts the I/O in
+    /// [`direct_done`](Self::direct_done).
+    fn direct_nbd(&self, _write: bool, _offset: u64, _len: usize) -> Option<NbdDirect> {
+        None
+    }
+
     /// A read (`write` false) or write of `len` bytes at `offset` that the caller made itself
-    /// through [`direct_fd`](Self::direct_fd) has ended after `took` (`ok`: whole and without
+    /// through [`direct_fd`](Self::direct_fd) or [`direct_nbd`](Self::direct_nbd) has ended after `took` (`ok`: whole and without
     /// error). Wrappers that count or time I/O account it here as if it had gone through
     /// `read_at` or `write_at`.
     fn direct_done(
@@ -162,6 +171,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn direct_fd(&self, offset: u64, len: usize) -> Option<std::os::fd::RawFd> {
         (**self).direct_fd(offset, len)
+    }
+    fn direct_nbd(&self, write: bool, offset: u64, len: usize) -> Option<NbdDirect> {
+        (**self).direct_nbd(write, offset, len)
     }
     fn direct_done(
         &self,

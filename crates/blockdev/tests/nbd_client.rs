@@ -1,13 +1,14 @@
 //! `NbdDevice` against real servers (nbdkit with its memory and file plugins and the log,
 //! delay, pause and multi-conn filters) and a fake one: many requests in flight on one
 //! connection, multi-conn, timeouts with late replies, reconnection after a server restart
-//! with the reconnect rule for unflushed writes, and closing with a dead server.
+//! with the reconnect rule for unflushed writes, closing with a dead server, and connections
+//! lent whole for one request (`direct_nbd`).
 //!
 //! A missing nbdkit fails the tests under CI=true and is a printed skip otherwise. Randomized
 //! tests print their seed; `TIERCACHE_SEED=N` replays one.
 
 mod common;
-use blockdev::{BlockDevice, NbdDevice, NbdOptions};
+use blockdev::{BlockDevice, NbdDevice, NbdDirect, NbdOptions};
 use common::have_nbdkit;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -342,6 +343,121 @@ fn multi_conn_spreads_requests_over_the_connections() {
     assert_eq!(dev.connections(), 1);
     dev.write_at(&pattern(1, 4096), 0).unwrap();
     assert_eq!(read(&dev, 0, 4096).unwrap(), pattern(1, 4096));
+    // Nor does it lend connections (their writes would not be covered by its flush).
+    for _ in 0..20 {
+        assert!(dev.direct_nbd(false, 0, 4096).is_none());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A connection lent by `dev` for one request, waited for: the device opens its spare
+/// connections in the background, so the first asks get none.
+fn lend(dev: &NbdDevice, write: bool, offset: u64, len: usize) -> NbdDirect {
+    let t = Instant::now();
+    loop {
+        if let Some(l) = dev.direct_nbd(write, offset, len) {
+            return l;
+        }
+        assert!(t.elapsed() < HANG_GUARD, "no connection was lent");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The socket of a lent connection, for blocking calls (not closed when dropped).
+fn lent_socket(l: &NbdDirect) -> std::mem::ManuallyDrop<UnixStream> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: the lease keeps the descriptor open while the caller uses it; ManuallyDrop
+    // never closes it.
+    std::mem::ManuallyDrop::new(unsafe { UnixStream::from_raw_fd(l.fd()) })
+}
+
+/// Sends a lent connection's request and `payload`.
+fn send_lent(l: &mut NbdDirect, payload: &[u8]) {
+    let request = l.request().to_vec();
+    let mut s = lent_socket(l);
+    s.write_all(&request).unwrap();
+    s.write_all(payload).unwrap();
+}
+
+/// One whole exchange on a lent connection, with blocking calls: a write's `payload`, a
+/// read's data into `data`.
+fn exchange(l: &mut NbdDirect, payload: &[u8], data: &mut [u8]) -> io::Result<()> {
+    send_lent(l, payload);
+    let mut s = lent_socket(l);
+    let mut head = [0u8; NbdDirect::REPLY_HEADER_BYTES];
+    s.read_exact(&mut head)?;
+    let n = l.reply(&head)?;
+    assert_eq!(n, data.len(), "the data announced");
+    s.read_exact(&mut data[..n])?;
+    l.done();
+    Ok(())
+}
+
+/// Lent connections (the io_uring data path's way to a remote device) carry reads and writes
+/// that the shared connections see, and one whose exchange ended whole is lent again at once.
+#[test]
+fn lent_connections_carry_requests_the_shared_ones_see() {
+    if !have_nbdkit() {
+        return;
+    }
+    let k = Nbdkit::start(&["memory", "16M"]);
+    let dev = NbdDevice::connect(&k.uri("")).unwrap();
+    let a = pattern(0xa1, 8192);
+    let mut l = lend(&dev, true, 4096, a.len());
+    exchange(&mut l, &a, &mut []).unwrap();
+    drop(l);
+    assert_eq!(
+        read(&dev, 4096, a.len()).unwrap(),
+        a,
+        "a lent write, read shared"
+    );
+    let b = pattern(0xb2, 4096);
+    dev.write_at(&b, 1 << 20).unwrap();
+    let mut l = dev
+        .direct_nbd(false, 1 << 20, b.len())
+        .expect("the connection came back after its whole exchange");
+    let mut got = vec![0u8; b.len()];
+    exchange(&mut l, &[], &mut got).unwrap();
+    assert_eq!(got, b, "a shared write, read lent");
+    drop(l);
+    dev.flush().unwrap();
+    // Requests the server refuses are not lent: past the end, unaligned, or not a read or
+    // write of data.
+    assert!(dev.direct_nbd(false, 16 << 20, 4096).is_none());
+    assert!(dev.direct_nbd(false, 100, 4096).is_none());
+    assert!(dev.direct_nbd(false, 0, 0).is_none());
+}
+
+/// A lent write whose reply never came (its connection given up) counts as lost: the next
+/// flush fails, once, as when a shared connection breaks with writes unflushed. A reply to
+/// another request is refused and nothing is at stake (the flush after succeeds).
+#[test]
+fn a_lent_write_left_unanswered_fails_the_next_flush_and_a_stray_reply_is_refused() {
+    if !have_nbdkit() {
+        return;
+    }
+    let k = Nbdkit::start(&["memory", "16M"]);
+    let dev = NbdDevice::connect(&k.uri("")).unwrap();
+    let mut l = lend(&dev, true, 0, 4096);
+    send_lent(&mut l, &pattern(7, 4096));
+    drop(l);
+    let err = dev
+        .flush()
+        .expect_err("a write never answered was taken as flushed");
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted, "{err}");
+    dev.flush().expect("the loss is reported once");
+
+    let mut l = lend(&dev, false, 0, 4096);
+    send_lent(&mut l, &[]);
+    let mut head = [0u8; NbdDirect::REPLY_HEADER_BYTES];
+    lent_socket(&l).read_exact(&mut head).unwrap();
+    head[15] ^= 1; // another cookie
+    let err = l
+        .reply(&head)
+        .expect_err("a reply to another request was taken");
+    assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
+    drop(l);
+    dev.flush().expect("no write was at stake");
 }
 
 #[test]

@@ -133,10 +133,37 @@ pub trait DirectIo: Send {
     fn writes(&self) -> bool {
         false
     }
+    /// A connection of a remote device lent for this one request: the server sends the
+    /// request on it and reads its reply ([`RemoteIo`]) instead of doing the pieces at `fd`.
+    fn remote(&mut self) -> Option<&mut dyn RemoteIo> {
+        None
+    }
     /// After every piece ended: `result` is the first error among them (`Ok` if all were
     /// whole). Checks and accounts the request; `Again`: the rest must be done the slow way,
     /// on a worker thread, with the same buffer.
     fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished;
+}
+
+/// One NBD request on a connection lent whole to the server (the export's remote backing
+/// device), on the descriptor [`DirectIo::fd`]: the server sends [`RemoteIo::request`] (a
+/// write's payload, the request's buffer, right after it), reads the reply header (16
+/// bytes), hands it to [`RemoteIo::reply`], reads the data it says follows into the buffer
+/// and calls [`RemoteIo::done`]; an operation on the socket that fails or ends short ends
+/// the request with [`RemoteIo::failed`]. Past [`RemoteIo::deadline`] the server calls
+/// [`RemoteIo::abort`], which makes its operations end. Then, in every case,
+/// [`DirectIo::finish`].
+pub trait RemoteIo {
+    /// The request's header, to send first.
+    fn request(&mut self) -> &[u8];
+    /// `Ok(n)`: the request succeeded and `n` bytes of data follow; `Err`: it failed.
+    fn reply(&mut self, header: &[u8]) -> io::Result<usize>;
+    /// Everything of the reply was read.
+    fn done(&mut self);
+    fn deadline(&self) -> std::time::Instant;
+    fn abort(&mut self);
+    /// The error of an operation that ended with `res` (a negative errno, 0 for the peer's
+    /// end, or a short count).
+    fn failed(&mut self, res: i32) -> io::Error;
 }
 
 /// What a finished [`DirectIo`] leaves to do.

@@ -78,7 +78,9 @@ mod transport;
 mod unix_socket;
 
 pub use config::{DataPath, ServerConfig};
-pub use export::{Detached, DeviceIo, DirectIo, Export, ExportRegistry, Finished, Rest, Start};
+pub use export::{
+    Detached, DeviceIo, DirectIo, Export, ExportRegistry, Finished, RemoteIo, Rest, Start,
+};
 pub use nbd_proto::ValidRequest;
 pub use nbd_tls::ServerTls;
 pub use net::{peer_cred, tcp_exposure_warning, BindAddr, LocalAddr, TlsConfig};

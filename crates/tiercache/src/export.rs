@@ -105,9 +105,57 @@ impl Direct {
     }
 }
 
+impl Direct {
+    /// The remote backing device's connection lent for a read or write around the cache.
+    fn lease(&mut self) -> Option<&mut blockdev::NbdDirect> {
+        match &mut self.staged {
+            Staged::Around(around) => around.remote(),
+            Staged::AroundWrite(around) => around.remote(),
+            Staged::Hit(_) | Staged::Absorb(_) => None,
+        }
+    }
+
+    fn leased(&mut self) -> &mut blockdev::NbdDirect {
+        self.lease()
+            .expect("remote I/O only of a request lent a connection")
+    }
+}
+
+impl server::RemoteIo for Direct {
+    fn request(&mut self) -> &[u8] {
+        self.leased().request()
+    }
+    fn reply(&mut self, header: &[u8]) -> io::Result<usize> {
+        self.leased().reply(header)
+    }
+    fn done(&mut self) {
+        self.leased().done()
+    }
+    fn deadline(&self) -> std::time::Instant {
+        match &self.staged {
+            Staged::Around(a) => a.remote_deadline(),
+            Staged::AroundWrite(a) => a.remote_deadline(),
+            Staged::Hit(_) | Staged::Absorb(_) => None,
+        }
+        .expect("remote I/O only of a request lent a connection")
+    }
+    fn abort(&mut self) {
+        self.leased().abort()
+    }
+    fn failed(&mut self, res: i32) -> io::Error {
+        self.leased().failed(res)
+    }
+}
+
 impl DirectIo for Direct {
     fn fd(&self) -> std::os::fd::RawFd {
         self.fd
+    }
+    fn remote(&mut self) -> Option<&mut dyn server::RemoteIo> {
+        match self.lease() {
+            Some(_) => Some(self),
+            None => None,
+        }
     }
     fn pieces(&self) -> &[DeviceIo] {
         &self.pieces

@@ -112,6 +112,15 @@ impl Sock {
     }
 }
 
+impl std::os::fd::AsRawFd for Sock {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        match self {
+            Sock::Unix(s) => s.as_raw_fd(),
+            Sock::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+}
+
 impl Read for Sock {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
@@ -163,6 +172,13 @@ fn set_tcp_user_timeout(s: &TcpStream, timeout: Duration) {
 pub(super) struct Opened {
     sock: Sock,
     tls: Option<TlsReader<Sock>>,
+}
+
+impl Opened {
+    /// The socket of a connection without TLS; `None` over TLS (its records need the session).
+    pub(super) fn into_plain(self) -> Option<Sock> {
+        self.tls.is_none().then_some(self.sock)
+    }
 }
 
 /// The reading side of a connection: the socket, or TLS over it.

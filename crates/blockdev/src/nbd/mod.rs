@@ -50,10 +50,12 @@
 //!   kept, so late replies can still free its slots. Over TCP, data unacknowledged for the
 //!   timeout (`TCP_USER_TIMEOUT`) breaks the connection, so a vanished host is reconnected.
 
+mod direct;
 mod durability;
 mod link;
 mod uri;
 
+pub use direct::NbdDirect;
 use uri::CONNECTIONS_MAX;
 pub use uri::{is_nbd_uri, parse_uri, NbdOptions, Target, TlsParams};
 
@@ -102,6 +104,8 @@ struct Shared {
     next: AtomicUsize,
     closed: AtomicBool,
     durability: Mutex<Durability>,
+    /// Connections lent whole to callers that carry a request themselves ([`direct`]).
+    spares: Mutex<direct::Spares>,
     threads_live: Mutex<usize>,
     thread_exited: Condvar,
 }
@@ -170,6 +174,7 @@ impl NbdDevice {
             next: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             durability: Mutex::new(Durability::default()),
+            spares: Mutex::new(direct::Spares::default()),
             threads_live: Mutex::new(0),
             thread_exited: Condvar::new(),
         });
@@ -413,6 +418,7 @@ impl Shared {
             for sock in self.connecting.lock().values() {
                 sock.shutdown();
             }
+            self.spares.lock().shutdown_all();
             self.links_changed.notify_all();
         }
         let deadline = Instant::now() + CLOSE_WAIT;
@@ -556,5 +562,10 @@ impl BlockDevice for NbdDevice {
 
     fn describe(&self) -> String {
         format!("nbd {}", self.shared.uri)
+    }
+
+    fn direct_nbd(&self, write: bool, offset: u64, len: usize) -> Option<NbdDirect> {
+        let command = if write { Command::Write } else { Command::Read };
+        direct::lend(&self.shared, command, offset, len)
     }
 }

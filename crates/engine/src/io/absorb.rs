@@ -376,7 +376,7 @@ pub struct AroundWrite {
     vol: Volume,
     offset: u64,
     fua: bool,
-    fd: RawFd,
+    via: super::plan::Via,
     piece: [Piece; 1],
     range: Option<(DevId, BackingBlock, BackingBlock)>,
     /// When the write was issued (`Backing::io_issued`).
@@ -415,7 +415,7 @@ impl Volume {
         }
         let backing = &self.backing;
         let at = backing.data_offset() + slow.offset;
-        let Some(fd) = backing.dev.direct_fd(at, slow.len as usize) else {
+        let Some(via) = super::plan::Via::of(&*backing.dev, true, at, slow.len as usize) else {
             return Err(slow);
         };
         let dev = backing.id;
@@ -447,7 +447,7 @@ impl Volume {
             vol: self.clone(),
             offset,
             fua,
-            fd,
+            via,
             piece: [Piece {
                 dev_offset: at,
                 buf_offset: 0,
@@ -461,9 +461,22 @@ impl Volume {
 }
 
 impl AroundWrite {
-    /// The backing device's descriptor to write to, from a buffer aligned to 4 KiB.
+    /// The backing device's descriptor to write to, from a buffer aligned to 4 KiB (the
+    /// socket of the lent connection, for a remote device: see [`AroundWrite::remote`]).
     pub fn fd(&self) -> RawFd {
-        self.fd
+        self.via.fd()
+    }
+
+    /// A remote backing device's connection lent for this write: the caller carries out the
+    /// request on it instead of writing [`AroundWrite::pieces`] at [`AroundWrite::fd`].
+    pub fn remote(&mut self) -> Option<&mut blockdev::NbdDirect> {
+        self.via.remote()
+    }
+
+    /// When the lent connection's request must have been answered (see
+    /// [`AroundWrite::remote`]).
+    pub fn remote_deadline(&self) -> Option<std::time::Instant> {
+        self.via.deadline()
     }
 
     /// The one write: the whole request at `dev_offset` of [`AroundWrite::fd`].

@@ -340,7 +340,7 @@ pub struct AroundRead {
     vol: Volume,
     offset: u64,
     why: crate::policy::Bypass,
-    fd: RawFd,
+    via: Via,
     piece: [Piece; 1],
     /// When the read was issued, on the backing device's `io_epoch` (the cost model's clock).
     issued: crate::state::IoUnderWay,
@@ -354,6 +354,51 @@ impl std::fmt::Debug for AroundRead {
             .field("offset", &self.offset)
             .field("piece", &self.piece[0])
             .finish()
+    }
+}
+
+/// How the caller reaches the backing device for a read or write around the cache: a
+/// descriptor it reads or writes at the piece's offset, or a connection of a remote device
+/// lent for the one request (see `blockdev::NbdDirect`).
+#[derive(Debug)]
+pub(super) enum Via {
+    Fd(RawFd),
+    Nbd(blockdev::NbdDirect),
+}
+
+impl Via {
+    /// The backing device's way for `len` bytes at `at` (`write`: a write), if it has one.
+    pub(super) fn of(
+        dev: &dyn blockdev::BlockDevice,
+        write: bool,
+        at: u64,
+        len: usize,
+    ) -> Option<Via> {
+        match dev.direct_fd(at, len) {
+            Some(fd) => Some(Via::Fd(fd)),
+            None => dev.direct_nbd(write, at, len).map(Via::Nbd),
+        }
+    }
+
+    pub(super) fn fd(&self) -> RawFd {
+        match self {
+            Via::Fd(fd) => *fd,
+            Via::Nbd(lease) => lease.fd(),
+        }
+    }
+
+    pub(super) fn deadline(&self) -> Option<std::time::Instant> {
+        match self {
+            Via::Fd(_) => None,
+            Via::Nbd(lease) => Some(lease.deadline()),
+        }
+    }
+
+    pub(super) fn remote(&mut self) -> Option<&mut blockdev::NbdDirect> {
+        match self {
+            Via::Fd(_) => None,
+            Via::Nbd(lease) => Some(lease),
+        }
     }
 }
 
@@ -372,7 +417,7 @@ impl Volume {
         let inner = &*self.inner;
         let backing = &self.backing;
         let at = backing.data_offset() + slow.offset;
-        let Some(fd) = backing.dev.direct_fd(at, slow.len) else {
+        let Some(via) = Via::of(&*backing.dev, false, at, slow.len) else {
             return Err(slow);
         };
         let (b0, b1) = BackingBlock::touched_by(slow.offset, slow.len as u64, inner.block_size());
@@ -394,7 +439,7 @@ impl Volume {
             vol: self.clone(),
             offset: slow.offset,
             why,
-            fd,
+            via,
             piece: [Piece {
                 dev_offset: at,
                 buf_offset: 0,
@@ -407,9 +452,22 @@ impl Volume {
 }
 
 impl AroundRead {
-    /// The backing device's descriptor to read from, into a 4 KiB-aligned buffer.
+    /// The backing device's descriptor to read from, into a 4 KiB-aligned buffer (the
+    /// socket of the lent connection, for a remote device: see [`AroundRead::remote`]).
     pub fn fd(&self) -> RawFd {
-        self.fd
+        self.via.fd()
+    }
+
+    /// A remote backing device's connection lent for this read: the caller carries out the
+    /// request on it instead of reading [`AroundRead::pieces`] at [`AroundRead::fd`].
+    pub fn remote(&mut self) -> Option<&mut blockdev::NbdDirect> {
+        self.via.remote()
+    }
+
+    /// When the lent connection's request must have been answered (see
+    /// [`AroundRead::remote`]).
+    pub fn remote_deadline(&self) -> Option<std::time::Instant> {
+        self.via.deadline()
     }
 
     /// The one read: at `dev_offset` of [`AroundRead::fd`], the whole buffer.

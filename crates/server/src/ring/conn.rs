@@ -11,6 +11,7 @@
 
 use super::pool::{Answer, Finished, Job, Work};
 use super::reactor::{Kind, Sq};
+use super::remote::Exchange;
 use super::{Adopted, Handle, Pool};
 use crate::budget::{Account, Permit};
 use crate::execute::{admit, error_reply, permit_bytes, refusal, PAYLOAD_BYTES_MAX};
@@ -56,6 +57,8 @@ enum ReqState {
         left: usize,
         done: smallvec::SmallVec<[usize; 4]>,
         result: io::Result<()>,
+        /// The exchange on a lent connection, instead of the pieces (`DirectIo::remote`).
+        remote: Option<Box<Exchange>>,
     },
     /// At a worker, or waiting for a worker place of this connection.
     AtWorker,
@@ -122,6 +125,8 @@ pub(super) struct Conn {
     sending: Sending,
     /// Waiting for a budget permit.
     pub(super) wants_permit: bool,
+    /// Direct requests whose exchange on a lent connection is under way.
+    remote_in_flight: usize,
 }
 
 impl Conn {
@@ -158,6 +163,7 @@ impl Conn {
                 in_flight: false,
             },
             wants_permit: false,
+            remote_in_flight: 0,
         }
     }
 
@@ -508,10 +514,65 @@ impl Conn {
                 left: n,
                 done: smallvec::smallvec![0; n],
                 result: Ok(()),
+                remote: None,
             },
         });
+        let r = &mut self.reqs[req];
+        let ReqState::Direct {
+            direct,
+            remote,
+            answer,
+            ..
+        } = &mut r.state
+        else {
+            unreachable!("inserted as direct");
+        };
+        let (fd, writes) = (direct.fd(), direct.writes());
+        if let Some(lent) = direct.remote() {
+            let data = r.buf.data_mut(answer.len());
+            let user_data = super::reactor::user_data(Kind::Remote, key, req, 0);
+            *remote = Some(Exchange::start(lent, fd, data, writes, user_data, sq));
+            self.remote_in_flight += 1;
+            return;
+        }
         for piece in 0..n {
             self.submit_piece(key, req, piece, sq);
+        }
+    }
+
+    /// An operation of direct request `req`'s exchange on its lent connection completed.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_remote(
+        &mut self,
+        key: usize,
+        req: usize,
+        res: i32,
+        sq: &mut Sq<'_>,
+        handle: &Arc<Handle>,
+        pool: &Arc<Pool>,
+        spares: &mut Spares,
+    ) {
+        let r = &mut self.reqs[req];
+        let ReqState::Direct {
+            direct,
+            answer,
+            remote: Some(exchange),
+            result,
+            left,
+            ..
+        } = &mut r.state
+        else {
+            unreachable!("remote operations belong to remote direct requests");
+        };
+        let fd = direct.fd();
+        let lent = direct.remote().expect("a remote direct request");
+        let data = r.buf.data_mut(answer.len());
+        let user_data = super::reactor::user_data(Kind::Remote, key, req, 0);
+        if let Some(ended) = exchange.on_complete(lent, fd, data, res, user_data, sq) {
+            *result = ended;
+            *left = 0;
+            self.remote_in_flight -= 1;
+            self.direct_finished(key, req, handle, pool, spares);
         }
     }
 
@@ -814,8 +875,25 @@ impl Conn {
         }
     }
 
-    /// Deadlines: a request not received in time, a reply not taken in time, idleness.
+    /// Deadlines: a request not received in time, a reply not taken in time, idleness, a
+    /// lent connection's request not answered in time (its connection is shut down, which
+    /// ends its operation in flight).
     pub(super) fn tick(&mut self, now: Instant) {
+        if self.remote_in_flight > 0 {
+            for (_, r) in self.reqs.iter_mut() {
+                if let ReqState::Direct {
+                    direct,
+                    remote: Some(_),
+                    ..
+                } = &mut r.state
+                {
+                    let lent = direct.remote().expect("a remote direct request");
+                    if now >= lent.deadline() {
+                        lent.abort();
+                    }
+                }
+            }
+        }
         let shared = Arc::clone(&self.a.shared);
         let config = &shared.config;
         if let Some(since) = self.receiving_since {

@@ -36,6 +36,7 @@
 mod conn;
 mod pool;
 mod reactor;
+mod remote;
 
 use crate::config::Shared;
 use crate::net::Stream;

@@ -26,6 +26,8 @@ pub(super) enum Kind {
     Send = 4,
     /// A direct request's device read or write.
     Device = 5,
+    /// An operation of a direct request's exchange on a lent connection (`remote`).
+    Remote = 6,
 }
 
 /// User data: kind (4 bits), piece (12), request (16), connection (32).
@@ -229,22 +231,19 @@ impl Reactor {
             k if k == Kind::Timer as u64 => self.timer_armed = false,
             k if k == Kind::Recv as u64 => self.conns[conn].on_recv(res),
             k if k == Kind::Send as u64 => self.conns[conn].on_send(res, &mut self.spares),
-            k if k == Kind::Device as u64 => {
+            k if k == Kind::Device as u64 || k == Kind::Remote as u64 => {
                 let mut sq = Sq {
                     ring: &self.ring,
                     // SAFETY: only this thread uses the ring's submission queue.
                     sq: unsafe { self.ring.submission_shared() },
                 };
-                self.conns[conn].on_device(
-                    conn,
-                    req,
-                    piece,
-                    res,
-                    &mut sq,
-                    &self.handle,
-                    &self.pool,
-                    &mut self.spares,
-                );
+                let c = &mut self.conns[conn];
+                let (handle, pool, spares) = (&self.handle, &self.pool, &mut self.spares);
+                if k == Kind::Device as u64 {
+                    c.on_device(conn, req, piece, res, &mut sq, handle, pool, spares);
+                } else {
+                    c.on_remote(conn, req, res, &mut sq, handle, pool, spares);
+                }
                 sq.sq.sync();
             }
             other => log::error!("io_uring completion of unknown kind {other}"),

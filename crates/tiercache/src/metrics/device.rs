@@ -244,7 +244,10 @@ impl BlockDevice for TimedDevice {
     fn direct_fd(&self, offset: u64, len: usize) -> Option<std::os::fd::RawFd> {
         self.inner.direct_fd(offset, len)
     }
-    /// An I/O made by the caller through `direct_fd` (the io_uring data path): timed, counted
+    fn direct_nbd(&self, write: bool, offset: u64, len: usize) -> Option<blockdev::NbdDirect> {
+        self.inner.direct_nbd(write, offset, len)
+    }
+    /// An I/O made by the caller through `direct_fd` or `direct_nbd` (the io_uring data path): timed, counted
     /// and tallied on the thread that finished it, like one through `read_at` or `write_at`
     /// (a failed write counts as written, as there).
     fn direct_done(
