@@ -4,7 +4,8 @@
 //! checks (classic: `promtool check metrics`; OpenMetrics: the strict parser here and, when
 //! installed, Python's prometheus_client); scrapes are answered while hundreds of slow clients
 //! trickle requests at the endpoint; `top --once` shows the volume with plausible numbers in
-//! 80 columns, and the numbers `status`/`stats` give over the same interval.
+//! 80 columns, and the numbers `status`/`stats` give over the same interval; the io_uring
+//! data path's own requests to a remote backing device counted, and ended when it hangs.
 
 mod common;
 
@@ -872,4 +873,88 @@ fn hits_are_read_by_the_data_path_asked_for() {
         }
         f.stop();
     }
+}
+
+/// Reads and writes around the cache on a remote backing device (nbdkit serving the
+/// fixture's backing file) are carried on the io_uring data path's lent connections:
+/// `direct_reads` and `direct_writes` count them and fio's verify finds its data; a remote
+/// device that stops answering fails such a read within its timeout, and one that answers
+/// again serves the next.
+#[test]
+fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
+    if !(have("nbdkit") && have("fio") && have("qemu-io")) {
+        return;
+    }
+    let mut f = Fixture::new(64, 32, false);
+    let (kit_sock, pidfile) = (f.path("kit.sock"), f.path("kit.pid"));
+    let mut kit = Command::new("nbdkit")
+        .args(["-f", "--exit-with-parent", "-P"])
+        .arg(&pidfile)
+        .arg("-U")
+        .arg(&kit_sock)
+        .arg("file")
+        .arg(f.path("slow.img"))
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::fs::metadata(&pidfile).map_or(true, |m| m.len() == 0) {
+        assert!(t.elapsed() < Duration::from_secs(20), "nbdkit did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let remote = format!("nbd+unix:///?socket={}&timeout=2", kit_sock.display());
+    let mut cmd = tc();
+    cmd.arg("serve")
+        .arg("--cache")
+        .arg(f.path("fast.img"))
+        .args(["--backing", &remote, "--socket"])
+        .arg(f.socket())
+        .args(["--metrics", "127.0.0.1:0"]);
+    f.start_cmd(cmd);
+    f.tc_admin(&["set", "data", "cache_mode", "none"]);
+    let addr = metrics_address(&f);
+    let o = run(Command::new("fio").args([
+        "--name=around",
+        "--ioengine=nbd",
+        &format!("--uri={}", f.uri()),
+        "--rw=randwrite",
+        "--bs=4k",
+        "--size=16m",
+        "--iodepth=4",
+        "--verify=crc32c",
+        "--do_verify=1",
+        "--verify_fatal=1",
+    ]));
+    assert!(stdout(&o).contains("err= 0"), "fio: {}", stdout(&o));
+    let s = parse(&scrape(&addr));
+    let (reads, writes) = (
+        value(&s, "tiercache_direct_reads_total", &[]),
+        value(&s, "tiercache_direct_writes_total", &[]),
+    );
+    println!("direct reads {reads}, direct writes {writes}, of 4096 each");
+    // The first requests take the shared connections while spare ones are opened.
+    assert!(
+        reads > 1024.0 && writes > 1024.0,
+        "direct reads {reads} and writes {writes} of 4096 each"
+    );
+    // A remote device that stops answering: the read fails within its timeout (2 s), at
+    // most a few times over, and nothing waits for it afterwards.
+    run(Command::new("kill").args(["-STOP", &kit.id().to_string()]));
+    let qemu_io = |cmd: &str| {
+        let mut c = Command::new("qemu-io");
+        c.args(["-f", "raw", "-c", cmd, &f.uri()]);
+        c
+    };
+    let o = output_within(&mut qemu_io("read 8M 4k"), Duration::from_secs(60))
+        .expect("a read of a hung remote device did not end");
+    let out = stdout(&o) + &String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() || out.contains("failed"),
+        "a read of a hung remote device succeeded: {out}"
+    );
+    run(Command::new("kill").args(["-CONT", &kit.id().to_string()]));
+    let o = run(&mut qemu_io("read 8M 4k"));
+    assert!(!stdout(&o).contains("failed"), "{}", stdout(&o));
+    f.stop();
+    let _ = kit.kill();
+    let _ = kit.wait();
 }
