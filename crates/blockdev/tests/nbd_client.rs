@@ -428,6 +428,29 @@ fn lent_connections_carry_requests_the_shared_ones_see() {
     assert!(dev.direct_nbd(false, 0, 0).is_none());
 }
 
+/// A spare connection the server closed while it was idle (a restart) is not lent again:
+/// the first request lent after the restart is carried whole.
+#[test]
+fn a_spare_connection_closed_while_idle_is_not_lent() {
+    if !have_nbdkit() {
+        return;
+    }
+    let mut k = Nbdkit::start(&["memory", "16M"]);
+    let dev = NbdDevice::connect(&k.uri("")).unwrap();
+    let mut l = lend(&dev, false, 0, 4096);
+    exchange(&mut l, &[], &mut [0u8; 4096]).unwrap();
+    drop(l);
+    k.kill9();
+    k.restart();
+    let b = pattern(3, 4096);
+    dev.write_at(&b, 8192).unwrap();
+    dev.flush().expect("nothing was written before the restart");
+    let mut l = lend(&dev, false, 8192, 4096);
+    let mut got = vec![0u8; 4096];
+    exchange(&mut l, &[], &mut got).expect("a connection the server had closed was lent");
+    assert_eq!(got, b);
+}
+
 /// A lent write whose reply never came (its connection given up) counts as lost: the next
 /// flush fails, once, as when a shared connection breaks with writes unflushed. A reply to
 /// another request is refused and nothing is at stake (the flush after succeeds).

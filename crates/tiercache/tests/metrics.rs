@@ -898,7 +898,10 @@ fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
         .unwrap();
     let t = Instant::now();
     while std::fs::metadata(&pidfile).map_or(true, |m| m.len() == 0) {
-        assert!(t.elapsed() < Duration::from_secs(20), "nbdkit did not start");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "nbdkit did not start"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let remote = format!("nbd+unix:///?socket={}&timeout=2", kit_sock.display());
@@ -923,6 +926,7 @@ fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
         "--verify=crc32c",
         "--do_verify=1",
         "--verify_fatal=1",
+        "--verify_state_save=0",
     ]));
     assert!(stdout(&o).contains("err= 0"), "fio: {}", stdout(&o));
     let s = parse(&scrape(&addr));

@@ -24,6 +24,8 @@
 //!   (the next flush fails), as a shared connection that breaks with writes in flight does.
 //!   A spare connection that breaks with nothing at stake counts nothing: the shared
 //!   connections, each always reading, see a server restart themselves;
+//! - an idle connection the server closed (or sent anything on) is never lent: it is checked
+//!   with a non-blocking peek when taken, and closed;
 //! - at close, every spare connection's socket is shut down (idle and lent: the caller's
 //!   operations on a lent one end with an error) and no new one is published.
 //!
@@ -133,9 +135,17 @@ pub(super) fn lend(
         if shared.closed.load(Ordering::SeqCst) {
             return None;
         }
-        let Some((id, sock)) = s.idle.pop() else {
-            open_one(shared, &mut s);
-            return None;
+        let (id, sock) = loop {
+            let Some((id, sock)) = s.idle.pop() else {
+                open_one(shared, &mut s);
+                return None;
+            };
+            if still_open(&sock) {
+                break (id, sock);
+            }
+            // The server closed it while it was idle (a restart): never lent, closed here.
+            sock.shutdown();
+            s.all.remove(&id);
         };
         s.next_cookie += 1;
         (id, sock, s.next_cookie)
@@ -161,6 +171,24 @@ pub(super) fn lend(
         stage: Stage::Lent,
         timed_out: false,
     })
+}
+
+/// Whether an idle connection is still open and silent: a server that closed it (it
+/// restarted, or dropped idle clients) would fail the request lent it, which the shared
+/// connections would have sent again. One non-blocking peek.
+fn still_open(sock: &Sock) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: a valid socket descriptor owned by `sock`, and a one-byte buffer alive for the
+    // call.
+    let n = unsafe {
+        libc::recv(
+            sock.as_raw_fd(),
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::WouldBlock
 }
 
 /// Starts opening a spare connection on a thread of its own, unless one is being opened,
