@@ -451,6 +451,42 @@ fn a_spare_connection_closed_while_idle_is_not_lent() {
     assert_eq!(got, b);
 }
 
+/// A lent read whose connection breaks before its reply (the server killed) may be sent
+/// again elsewhere when no write is unflushed, and not when one is (the shared connections'
+/// rule for a request in flight on a connection that breaks).
+#[test]
+fn a_lent_read_that_breaks_may_be_resent_only_with_nothing_at_stake() {
+    if !have_nbdkit() {
+        return;
+    }
+    let mut k = Nbdkit::start(&["memory", "16M"]);
+    let dev = NbdDevice::connect(&k.uri("")).unwrap();
+    // A read lent, then the server killed before it is sent; its connection ends.
+    let broken_read = |k: &mut Nbdkit| {
+        let mut l = lend(&dev, false, 0, 4096);
+        k.kill9();
+        let request = l.request().to_vec();
+        let mut s = lent_socket(&l);
+        let _ = s.write_all(&request);
+        let mut head = [0u8; NbdDirect::REPLY_HEADER_BYTES];
+        let res = match s.read(&mut head) {
+            Ok(n) => n as i32,
+            Err(e) => -e.raw_os_error().unwrap_or(5), // EIO without an errno
+        };
+        assert!(res <= 0, "a killed server answered");
+        let err = l.failed(res);
+        assert_ne!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        k.restart();
+        l
+    };
+    let l = broken_read(&mut k);
+    assert!(l.may_resend(), "nothing was at stake");
+    drop(l);
+    dev.write_at(&pattern(9, 4096), 0).unwrap();
+    let l = broken_read(&mut k);
+    assert!(!l.may_resend(), "a write was not flushed");
+}
+
 /// A lent write whose reply never came (its connection given up) counts as lost: the next
 /// flush fails, once, as when a shared connection breaks with writes unflushed. A reply to
 /// another request is refused and nothing is at stake (the flush after succeeds).

@@ -189,7 +189,12 @@ impl DirectIo for Direct {
                     again.map(|slow| -> EngineRest { Box::new(move |b| vol.write_slow(slow, b)) })
                 }),
             ),
-            Staged::Around(around) => (Op::Read, around.finish(result).map(|()| None)),
+            Staged::Around(around) => (
+                Op::Read,
+                around.finish(result).map(|again| {
+                    again.map(|slow| -> EngineRest { Box::new(move |b| vol.read_slow(slow, b)) })
+                }),
+            ),
             Staged::AroundWrite(around) => (
                 Op::Write,
                 around.finish(result).map(|again| {

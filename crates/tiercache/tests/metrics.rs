@@ -880,20 +880,21 @@ fn hits_are_read_by_the_data_path_asked_for() {
 /// `direct_reads` and `direct_writes` count them and fio's verify finds its data; a remote
 /// device that stops answering fails such a read within its timeout, and one that answers
 /// again serves the next.
-#[test]
-fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
-    if !(have("nbdkit") && have("fio") && have("qemu-io")) {
-        return;
-    }
-    let mut f = Fixture::new(64, 32, false);
-    let (kit_sock, pidfile) = (f.path("kit.sock"), f.path("kit.pid"));
-    let mut kit = Command::new("nbdkit")
+/// `nbdkit [FILTERS] file slow.img [PARAMS]` on `kit.sock` in the fixture's directory (the
+/// fixture's backing device, served remote), started and accepting connections.
+fn nbdkit_on_backing(f: &Fixture, filters: &[&str], params: &[&str]) -> std::process::Child {
+    let pidfile = f.path("kit.pid");
+    let _ = std::fs::remove_file(&pidfile);
+    let _ = std::fs::remove_file(f.path("kit.sock"));
+    let kit = Command::new("nbdkit")
         .args(["-f", "--exit-with-parent", "-P"])
         .arg(&pidfile)
         .arg("-U")
-        .arg(&kit_sock)
+        .arg(f.path("kit.sock"))
+        .args(filters)
         .arg("file")
         .arg(f.path("slow.img"))
+        .args(params)
         .spawn()
         .unwrap();
     let t = Instant::now();
@@ -904,7 +905,16 @@ fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let remote = format!("nbd+unix:///?socket={}&timeout=2", kit_sock.display());
+    kit
+}
+
+/// `serve` with the nbdkit export of `nbdkit_on_backing` as its backing device (URI query
+/// `query`) and metrics on a free port, in `cache_mode none`.
+fn serve_on_nbdkit(f: &mut Fixture, query: &str) {
+    let remote = format!(
+        "nbd+unix:///?socket={}&{query}",
+        f.path("kit.sock").display()
+    );
     let mut cmd = tc();
     cmd.arg("serve")
         .arg("--cache")
@@ -914,6 +924,16 @@ fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
         .args(["--metrics", "127.0.0.1:0"]);
     f.start_cmd(cmd);
     f.tc_admin(&["set", "data", "cache_mode", "none"]);
+}
+
+#[test]
+fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
+    if !(have("nbdkit") && have("fio") && have("qemu-io")) {
+        return;
+    }
+    let mut f = Fixture::new(64, 32, false);
+    let mut kit = nbdkit_on_backing(&f, &[], &[]);
+    serve_on_nbdkit(&mut f, "timeout=2");
     let addr = metrics_address(&f);
     let o = run(Command::new("fio").args([
         "--name=around",
@@ -958,6 +978,50 @@ fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
     run(Command::new("kill").args(["-CONT", &kit.id().to_string()]));
     let o = run(&mut qemu_io("read 8M 4k"));
     assert!(!stdout(&o).contains("failed"), "{}", stdout(&o));
+    f.stop();
+    let _ = kit.kill();
+    let _ = kit.wait();
+}
+
+/// A read around the cache in flight on a lent connection when the remote server is killed
+/// and started again is sent again on the shared connections (nothing was at stake) and
+/// succeeds, as a read in flight on a shared connection does.
+#[test]
+fn a_remote_read_on_the_ring_survives_a_server_restart() {
+    if !(have("nbdkit") && have("qemu-io")) {
+        return;
+    }
+    let mut f = Fixture::new(64, 32, false);
+    let delayed = |f: &Fixture| nbdkit_on_backing(f, &["--filter=delay"], &["rdelay=1"]);
+    let mut kit = delayed(&f);
+    serve_on_nbdkit(&mut f, "timeout=20");
+    let addr = metrics_address(&f);
+    let qemu_io = |cmd: &str| {
+        let mut c = Command::new("qemu-io");
+        c.args(["-f", "raw", "-c", cmd, &f.uri()]);
+        c
+    };
+    // The first read opens a spare connection; the next ones are lent it.
+    let direct = || value(&parse(&scrape(&addr)), "tiercache_direct_reads_total", &[]);
+    let t = Instant::now();
+    while direct() < 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "no read was lent");
+        run(&mut qemu_io("read 0 4k"));
+    }
+    let reader = qemu_io("read 1M 4k")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    kit.kill().unwrap();
+    kit.wait().unwrap();
+    let mut kit = delayed(&f);
+    let o = reader.wait_with_output().unwrap();
+    assert!(
+        o.status.success() && stdout(&o).contains("read 4096/4096"),
+        "a read in flight across the restart failed: {}",
+        stdout(&o)
+    );
     f.stop();
     let _ = kit.kill();
     let _ = kit.wait();

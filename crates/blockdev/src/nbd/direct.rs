@@ -24,6 +24,9 @@
 //!   (the next flush fails), as a shared connection that breaks with writes in flight does.
 //!   A spare connection that breaks with nothing at stake counts nothing: the shared
 //!   connections, each always reading, see a server restart themselves;
+//! - a read whose lent connection broke (not an error reply, not the deadline) while no
+//!   write is unflushed may be sent again by the caller on the shared connections
+//!   ([`NbdDirect::may_resend`]), as those resend a read in flight on one that breaks;
 //! - an idle connection the server closed (or sent anything on) is never lent: it is checked
 //!   with a non-blocking peek when taken, and closed;
 //! - at close, every spare connection's socket is shut down (idle and lent: the caller's
@@ -324,6 +327,17 @@ impl NbdDirect {
         if self.stage == Stage::Answered {
             self.stage = Stage::Done;
         }
+    }
+
+    /// Whether the request may be sent again on another connection after it failed: a read
+    /// whose connection broke (not the server's error reply, not the deadline) while no
+    /// write of the device is unflushed — the rule by which the shared connections resend a
+    /// request in flight on a connection that breaks.
+    pub fn may_resend(&self) -> bool {
+        self.read_bytes > 0
+            && self.stage == Stage::Broken
+            && !self.timed_out
+            && !self.shared.durability.lock().unflushed()
     }
 
     /// When the request must have been answered (the device's timeout from its lending).

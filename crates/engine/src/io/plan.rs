@@ -477,13 +477,30 @@ impl AroundRead {
 
     /// Stage 3 after the caller's read (`io`: `Ok` if it was read whole): accounts it as
     /// `read_inner` does the same read (see the module header; the cost model's sample as in
-    /// `Backing::timed`). `Err`: the read fails.
-    pub fn finish(self, io: std::io::Result<()>) -> Result<()> {
+    /// `Backing::timed`). `Ok(Some(slow))`: read it again with `Volume::read_slow` — the
+    /// connection lent by a remote device broke with nothing at stake, and the device's
+    /// shared connections send a read again after a reconnection, as its client does with a
+    /// read in flight on a connection that breaks (this attempt is not accounted; its bytes
+    /// stay counted as `backing_read_bytes`, and are counted again). `Err`: the read fails.
+    pub fn finish(self, io: std::io::Result<()>) -> Result<Option<SlowRead>> {
         let vol = self.vol.clone();
         crate::guard::contain(&vol.inner, "read", || self.complete(io))
     }
 
-    fn complete(self, io: std::io::Result<()>) -> Result<()> {
+    fn complete(mut self, io: std::io::Result<()>) -> Result<Option<SlowRead>> {
+        if io.is_err() && self.via.remote().is_some_and(|l| l.may_resend()) {
+            return Ok(Some(SlowRead {
+                offset: self.offset,
+                len: self.piece[0].len,
+                route: Route::Normal(Read::Bypass(self.why)),
+                tried_fast: true,
+                _use: self._use.take(),
+            }));
+        }
+        self.account(io).map(|()| None)
+    }
+
+    fn account(self, io: std::io::Result<()>) -> Result<()> {
         use crate::types::IoContext;
         let (vol, p) = (&self.vol, self.piece[0]);
         let backing = &vol.backing;
