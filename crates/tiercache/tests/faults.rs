@@ -128,13 +128,7 @@ impl FaultyCache {
         };
         let kit = kit.stderr(logfile()).spawn().expect("starting nbdkit");
         let t = Instant::now();
-        while std::fs::metadata(&pidfile).map_or(true, |m| m.len() == 0) {
-            assert!(
-                t.elapsed() < Duration::from_secs(20),
-                "nbdkit did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_nbdkit(&pidfile);
         // nbdfuse mounts over a regular file: the cache device is a file, as with any user's.
         let mount = dir.join("fast.img");
         std::fs::File::create(&mount).unwrap();

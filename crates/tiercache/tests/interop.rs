@@ -425,13 +425,7 @@ fn serve_stops_within_bounds_when_its_nbd_backing_dies() {
         .spawn()
         .unwrap();
     let t = Instant::now();
-    while std::fs::metadata(&pidfile).map_or(true, |m| m.len() == 0) {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "nbdkit did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_nbdkit(&pidfile);
     let remote = format!("nbd+unix:///?socket={}", kit_sock.display());
     let fast = dir.path().join("fast.img");
     std::fs::File::create(&fast)

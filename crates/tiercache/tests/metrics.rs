@@ -897,14 +897,7 @@ fn nbdkit_on_backing(f: &Fixture, filters: &[&str], params: &[&str]) -> std::pro
         .args(params)
         .spawn()
         .unwrap();
-    let t = Instant::now();
-    while std::fs::metadata(&pidfile).map_or(true, |m| m.len() == 0) {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "nbdkit did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_nbdkit(&pidfile);
     kit
 }
 

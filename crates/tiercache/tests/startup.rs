@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{have, output_within, run, stdout, tc};
+use common::{have, output_within, run, stdout, tc, wait_for_nbdkit};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -269,11 +269,7 @@ fn nbdkit_file(d: &Dir, file: &str, sock: &Path) -> Child {
         .arg(d.path(file))
         .spawn()
         .unwrap();
-    let t = Instant::now();
-    while std::fs::metadata(&pidfile).map_or(true, |m| m.len() == 0) {
-        assert!(t.elapsed() < LIMIT, "nbdkit did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_nbdkit(&pidfile);
     kit
 }
 

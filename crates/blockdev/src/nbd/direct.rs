@@ -36,7 +36,7 @@
 //! closes the connection and fails the request); a connection that cannot be opened is not
 //! tried again for [`RETRY_AFTER`] (requests take the shared connections meanwhile).
 
-use super::link::{self, Sock};
+use super::link::Sock;
 use super::{Live, Shared};
 use nbd_proto::{
     decode_reply, Command, CommandFlags, Decoded, Reply, Request, SimpleReplyHeader,
@@ -217,25 +217,10 @@ fn open_one(shared: &Arc<Shared>, s: &mut Spares) {
     }
 }
 
-/// Connects and negotiates one more connection to the same export.
+/// Connects and negotiates one more connection to the same export, without TLS.
 fn open_spare(shared: &Shared) -> io::Result<Sock> {
-    let opened = link::open(&shared.target, None, shared.options.timeout, |sock| {
-        let mut connecting = shared.connecting.lock();
-        if shared.closed.load(Ordering::SeqCst) {
-            return Err(io::Error::new(io::ErrorKind::NotConnected, "closed"));
-        }
-        connecting.insert(OPENING_KEY, sock.try_clone()?);
-        Ok(())
-    });
-    shared.connecting.lock().remove(&OPENING_KEY);
-    let (opened, export) = opened?;
-    if export != shared.export {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("the export changed: {export:?}, was {:?}", shared.export),
-        ));
-    }
-    opened
+    shared
+        .open_again(OPENING_KEY, None)?
         .into_plain()
         .ok_or_else(|| io::Error::other("a spare connection negotiated TLS"))
 }

@@ -333,6 +333,29 @@ impl Shared {
         true
     }
 
+    /// Connects and negotiates one more connection to the export (over TLS with `tls`), its
+    /// socket registered under `key` in `connecting` during the handshake (a close shuts it
+    /// down); fails if the device is closed or the server offers another export now.
+    fn open_again(&self, key: usize, tls: Option<&nbd_tls::ClientTls>) -> io::Result<link::Opened> {
+        let opened = link::open(&self.target, tls, self.options.timeout, |sock| {
+            let mut connecting = self.connecting.lock();
+            if self.closed.load(Ordering::SeqCst) {
+                return Err(io::Error::new(io::ErrorKind::NotConnected, "closed"));
+            }
+            connecting.insert(key, sock.try_clone()?);
+            Ok(())
+        });
+        self.connecting.lock().remove(&key);
+        let (opened, export) = opened?;
+        if export != self.export {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("the export changed: {export:?}, was {:?}", self.export),
+            ));
+        }
+        Ok(opened)
+    }
+
     /// Reconnects connection `index`, with backoff, until it works or the device closes.
     fn reconnect(&self, index: usize) -> Option<(Arc<Link>, Replies)> {
         let mut delay = BACKOFF_MIN;
@@ -340,29 +363,9 @@ impl Shared {
             if self.sleep_unless_closed(delay) {
                 return None;
             }
-            let opened = link::open(
-                &self.target,
-                self.tls.as_ref(),
-                self.options.timeout,
-                |sock| {
-                    let mut connecting = self.connecting.lock();
-                    if self.closed.load(Ordering::SeqCst) {
-                        return Err(io::Error::new(io::ErrorKind::NotConnected, "closed"));
-                    }
-                    connecting.insert(index, sock.try_clone()?);
-                    Ok(())
-                },
-            );
-            self.connecting.lock().remove(&index);
-            let linked = opened.and_then(|(sock, export)| {
-                if export != self.export {
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("the export changed: {export:?}, was {:?}", self.export),
-                    ));
-                }
-                Link::new(sock)
-            });
+            let linked = self
+                .open_again(index, self.tls.as_ref())
+                .and_then(Link::new);
             match linked {
                 Ok((link, reader)) => {
                     let mut links = self.links.lock();

@@ -230,3 +230,16 @@ pub fn wait_for(c: &mut Child, limit: Duration) -> Option<ExitStatus> {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Waits (at most 20 s) until nbdkit has written `pidfile`, which it does once it accepts
+/// connections.
+pub fn wait_for_nbdkit(pidfile: &Path) {
+    let t = Instant::now();
+    while std::fs::metadata(pidfile).map_or(true, |m| m.len() == 0) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "nbdkit did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
