@@ -421,6 +421,20 @@ fn lent_connections_carry_requests_the_shared_ones_see() {
     assert_eq!(got, b, "a shared write, read lent");
     drop(l);
     dev.flush().unwrap();
+    // At most `spare-connections` are lent at once (one here), and none with 0.
+    let one = NbdDevice::connect(&k.uri("spare-connections=1")).unwrap();
+    let held = lend(&one, false, 0, 4096);
+    for _ in 0..20 {
+        assert!(one.direct_nbd(false, 0, 4096).is_none(), "a second was lent");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(held);
+    assert!(one.direct_nbd(false, 0, 4096).is_some(), "the one came back");
+    let none = NbdDevice::connect(&k.uri("spare-connections=0")).unwrap();
+    for _ in 0..20 {
+        assert!(none.direct_nbd(false, 0, 4096).is_none());
+        std::thread::sleep(Duration::from_millis(5));
+    }
     // Requests the server refuses are not lent: past the end, unaligned, or not a read or
     // write of data.
     assert!(dev.direct_nbd(false, 16 << 20, 4096).is_none());
@@ -533,6 +547,7 @@ fn a_request_without_a_reply_times_out_and_its_late_reply_is_dropped() {
     let options = NbdOptions {
         connections: 1,
         timeout: Duration::from_secs(1),
+        ..NbdOptions::default()
     };
     let dev = Arc::new(NbdDevice::connect_with(&k.uri(""), options).unwrap());
     let (a, b) = (pattern(0xaa, 64 << 10), pattern(0xbb, 64 << 10));
@@ -664,6 +679,7 @@ fn requests_and_close_with_a_dead_server_end_within_bounds() {
     let options = NbdOptions {
         connections: 4,
         timeout: Duration::from_secs(1),
+        ..NbdOptions::default()
     };
     let dev = NbdDevice::connect_with(&k.uri(""), options).unwrap();
     dev.write_at(&pattern(7, 4096), 0).unwrap();

@@ -11,7 +11,8 @@
 //! - offered only for a server that advertises `NBD_FLAG_CAN_MULTI_CONN` (a flush sent on a
 //!   shared connection then covers what a spare one answered, and reads on any connection see
 //!   writes answered on any) and only without TLS (records need the session's state); at most
-//!   [`DIRECT_MAX`] spare connections per device, on top of the shared ones;
+//!   `spare_connections` (8 by default, `?spare-connections=N`) per device, on top of the
+//!   shared ones, none with 0;
 //! - a lent connection carries exactly one request: the caller sends [`NbdDirect::request`]
 //!   (and a write's payload right after it), reads the 16-byte reply header and hands it to
 //!   [`NbdDirect::reply`], reads the data `reply` says follows, then calls
@@ -49,8 +50,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Spare connections a device opens at most.
-pub(super) const DIRECT_MAX: usize = 8;
 /// After a spare connection could not be opened, none is tried for this long.
 const RETRY_AFTER: Duration = Duration::from_secs(5);
 /// The key of the opening connection's socket in the device's `connecting` table.
@@ -197,7 +196,9 @@ fn still_open(sock: &Sock) -> bool {
 /// Starts opening a spare connection on a thread of its own, unless one is being opened,
 /// the device has its share, or the last attempt failed less than [`RETRY_AFTER`] ago.
 fn open_one(shared: &Arc<Shared>, s: &mut Spares) {
-    if s.opening || s.all.len() >= DIRECT_MAX || s.retry_at.is_some_and(|t| Instant::now() < t) {
+    if s.opening
+        || s.all.len() >= shared.options.spare_connections
+        || s.retry_at.is_some_and(|t| Instant::now() < t) {
         return;
     }
     s.opening = true;

@@ -5,8 +5,9 @@
 //! URIs: `nbd+unix:///NAME?socket=PATH`, `nbd://HOST[:PORT]/NAME` (port 10809 by default) and
 //! `nbds://HOST[:PORT]/NAME?tls-certificates=DIR` (TLS; see [`uri`] for `tls-ca`, `tls-cert`,
 //! `tls-key`, `tls-hostname`), with optional query parameters `connections=N` (1–16, default
-//! 4; used only when the server advertises multi-conn) and `timeout=SECS` (1–3600, default
-//! 30). [`NbdDevice::connect_with`] takes the same as [`NbdOptions`] (the URI's parameters
+//! 4; used only when the server advertises multi-conn), `spare-connections=N` (0–64, default
+//! 8: connections lent whole to requests their caller carries, see [`direct`]) and
+//! `timeout=SECS` (1–3600, default 30). [`NbdDevice::connect_with`] takes the same as [`NbdOptions`] (the URI's parameters
 //! win). TLS credentials are read once, at connect; reconnections use them again.
 //!
 //! Owns: the connections to one export ([`link`]), one thread per connection that reads its
@@ -130,7 +131,9 @@ impl NbdDevice {
     /// the server cannot be reached (no retry at connect time).
     pub fn connect_with(uri: &str, options: NbdOptions) -> io::Result<NbdDevice> {
         assert!(
-            (1..=CONNECTIONS_MAX).contains(&options.connections) && !options.timeout.is_zero(),
+            (1..=CONNECTIONS_MAX).contains(&options.connections)
+                && options.spare_connections <= uri::SPARE_CONNECTIONS_MAX
+                && !options.timeout.is_zero(),
             "bad NbdOptions {options:?}"
         );
         let (target, options) = parse_uri(uri, options)?;

@@ -1,7 +1,8 @@
 //! NBD URIs and the client options they carry.
 //!
-//! Owns: `nbd+unix:///NAME?socket=PATH[&connections=N][&timeout=SECS]`,
-//! `nbd://HOST[:PORT]/NAME[?connections=N][&timeout=SECS]` (port 10809 by default) and
+//! Owns: `nbd+unix:///NAME?socket=PATH[&connections=N][&spare-connections=N][&timeout=SECS]`,
+//! `nbd://HOST[:PORT]/NAME[?connections=N][&spare-connections=N][&timeout=SECS]` (port 10809
+//! by default) and
 //! `nbds://HOST[:PORT]/NAME?...` (TLS through `NBD_OPT_STARTTLS`), and the limits of each
 //! option.
 //!
@@ -13,7 +14,7 @@
 //! the server's certificate must carry (default: the URI's host).
 //!
 //! Invariants: a parsed [`NbdOptions`] is inside its limits (1–[`CONNECTIONS_MAX`]
-//! connections, a timeout of 1 s – [`TIMEOUT_MAX`] from a URI); an unknown query parameter is
+//! connections, 0–[`SPARE_CONNECTIONS_MAX`] spare connections, a timeout of 1 s – [`TIMEOUT_MAX`] from a URI); an unknown query parameter is
 //! refused, never ignored, so a misspelt `timout=5` cannot silently leave the default; an
 //! `nbds://` target always has a CA (no system trust store is used) and a client certificate
 //! always comes with its key; TLS parameters on a clear-text URI are refused.
@@ -28,6 +29,11 @@ use std::time::Duration;
 pub const CONNECTIONS_DEFAULT: usize = 4;
 /// Most connections one device opens.
 pub const CONNECTIONS_MAX: usize = 16;
+/// Spare connections a device may open to lend to requests carried by their caller (see
+/// [`NbdDirect`](super::NbdDirect)).
+pub const SPARE_CONNECTIONS_DEFAULT: usize = 8;
+/// Most spare connections a URI may ask for.
+pub const SPARE_CONNECTIONS_MAX: usize = 64;
 /// How long a request may wait for its reply (and for a connection to carry it).
 pub const TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
 /// Longest timeout a URI may ask for.
@@ -38,6 +44,10 @@ pub const TIMEOUT_MAX: Duration = Duration::from_secs(3600);
 pub struct NbdOptions {
     /// Connections to open when the server advertises multi-conn (one otherwise).
     pub connections: usize,
+    /// Spare connections it may open beside them, each lent whole to one request at a time
+    /// that its caller carries itself (the io_uring data path's requests around the cache);
+    /// with multi-conn and without TLS only. 0: none.
+    pub spare_connections: usize,
     /// Longest a request waits, from the call to its reply, including the wait for a
     /// connection while reconnecting; also bounds each handshake step and each socket send.
     pub timeout: Duration,
@@ -47,6 +57,7 @@ impl Default for NbdOptions {
     fn default() -> Self {
         NbdOptions {
             connections: CONNECTIONS_DEFAULT,
+            spare_connections: SPARE_CONNECTIONS_DEFAULT,
             timeout: TIMEOUT_DEFAULT,
         }
     }
@@ -96,7 +107,7 @@ fn invalid(msg: String) -> io::Error {
 const FORMS: &str = "nbd+unix:///NAME?socket=PATH, nbd://HOST[:PORT]/NAME or \
                      nbds://HOST[:PORT]/NAME?tls-certificates=DIR (or tls-ca=FILE, with \
                      tls-cert=FILE&tls-key=FILE for a client certificate, and tls-hostname=NAME), \
-                     optionally with connections=N and timeout=SECS";
+                     optionally with connections=N, spare-connections=N and timeout=SECS";
 
 /// Whether `spec` looks like an NBD URI (of any scheme [`parse_uri`] takes).
 pub fn is_nbd_uri(spec: &str) -> bool {
@@ -196,6 +207,18 @@ pub fn parse_uri(uri: &str, defaults: NbdOptions) -> io::Result<(Target, NbdOpti
                     .ok_or_else(|| {
                         invalid(format!(
                             "{uri}: connections must be 1 to {CONNECTIONS_MAX}, not '{value}'"
+                        ))
+                    })?;
+            }
+            "spare-connections" => {
+                options.spare_connections = value
+                    .parse()
+                    .ok()
+                    .filter(|n| *n <= SPARE_CONNECTIONS_MAX)
+                    .ok_or_else(|| {
+                        invalid(format!(
+                            "{uri}: spare-connections must be 0 to {SPARE_CONNECTIONS_MAX}, not \
+                             '{value}'"
                         ))
                     })?;
             }
@@ -301,6 +324,8 @@ mod tests {
             "nbd://h/x?timeout=1.5",
             "nbd://h/x?connections=0",
             "nbd://h/x?connections=17",
+            "nbd://h/x?spare-connections=65",
+            "nbd://h/x?spare-connections=-1",
             // TLS parameters only with nbds://, and nbds:// needs a CA.
             "nbd://h/x?tls-ca=/ca.pem",
             "nbd+unix:///x?socket=/s&tls-certificates=/d",
@@ -320,6 +345,7 @@ mod tests {
     fn query_parameters_override_the_defaults() {
         let d = NbdOptions {
             connections: 2,
+            spare_connections: 3,
             timeout: Duration::from_millis(500),
         };
         let (t, o) = parse_uri("nbd+unix:///x?timeout=7&socket=/s&connections=1", d).unwrap();
@@ -342,6 +368,11 @@ mod tests {
             }
         );
         assert_eq!((o.connections, o.timeout), (16, d.timeout));
+        assert_eq!(o.spare_connections, 3);
+        let (_, o) = parse_uri("nbd://h/e?spare-connections=0", d).unwrap();
+        assert_eq!(o.spare_connections, 0);
+        let (_, o) = parse_uri("nbd://h/e?spare-connections=64", d).unwrap();
+        assert_eq!(o.spare_connections, 64);
     }
 
     fn tls(uri: &str) -> TlsParams {
