@@ -425,11 +425,17 @@ fn lent_connections_carry_requests_the_shared_ones_see() {
     let one = NbdDevice::connect(&k.uri("spare-connections=1")).unwrap();
     let held = lend(&one, false, 0, 4096);
     for _ in 0..20 {
-        assert!(one.direct_nbd(false, 0, 4096).is_none(), "a second was lent");
+        assert!(
+            one.direct_nbd(false, 0, 4096).is_none(),
+            "a second was lent"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     drop(held);
-    assert!(one.direct_nbd(false, 0, 4096).is_some(), "the one came back");
+    assert!(
+        one.direct_nbd(false, 0, 4096).is_some(),
+        "the one came back"
+    );
     let none = NbdDevice::connect(&k.uri("spare-connections=0")).unwrap();
     for _ in 0..20 {
         assert!(none.direct_nbd(false, 0, 4096).is_none());

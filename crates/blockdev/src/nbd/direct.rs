@@ -198,7 +198,8 @@ fn still_open(sock: &Sock) -> bool {
 fn open_one(shared: &Arc<Shared>, s: &mut Spares) {
     if s.opening
         || s.all.len() >= shared.options.spare_connections
-        || s.retry_at.is_some_and(|t| Instant::now() < t) {
+        || s.retry_at.is_some_and(|t| Instant::now() < t)
+    {
         return;
     }
     s.opening = true;
