@@ -8,11 +8,13 @@
 //! and each is started at once:
 //! - a read or write the export can carry out on a descriptor ([`crate::Export::start_read`],
 //!   [`crate::Export::start_write`] → `Direct`: a cache hit, a write the cache absorbs, a
-//!   read around the cache from a backing file) is read into its reply buffer or written
-//!   from its payload with io_uring, finished (checksums, index, statistics) on the reactor
-//!   and answered, with no thread hand-over;
-//! - anything that may block (a miss, a write around the cache, a flush, a trim, block
-//!   status, the rest of a direct request that needs more) goes to the server-wide worker
+//!   read or write around the cache on a backing file) is read into its reply buffer or
+//!   written from its payload with io_uring, finished (checksums, index, statistics) on the
+//!   reactor and answered, with no thread hand-over; one around the cache on a remote NBD
+//!   device is sent and answered on a connection the device lends it (`remote`);
+//! - anything that may block (a miss, a write around the cache the plan could not stage, a
+//!   flush, a trim, block status, the rest of a direct request that needs more) goes to the
+//!   server-wide worker
 //!   pool (`pool`) and comes back to the reactor as a finished reply, so a miss waiting on a
 //!   slow disk never holds up the hits behind it;
 //! - replies are sent by the reactor, many in one `sendmsg`, in the order they finish.
