@@ -67,6 +67,7 @@ pub(super) fn new_ring(entries: u32) -> io::Result<IoUring> {
         (opcode::Write::CODE, "write"),
         (opcode::Recv::CODE, "recv"),
         (opcode::SendMsg::CODE, "sendmsg"),
+        (opcode::RecvMsg::CODE, "recvmsg"),
         (opcode::Timeout::CODE, "timeout"),
     ] {
         if !probe.is_supported(code) {
