@@ -281,7 +281,6 @@ impl State {
     }
 }
 
-/// One attached backing device.
 /// A backing I/O the caller makes itself (see `Backing::io_start`), counted in
 /// `Backing::io_in_flight` until dropped.
 pub(crate) struct IoUnderWay {
@@ -296,6 +295,7 @@ impl Drop for IoUnderWay {
     }
 }
 
+/// One attached backing device.
 pub struct Backing {
     pub id: DevId,
     pub dev: Arc<dyn BlockDevice>,

@@ -153,7 +153,7 @@ pub trait DirectIo: Send {
 /// [`RemoteIo::abort`], which makes its operations end. Then, in every case,
 /// [`DirectIo::finish`].
 pub trait RemoteIo {
-    /// The request's header, to send first.
+    /// The request's header (28 bytes), to send first.
     fn request(&mut self) -> &[u8];
     /// `Ok(n)`: the request succeeded and `n` bytes of data follow; `Err`: it failed.
     fn reply(&mut self, header: &[u8]) -> io::Result<usize>;
@@ -161,8 +161,9 @@ pub trait RemoteIo {
     fn done(&mut self);
     fn deadline(&self) -> std::time::Instant;
     fn abort(&mut self);
-    /// The error of an operation that ended with `res` (a negative errno, 0 for the peer's
-    /// end, or a short count).
+    /// The connection is broken (an operation ended with `res`: a negative errno, 0 for the
+    /// peer's end; or `-EPROTO`, the reply broke the protocol): never reused. Returns the
+    /// request's error.
     fn failed(&mut self, res: i32) -> io::Error;
 }
 

@@ -5,7 +5,8 @@
 //! `DataPath::Threads` the same export is served by `Export::read` (no direct reads).
 //! And requests carried on a connection lent by a remote device (`DirectIo::remote`): each
 //! step of the exchange on the ring, replies that come in pieces, an error reply, a peer
-//! that closes, and one that never answers (ended at the lent connection's deadline).
+//! that closes, one that breaks the framing, and one that never answers (ended at the lent
+//! connection's deadline).
 //!
 //! Under `CI=true` io_uring must work (the runner's kernel has it); elsewhere a machine
 //! without it skips these tests, saying so.
@@ -88,6 +89,8 @@ enum Peer {
     Closes,
     /// Never answers.
     Hangs,
+    /// An error reply with bytes after it (the stream is no longer framed), in one write.
+    Garbles,
 }
 
 impl Peer {
@@ -97,6 +100,7 @@ impl Peer {
             2 => Peer::Fails,
             3 => Peer::Closes,
             4 => Peer::Hangs,
+            5 => Peer::Garbles,
             _ => Peer::Answers,
         }
     }
@@ -132,10 +136,11 @@ impl Lent {
             }
             let peer = Peer::at(offset);
             let mut reply = vec![0u8; 16];
-            if write && peer != Peer::Fails {
+            let answers = !matches!(peer, Peer::Fails | Peer::Garbles);
+            if write && answers {
                 ex.file.write_all_at(&req[28..], offset).unwrap();
             }
-            if !write && peer != Peer::Fails {
+            if !write && answers {
                 reply.resize(16 + len, 0);
                 ex.file.read_exact_at(&mut reply[16..], offset).unwrap();
             }
@@ -153,6 +158,12 @@ impl Lent {
                 Peer::Fails => {
                     reply[0] = 5;
                     theirs.write_all(&reply[..16]).unwrap();
+                }
+                Peer::Garbles => {
+                    reply.truncate(16);
+                    reply[0] = 5;
+                    reply.extend_from_slice(b"garbage!");
+                    theirs.write_all(&reply).unwrap();
                 }
                 Peer::Closes => {}
                 Peer::Hangs => {
@@ -543,7 +554,7 @@ fn requests_on_lent_connections_are_carried_on_the_ring() {
     // Reads of every kind of peer, sent together.
     let started = std::time::Instant::now();
     let mut out = Vec::new();
-    for i in 0..5u64 {
+    for i in 0..6u64 {
         read_request(100 + i, block(i), 8192, &mut out);
     }
     c.stream.write_all(&out).unwrap();
@@ -553,7 +564,7 @@ fn requests_on_lent_connections_are_carried_on_the_ring() {
         d
     };
     let mut answered = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..6 {
         let (cookie, error, got) = recv_reply(&mut c);
         let at = block(cookie - 100) as usize;
         match Peer::at(at as u64) {
@@ -562,7 +573,7 @@ fn requests_on_lent_connections_are_carried_on_the_ring() {
                 assert!(got == data[at..at + 8192], "data of cookie {cookie}");
             }
             Peer::Fails => assert_eq!(error, Some(NbdErrno::Eio), "cookie {cookie}"),
-            Peer::Closes | Peer::Hangs => {
+            Peer::Closes | Peer::Hangs | Peer::Garbles => {
                 assert!(error.is_some(), "cookie {cookie} answered without a reply")
             }
         }
@@ -575,9 +586,9 @@ fn requests_on_lent_connections_are_carried_on_the_ring() {
     );
     assert!(started.elapsed() >= LENT_DEADLINE);
     // Carried whole: 2 writes and 2 reads (an error reply is not `done`: the real lease
-    // settles that in `reply`); failed: the closed and the silent peer's.
+    // settles that in `reply`); broken: the closed, the silent and the garbling peer's.
     assert_eq!(export.lent_done.load(Ordering::SeqCst), 4);
-    assert_eq!(export.lent_failed.load(Ordering::SeqCst), 2);
+    assert_eq!(export.lent_failed.load(Ordering::SeqCst), 3);
     let t = std::time::Instant::now();
     while export.aborted_seen.load(Ordering::SeqCst) == 0 {
         assert!(

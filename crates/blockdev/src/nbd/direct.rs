@@ -341,8 +341,10 @@ impl NbdDirect {
         }
     }
 
-    /// The error of an operation on the connection that ended with `res` (a negative errno,
-    /// or 0 for the peer's end) or short: the request fails with it.
+    /// The connection broke: an operation on it ended with `res` (a negative errno, or 0 for
+    /// the peer's end), or the reply broke the protocol (`-EPROTO`). It is closed when the
+    /// lease ends; the request fails with the returned error (a read may be resent, see
+    /// [`NbdDirect::may_resend`]).
     pub fn failed(&mut self, res: i32) -> io::Error {
         self.stage = Stage::Broken;
         if self.timed_out {

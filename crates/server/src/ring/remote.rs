@@ -12,7 +12,7 @@
 use super::reactor::Sq;
 use crate::RemoteIo;
 use io_uring::{opcode, types};
-use nbd_proto::SimpleReplyHeader;
+use nbd_proto::{Request, SimpleReplyHeader};
 use std::io;
 
 /// Where an exchange is.
@@ -31,7 +31,7 @@ pub(super) struct Exchange {
     /// Bytes of the phase already done.
     done: usize,
     /// The request's header (copied from the lease when sending starts).
-    request: Vec<u8>,
+    request: [u8; Request::HEADER_BYTES],
     /// The payload's length (a write's), sent after the header.
     payload: usize,
     head: [u8; SimpleReplyHeader::BYTES],
@@ -60,7 +60,10 @@ impl Exchange {
         let mut x = Box::new(Exchange {
             phase: Phase::Send,
             done: 0,
-            request: remote.request().to_vec(),
+            request: remote
+                .request()
+                .try_into()
+                .expect("an NBD request header is 28 bytes"),
             payload: if writes { buf.len() } else { 0 },
             head: [0; SimpleReplyHeader::BYTES],
             data: 0,
@@ -172,22 +175,23 @@ impl Exchange {
                         self.phase = Phase::Data;
                         self.done = extra;
                     }
+                    // A protocol violation: the connection is no longer framed.
                     Ok(n) => {
-                        remote.abort();
+                        let e = remote.failed(-libc::EPROTO);
                         return Some(Err(io::Error::new(
                             io::ErrorKind::InvalidData,
                             format!(
-                                "a reply with {n} bytes of data for a request of {} ({extra} \
-                                 came with it)",
+                                "{e}: a reply with {n} bytes of data for a request of {} \
+                                 ({extra} came with it)",
                                 buf.len()
                             ),
                         )));
                     }
                     Err(e) if extra > 0 => {
-                        remote.abort();
+                        let broken = remote.failed(-libc::EPROTO);
                         return Some(Err(io::Error::new(
                             io::ErrorKind::InvalidData,
-                            format!("data after an error reply ({e})"),
+                            format!("{broken}: data after an error reply ({e})"),
                         )));
                     }
                     Err(e) => return Some(Err(e)),
