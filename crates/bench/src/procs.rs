@@ -587,6 +587,49 @@ impl Running {
     }
 }
 
+/// The CPUs this process may run on, lowest first.
+pub fn allowed_cpus() -> Result<Vec<usize>> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; sched_getaffinity writes at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a live cpu_set_t of the size passed.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("sched_getaffinity");
+    }
+    Ok((0..libc::CPU_SETSIZE as usize)
+        // SAFETY: `i` is below CPU_SETSIZE, the set's capacity.
+        .filter(|&i| unsafe { libc::CPU_ISSET(i, &set) })
+        .collect())
+}
+
+/// Sets the CPUs every thread of process `pid` may run on (threads it starts later inherit
+/// their creator's). A thread that ended meanwhile is skipped.
+pub fn set_cpus(pid: u32, cpus: &[usize]) -> Result<()> {
+    // SAFETY: as in `allowed_cpus`.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &c in cpus {
+        // SAFETY: CPU_SET checks nothing: `c` comes from `allowed_cpus`, below CPU_SETSIZE.
+        unsafe { libc::CPU_SET(c, &mut set) };
+    }
+    let dir = format!("/proc/{pid}/task");
+    for entry in std::fs::read_dir(&dir).with_context(|| format!("listing {dir}"))? {
+        let Some(tid) = entry?
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: `set` is a live cpu_set_t of the size passed.
+        if unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(&set), &set) } != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::ESRCH) {
+                return Err(err).with_context(|| format!("pinning thread {tid} of {pid}"));
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,7 +15,10 @@
 //!    so), `nbdkit memory` of the cache file's size, and fio `libaio` O_DIRECT on the file
 //!    (raw). Rows: 4 KiB random reads at QD1 and QD32 on one connection and 4 connections ×
 //!    QD8 (fio `numjobs=4`: each job its own connection); 128 KiB sequential reads at QD8 on
-//!    one connection (bandwidth).
+//!    one connection (bandwidth). The CPUs are the scheduler's choice, except in two more QD32
+//!    rows: the server's threads pinned to the first CPU this process may use and fio
+//!    (`--cpus_allowed`) to the second ("on two CPUs"; not run on a machine with one), or
+//!    both to the first ("on one CPU"); the server gets every CPU back after each.
 //! 2. Writeback writes: 4 KiB random writes at QD32 writing each block of a third region of
 //!    the export once (bounded by size, capped by the step time), absorbed by the cache
 //!    device as dirty data (its stats' dirty bytes must cover what fio wrote, else a notice);
@@ -102,6 +105,19 @@ fn params(scale: Scale) -> Params {
     }
 }
 
+/// Where the server and fio run during a row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Place {
+    /// Wherever the kernel's scheduler puts them (a sync wake-up of one by the other tends
+    /// to pull both onto one CPU).
+    Scheduler,
+    /// The server's threads on one CPU, fio on another (a client in a VM on its own cores).
+    Apart,
+    /// Both on one CPU.
+    Together,
+}
+
 /// The shape of one fio run: a row of a table.
 #[derive(Clone, Copy, Debug, Serialize)]
 struct Shape {
@@ -112,6 +128,7 @@ struct Shape {
     numjobs: u32,
     /// Queue depth per job.
     iodepth: u32,
+    place: Place,
 }
 
 impl Shape {
@@ -128,7 +145,12 @@ impl Shape {
             bs,
             numjobs: jobs,
             iodepth: qd,
+            place: Place::Scheduler,
         }
+    }
+
+    const fn placed(self, row: &'static str, place: Place) -> Self {
+        Shape { row, place, ..self }
     }
 
     /// Reported in IOPS (4 KiB) rather than bandwidth.
@@ -137,10 +159,20 @@ impl Shape {
     }
 }
 
-/// The rows of the read table.
-const READ_ROWS: [Shape; 4] = [
+const QD32: Shape = Shape::new("QD32, 1 connection", "randread", "4k", 1, 32);
+/// The rows of the read table. QD32 on one connection is also run with the CPUs fixed: which
+/// CPUs the scheduler picks moves it by half (see `docs/benchmarks.md`).
+const READ_ROWS: [Shape; 6] = [
     Shape::new("QD1, 1 connection", "randread", "4k", 1, 1),
-    Shape::new("QD32, 1 connection", "randread", "4k", 1, 32),
+    QD32,
+    QD32.placed(
+        "QD32, 1 connection, server and fio on two CPUs",
+        Place::Apart,
+    ),
+    QD32.placed(
+        "QD32, 1 connection, server and fio on one CPU",
+        Place::Together,
+    ),
     Shape::new("4 connections × QD8", "randread", "4k", 4, 8),
     Shape::new(
         "128 KiB sequential, QD8, 1 connection",
@@ -287,6 +319,66 @@ fn measure(target: &Target, server: Option<&Proc>, args: &[String]) -> Result<Po
     })
 }
 
+/// The CPUs of the rows that fix them.
+#[derive(Clone, Debug, Serialize)]
+struct Cpus {
+    /// The server's, and raw fio's: of the first two CPUs this process may use, the one where
+    /// fio on the cache file alone (QD32 random reads) ran faster (the device's completions
+    /// are handled on one CPU; a thread that waits for them elsewhere pays a wake-up across).
+    server: usize,
+    /// fio's over NBD in the "two CPUs" rows (None: a machine with one CPU).
+    client: Option<usize>,
+    /// That probe: (CPU, raw IOPS).
+    probe: Vec<(usize, f64)>,
+}
+
+/// Picks [`Cpus`]: one short raw run on each of the first two CPUs.
+fn pick_cpus(p: &Params, raw: &Server) -> Result<Cpus> {
+    let allowed = procs::allowed_cpus()?;
+    let mut probe = Vec::new();
+    for &cpu in allowed.iter().take(2) {
+        let mut args = job(p, &QD32, 0, p.cache_bytes, true);
+        for a in args.iter_mut().filter(|a| a.starts_with("--runtime=")) {
+            *a = format!("--runtime={}ms", (p.step_ms / 5).max(200));
+        }
+        args.push(format!("--cpus_allowed={cpu}"));
+        probe.push((cpu, raw.measure(&args)?.fio.iops));
+    }
+    let best = probe
+        .iter()
+        .copied()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .context("no CPU to run on")?;
+    Ok(Cpus {
+        server: best.0,
+        client: probe.iter().map(|c| c.0).find(|&c| c != best.0),
+        probe,
+    })
+}
+
+/// `s.measure(args)` with the server's threads and fio where `place` puts them (raw's fio
+/// where the server would be), the server given every CPU back after; None where this
+/// machine has too few CPUs for `place`.
+fn measure_placed(s: &Server, place: Place, cpus: &Cpus, args: &[String]) -> Result<Option<Point>> {
+    let fio_cpu = match (place, cpus.client) {
+        (Place::Scheduler, _) => return s.measure(args).map(Some),
+        (Place::Apart, None) => return Ok(None),
+        (Place::Apart, Some(c)) if s.proc_.is_some() => c,
+        _ => cpus.server,
+    };
+    let pid = s.proc_.as_ref().map(Proc::pid);
+    if let Some(pid) = pid {
+        procs::set_cpus(pid, &[cpus.server])?;
+    }
+    let mut args = args.to_vec();
+    args.push(format!("--cpus_allowed={fio_cpu}"));
+    let point = s.measure(&args);
+    if let Some(pid) = pid {
+        procs::set_cpus(pid, &procs::allowed_cpus()?)?;
+    }
+    point.map(Some)
+}
+
 /// fio options of `s` over `[offset, offset + size)`: time-based for `p.step_ms`, or (not
 /// `timed`) each block once, capped at `p.step_ms`.
 fn job(p: &Params, s: &Shape, offset: u64, size: u64, timed: bool) -> Vec<String> {
@@ -401,6 +493,7 @@ fn serve(dev: &Devices, key: &'static str) -> Result<Server> {
 /// What the workload measured.
 struct Measured {
     cached_after_warm: u64,
+    cpus: Cpus,
     columns: Vec<Column>,
     reads: Vec<ReadRow>,
     writes: Vec<WriteRow>,
@@ -439,6 +532,12 @@ pub fn run(tc: &Tiercache, scale: Scale, out: &Path) -> Result<()> {
     let _ = std::fs::remove_dir_all(&scratch);
     let m = measured?;
     for r in &m.reads {
+        if r.points.is_empty() {
+            notices.push(format!(
+                "{}: not run, this machine lets it use one CPU",
+                r.shape.row
+            ));
+        }
         for (key, misses) in r.misses.iter().filter(|(_, m)| **m > 0) {
             notices.push(format!(
                 "{}: {key} missed {misses} reads, so that cell is not all hits",
@@ -590,7 +689,9 @@ fn measure_all(
     let mut all: Vec<&Server> = vec![&server];
     all.extend(others.iter());
     all.push(&raw_cache);
-    read_pass(p, &dev, &all, &mut reads, progress)?;
+    progress("which CPU: fio on the cache file alone, on each of the first two");
+    let cpus = pick_cpus(p, &raw_cache)?;
+    read_pass(p, &dev, &all, &cpus, &mut reads, progress)?;
 
     progress("writeback: 4 KiB random writes at QD32, tiercache and nbdkit memory");
     let mut writes = vec![write_tiercache(p, &dev, &server)?];
@@ -611,7 +712,7 @@ fn measure_all(
         progress("tiercache restarted with --data-path threads: the reads and writes again");
         drop(server);
         let threads = serve(&dev, TC_THREADS)?;
-        read_pass(p, &dev, &[&threads], &mut reads, progress)?;
+        read_pass(p, &dev, &[&threads], &cpus, &mut reads, progress)?;
         writes.insert(1, write_tiercache(p, &dev, &threads)?);
         drop(threads);
         server = serve(&dev, TC)?;
@@ -672,6 +773,7 @@ fn measure_all(
     passthrough.extend(remote_passthrough(p, tc, &dev, &kit_dir, tools, progress)?);
     Ok(Measured {
         cached_after_warm: cached,
+        cpus,
         columns,
         reads,
         writes,
@@ -686,6 +788,7 @@ fn read_pass(
     p: &Params,
     dev: &Devices,
     servers: &[&Server],
+    cpus: &Cpus,
     rows: &mut [ReadRow],
     progress: &dyn Fn(&str),
 ) -> Result<()> {
@@ -697,13 +800,19 @@ fn read_pass(
             names.join(", ")
         ));
         for s in servers {
+            let place = r.shape.place;
             if !s.tiercache() {
-                let pt = s.measure(&job(p, &r.shape, 0, p.cache_bytes, true))?;
-                r.points.insert(s.key, pt);
+                let args = job(p, &r.shape, 0, p.cache_bytes, true);
+                if let Some(pt) = measure_placed(s, place, cpus, &args)? {
+                    r.points.insert(s.key, pt);
+                }
                 continue;
             }
             let before = Some(scale::stats(dev)?);
-            let pt = s.measure(&job(p, &r.shape, 0, p.region_bytes, true))?;
+            let args = job(p, &r.shape, 0, p.region_bytes, true);
+            let Some(pt) = measure_placed(s, place, cpus, &args)? else {
+                continue;
+            };
             let after = Some(scale::stats(dev)?);
             let delta = |k: &str| super::stat(&after, k) - super::stat(&before, k);
             let (hits, misses) = (delta("cache_hits"), delta("cache_misses"));
