@@ -902,7 +902,7 @@ fn nbdkit_on_backing(f: &Fixture, filters: &[&str], params: &[&str]) -> std::pro
 }
 
 /// `serve` with the nbdkit export of `nbdkit_on_backing` as its backing device (URI query
-/// `query`) and metrics on a free port, in `cache_mode none`.
+/// `query`) and metrics on a free port, in `cache_mode none`; its log (warnings, and the NBD client's news) goes to `serve.log`.
 fn serve_on_nbdkit(f: &mut Fixture, query: &str) {
     let remote = format!(
         "nbd+unix:///?socket={}&{query}",
@@ -914,9 +914,58 @@ fn serve_on_nbdkit(f: &mut Fixture, query: &str) {
         .arg(f.path("fast.img"))
         .args(["--backing", &remote, "--socket"])
         .arg(f.socket())
-        .args(["--metrics", "127.0.0.1:0"]);
+        .args(["--metrics", "127.0.0.1:0"])
+        .env("RUST_LOG", "warn,blockdev::nbd=info")
+        .stderr(std::fs::File::create(f.path("serve.log")).unwrap());
     f.start_cmd(cmd);
     f.tc_admin(&["set", "data", "cache_mode", "none"]);
+}
+
+/// What the server logged of its remote device's connections.
+fn connections_logged(f: &Fixture) -> String {
+    let log = std::fs::read_to_string(f.path("serve.log")).unwrap();
+    log.lines()
+        .filter(|l| l.contains("connection(s)"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `spare-connections=0` turns lending off: the server says so once, and every request
+/// around the cache takes the shared connections (none is counted as carried on the ring).
+#[test]
+fn spare_connections_zero_carries_requests_around_the_cache_on_the_shared_connections() {
+    if !(have("nbdkit") && have("qemu-io")) {
+        return;
+    }
+    let mut f = Fixture::new(64, 32, false);
+    let mut kit = nbdkit_on_backing(&f, &[], &[]);
+    serve_on_nbdkit(&mut f, "spare-connections=0");
+    let addr = metrics_address(&f);
+    let logged = connections_logged(&f);
+    assert!(
+        logged.contains("4 connection(s); no spare connections for requests around the cache (spare-connections=0)"),
+        "{logged}"
+    );
+    let o = run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x5a 1M 256k",
+        "-c",
+        "read -P 0x5a 1M 256k",
+        &f.uri(),
+    ]));
+    assert!(!stdout(&o).contains("failed"), "{}", stdout(&o));
+    let s = parse(&scrape(&addr));
+    for name in [
+        "tiercache_direct_reads_total",
+        "tiercache_direct_writes_total",
+    ] {
+        assert_eq!(value(&s, name, &[]), 0.0, "{name}");
+    }
+    f.stop();
+    let _ = kit.kill();
+    let _ = kit.wait();
 }
 
 #[test]
@@ -928,6 +977,11 @@ fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
     let mut kit = nbdkit_on_backing(&f, &[], &[]);
     serve_on_nbdkit(&mut f, "timeout=2");
     let addr = metrics_address(&f);
+    let logged = connections_logged(&f);
+    assert!(
+        logged.contains("4 connection(s); requests around the cache go on up to 8 more"),
+        "{logged}"
+    );
     let o = run(Command::new("fio").args([
         "--name=around",
         "--ioengine=nbd",

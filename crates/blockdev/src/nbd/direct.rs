@@ -112,6 +112,23 @@ pub struct NbdDirect {
     timed_out: bool,
 }
 
+/// Why the device lends no connection at all, if it lends none (said once when it connects).
+pub(super) fn lending_off(shared: &Shared) -> Option<&'static str> {
+    if shared.options.spare_connections == 0 {
+        Some("spare-connections=0")
+    } else if shared.tls.is_some() {
+        Some("the connection uses TLS")
+    } else if !shared
+        .export
+        .flags
+        .contains(TransmissionFlags::CAN_MULTI_CONN)
+    {
+        Some("the server does not advertise multi-conn")
+    } else {
+        None
+    }
+}
+
 /// Lends a spare connection for one request, if one is idle; else starts opening one (when
 /// allowed) for a later request and returns `None`: this one takes the shared connections.
 pub(super) fn lend(
@@ -122,8 +139,7 @@ pub(super) fn lend(
 ) -> Option<NbdDirect> {
     let export = &shared.export;
     let write = command == Command::Write;
-    if shared.tls.is_some()
-        || !export.flags.contains(TransmissionFlags::CAN_MULTI_CONN)
+    if lending_off(shared).is_some()
         || !matches!(command, Command::Read | Command::Write)
         || len == 0
         || len as u64 > export.max_request_bytes

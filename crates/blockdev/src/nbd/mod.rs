@@ -196,6 +196,17 @@ impl NbdDevice {
                 return Err(e);
             }
         }
+        match direct::lending_off(&shared) {
+            None => log::info!(
+                "{uri}: {count} connection(s); requests around the cache go on up to {} \
+                 more, opened as they are needed",
+                options.spare_connections
+            ),
+            Some(why) => log::info!(
+                "{uri}: {count} connection(s); no spare connections for requests around the \
+                 cache ({why})"
+            ),
+        }
         Ok(device)
     }
 
