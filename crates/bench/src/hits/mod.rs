@@ -16,9 +16,10 @@
 //!    (raw). Rows: 4 KiB random reads at QD1 and QD32 on one connection and 4 connections ×
 //!    QD8 (fio `numjobs=4`: each job its own connection); 128 KiB sequential reads at QD8 on
 //!    one connection (bandwidth). The CPUs are the scheduler's choice, except in two more QD32
-//!    rows: the server's threads pinned to the first CPU this process may use and fio
-//!    (`--cpus_allowed`) to the second ("on two CPUs"; not run on a machine with one), or
-//!    both to the first ("on one CPU"); the server gets every CPU back after each.
+//!    rows: the server's threads pinned to the one of the first two CPUs this process may use
+//!    where fio alone on the cache file ran faster (a short probe first; raw's fio runs there
+//!    too) and fio (`--cpus_allowed`) to the other ("on two CPUs"; not run on a machine with
+//!    one), or both to the server's ("on one CPU"); the server gets every CPU back after each.
 //! 2. Writeback writes: 4 KiB random writes at QD32 writing each block of a third region of
 //!    the export once (bounded by size, capped by the step time), absorbed by the cache
 //!    device as dirty data (its stats' dirty bytes must cover what fio wrote, else a notice);
