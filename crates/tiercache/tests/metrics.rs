@@ -902,7 +902,8 @@ fn nbdkit_on_backing(f: &Fixture, filters: &[&str], params: &[&str]) -> std::pro
 }
 
 /// `serve` with the nbdkit export of `nbdkit_on_backing` as its backing device (URI query
-/// `query`) and metrics on a free port, in `cache_mode none`; its log (warnings, and the NBD client's news) goes to `serve.log`.
+/// `query`) and metrics on a free port, in `cache_mode none`; its log (warnings, and the NBD
+/// client's news) goes to `serve.log`.
 fn serve_on_nbdkit(f: &mut Fixture, query: &str) {
     let remote = format!(
         "nbd+unix:///?socket={}&{query}",
