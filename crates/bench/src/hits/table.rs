@@ -115,9 +115,10 @@ pub(super) fn write(
          -f raw CACHE`; `nbdkit memory` of the same size (RAM, no device: the NBD transport's \
          ceiling); raw: fio `--ioengine=libaio --direct=1` on the cache file (no NBD: the \
          device's ceiling). Per row the columns run in turn{}. Ratios: tiercache's figure over \
-         the column's, of this run. Rows \"on two CPUs\": every thread of the server on CPU {server} \
-         (raw's fio there too), fio on CPU {client}; \"on one CPU\": all on CPU {server}, where \
-         fio on the cache file alone ran faster (QD32 4 KiB random reads: {probe}).\n\n### 4 KiB random reads, IOPS\n",
+         the column's, of this run. Rows \"on two CPUs\": every thread of the server on CPU \
+         {server} (raw's fio there too), fio on CPU {client}; \"on one CPU\": all on CPU \
+         {server}, where fio on the cache file alone ran faster (QD32 4 KiB random reads: \
+         {probe}).\n\n### 4 KiB random reads, IOPS\n",
         human(p.region_bytes),
         human(m.cached_after_warm),
         if threads {
@@ -127,7 +128,10 @@ pub(super) fn write(
             ""
         },
         server = m.cpus.server,
-        client = m.cpus.client.map_or("n/a (one CPU)".into(), |c| c.to_string()),
+        client = m
+            .cpus
+            .client
+            .map_or("n/a (one CPU)".into(), |c| c.to_string()),
         probe = m
             .cpus
             .probe
