@@ -33,7 +33,9 @@ pub mod owner;
 
 pub use file::{FileDevice, FileDeviceOptions};
 pub use mem::MemDevice;
-pub use nbd::{is_nbd_uri, parse_uri, NbdDevice, NbdDirect, NbdOptions, Target, TlsParams};
+pub use nbd::{
+    is_nbd_uri, parse_uri, NbdDevice, NbdDirect, NbdLinks, NbdOptions, Target, TlsParams,
+};
 pub use owner::{DeviceBusy, DeviceId, LockMode};
 
 /// The unit of addressing for every device: offsets and lengths are multiples of this.
@@ -106,6 +108,12 @@ pub trait BlockDevice: Send + Sync + Debug {
         None
     }
 
+    /// A remote device's connections now (`None`, the default: not a remote device). A
+    /// wrapper forwards it.
+    fn nbd_links(&self) -> Option<NbdLinks> {
+        None
+    }
+
     /// A read (`write` false) or write of `len` bytes at `offset` that the caller made itself
     /// through [`direct_fd`](Self::direct_fd) or [`direct_nbd`](Self::direct_nbd) has ended after `took` (`ok`: whole and without
     /// error). Wrappers that count or time I/O account it here as if it had gone through
@@ -174,6 +182,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn direct_nbd(&self, write: bool, offset: u64, len: usize) -> Option<NbdDirect> {
         (**self).direct_nbd(write, offset, len)
+    }
+    fn nbd_links(&self) -> Option<NbdLinks> {
+        (**self).nbd_links()
     }
     fn direct_done(
         &self,

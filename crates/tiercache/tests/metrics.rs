@@ -922,6 +922,18 @@ fn serve_on_nbdkit(f: &mut Fixture, query: &str) {
     f.tc_admin(&["set", "data", "cache_mode", "none"]);
 }
 
+/// `tiercache_device_nbd_connections` of the one backing device: shared up, shared down,
+/// spare idle, spare lent.
+fn remote_links(s: &[(String, Labels, f64)]) -> [f64; 4] {
+    ["shared_up", "shared_down", "spare_idle", "spare_lent"].map(|state| {
+        value(
+            s,
+            "tiercache_device_nbd_connections",
+            &[("role", "backing"), ("state", state)],
+        )
+    })
+}
+
 /// What the server logged of its remote device's connections.
 fn connections_logged(f: &Fixture) -> String {
     let log = std::fs::read_to_string(f.path("serve.log")).unwrap();
@@ -964,6 +976,7 @@ fn spare_connections_zero_carries_requests_around_the_cache_on_the_shared_connec
     ] {
         assert_eq!(value(&s, name, &[]), 0.0, "{name}");
     }
+    assert_eq!(remote_links(&s), [4.0, 0.0, 0.0, 0.0]);
     f.stop();
     let _ = kit.kill();
     let _ = kit.wait();
@@ -1003,6 +1016,13 @@ fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
         value(&s, "tiercache_direct_writes_total", &[]),
     );
     println!("direct reads {reads}, direct writes {writes}, of 4096 each");
+    // The spare connections fio's requests were lent are open and idle again; the shared
+    // ones are all up.
+    let [up, down, idle, lent] = remote_links(&s);
+    assert!(
+        up == 4.0 && down == 0.0 && (1.0..=8.0).contains(&idle) && lent == 0.0,
+        "nbd connections: {up} up, {down} down, {idle} spare idle, {lent} spare lent"
+    );
     // The first requests take the shared connections while spare ones are opened.
     assert!(
         reads > 1024.0 && writes > 1024.0,

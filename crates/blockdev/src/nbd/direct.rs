@@ -72,6 +72,11 @@ pub(super) struct Spares {
 }
 
 impl Spares {
+    /// Spare connections open (as far as this side knows), and of those lent now.
+    pub(super) fn counts(&self) -> (usize, usize) {
+        (self.all.len(), self.all.len() - self.idle.len())
+    }
+
     /// Shuts every spare connection down (the device closes).
     pub(super) fn shutdown_all(&mut self) {
         for sock in self.all.values() {

@@ -81,6 +81,18 @@ const CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// Failed reconnection attempts, logged at most once a minute.
 static RECONNECT_FAILED: lograte::Throttled = lograte::Throttled::new();
 
+/// A remote device's connections at one moment ([`NbdDevice::links`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NbdLinks {
+    /// Shared connections the device keeps, and of those connected now (the others are
+    /// being reconnected).
+    pub shared: usize,
+    pub shared_up: usize,
+    /// Spare connections open for requests around the cache, and of those lent to one now.
+    pub spare_open: usize,
+    pub spare_lent: usize,
+}
+
 /// A remote block device over one or more NBD connections.
 pub struct NbdDevice {
     shared: Arc<Shared>,
@@ -217,6 +229,21 @@ impl NbdDevice {
     /// Connections opened (the option, or 1 when the server does not advertise multi-conn).
     pub fn connections(&self) -> usize {
         self.shared.links.lock().len()
+    }
+
+    /// The device's connections now.
+    pub fn links(&self) -> NbdLinks {
+        let (shared, shared_up) = {
+            let links = self.shared.links.lock();
+            (links.len(), links.iter().filter(|l| l.is_some()).count())
+        };
+        let (spare_open, spare_lent) = self.shared.spares.lock().counts();
+        NbdLinks {
+            shared,
+            shared_up,
+            spare_open,
+            spare_lent,
+        }
     }
 
     /// The options in force (the URI's parameters applied).
@@ -584,5 +611,9 @@ impl BlockDevice for NbdDevice {
     fn direct_nbd(&self, write: bool, offset: u64, len: usize) -> Option<NbdDirect> {
         let command = if write { Command::Write } else { Command::Read };
         direct::lend(&self.shared, command, offset, len)
+    }
+
+    fn nbd_links(&self) -> Option<NbdLinks> {
+        Some(self.links())
     }
 }

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use std::cell::Cell;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 /// Operations of a device, in the order of `DeviceMetrics::ops`.
@@ -102,6 +102,9 @@ pub struct DeviceMetrics {
     /// The device as named on the command line or in the configuration.
     pub device: String,
     pub ops: [OpStats; 5],
+    /// A remote (NBD) device, to ask for its connections when sampled: weak, so a sample
+    /// never keeps a device the engine dropped (only remote devices: they hold no lock).
+    pub remote: Option<Weak<dyn BlockDevice>>,
 }
 
 /// A point-in-time copy of one device's [`DeviceMetrics`].
@@ -110,6 +113,29 @@ pub struct DeviceSample {
     pub role: Role,
     pub device: String,
     pub ops: Vec<DeviceOpSample>,
+    /// A remote device's connections (see [`blockdev::NbdLinks`]).
+    #[serde(default)]
+    pub nbd: Option<NbdLinksSample>,
+}
+
+/// [`blockdev::NbdLinks`], as a sample carries it.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub struct NbdLinksSample {
+    pub shared: usize,
+    pub shared_up: usize,
+    pub spare_open: usize,
+    pub spare_lent: usize,
+}
+
+impl From<blockdev::NbdLinks> for NbdLinksSample {
+    fn from(l: blockdev::NbdLinks) -> Self {
+        NbdLinksSample {
+            shared: l.shared,
+            shared_up: l.shared_up,
+            spare_open: l.spare_open,
+            spare_lent: l.spare_lent,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -135,6 +161,12 @@ impl DeviceMetrics {
                     latency: s.latency.snapshot(),
                 })
                 .collect(),
+            nbd: self
+                .remote
+                .as_ref()
+                .and_then(Weak::upgrade)
+                .and_then(|d| d.nbd_links())
+                .map(Into::into),
         }
     }
 }
@@ -247,6 +279,9 @@ impl BlockDevice for TimedDevice {
     fn direct_nbd(&self, write: bool, offset: u64, len: usize) -> Option<blockdev::NbdDirect> {
         self.inner.direct_nbd(write, offset, len)
     }
+    fn nbd_links(&self) -> Option<blockdev::NbdLinks> {
+        self.inner.nbd_links()
+    }
     /// An I/O made by the caller through `direct_fd` or `direct_nbd` (the io_uring data path): timed, counted
     /// and tallied on the thread that finished it, like one through `read_at` or `write_at`
     /// (a failed write counts as written, as there).
@@ -276,6 +311,7 @@ mod tests {
             role,
             device: "mem".into(),
             ops: Default::default(),
+            remote: None,
         });
         let d = TimedDevice::new(
             Arc::new(MemDevice::new(1 << 20)),

@@ -101,6 +101,7 @@ impl Metrics {
             role,
             device: name.to_string(),
             ops: Default::default(),
+            remote: dev.nbd_links().map(|_| Arc::downgrade(&dev)),
         });
         lock(&self.devices).push(Arc::downgrade(&m));
         let data_offset = match role {

@@ -540,6 +540,35 @@ impl Collector for SampleCollector {
             |(d, o)| (dev_labels(d, &o.op), U(o.errors)),
         )?;
 
+        let links = s.devices.iter().filter_map(|d| d.nbd.map(|n| (d, n)));
+        family(
+            &mut enc,
+            "tiercache_device_nbd_connections",
+            "A remote (NBD) device's connections now, by state: shared_up, shared_down (being \
+             reconnected), spare_idle, spare_lent (carrying a request around the cache).",
+            None,
+            MetricType::Gauge,
+            links.flat_map(|(d, n)| {
+                [
+                    ("shared_up", n.shared_up),
+                    ("shared_down", n.shared - n.shared_up),
+                    ("spare_idle", n.spare_open - n.spare_lent),
+                    ("spare_lent", n.spare_lent),
+                ]
+                .map(|(state, v)| (d, state, v))
+            }),
+            |(d, state, v)| {
+                (
+                    [
+                        ("role", d.role.name().to_string()),
+                        ("device", d.device.clone()),
+                        ("state", state.to_string()),
+                    ],
+                    U(*v as u64),
+                )
+            },
+        )?;
+
         // ----- NBD listeners -----
         let l = &s.listeners;
         let lis = |name: &String| [("listener", name.clone())];
@@ -618,11 +647,19 @@ mod tests {
             role: Role::Backing,
             device: "/dev/\"odd\" name".into(),
             ops: Default::default(),
+            remote: None,
         };
         dev.ops[0]
             .latency
             .observe(std::time::Duration::from_micros(70));
-        s.devices.push(dev.sample());
+        let mut d = dev.sample();
+        d.nbd = Some(crate::metrics::device::NbdLinksSample {
+            shared: 4,
+            shared_up: 3,
+            spare_open: 2,
+            spare_lent: 1,
+        });
+        s.devices.push(d);
         s.listeners.push(ListenerSample {
             listener: "unix:/tmp/x.sock".into(),
             connections: 2,
