@@ -567,6 +567,8 @@ pub struct DevStatus {
     /// The share of blocks brought in by miss fills that were read later (see `fillhits`);
     /// None until enough fills are resolved.
     pub fill_read_share: Option<f64>,
+    /// The connections of a remote (NBD) backing device now; None for a local one.
+    pub backing_links: Option<blockdev::NbdLinks>,
 }
 
 /// A writeback that keeps failing on one backing device (see `DevStatus::writeback_error`).

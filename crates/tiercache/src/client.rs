@@ -171,6 +171,9 @@ pub fn status(a: &Admin) -> Result<()> {
             .map(|k| format!("{k} {}", knob_text(d, k)))
             .collect();
         println!("  {}", knobs.join(", "));
+        if let Some(line) = connections_text(&d["backing_connections"]) {
+            println!("  {line}");
+        }
         if let Some(e) = d.get("writeback_error").filter(|e| !e.is_null()) {
             println!(
                 "  writeback failing since {} ({} passes): {}",
@@ -208,6 +211,25 @@ pub fn status(a: &Admin) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A remote backing device's connections (`status --json`'s `backing_connections`), or
+/// None for a local device.
+fn connections_text(c: &Value) -> Option<String> {
+    if c.is_null() {
+        return None;
+    }
+    let (shared, up) = (num(c, "shared"), num(c, "shared_up"));
+    let down = match shared.saturating_sub(up) {
+        0 => String::new(),
+        n => format!(" ({n} being reconnected)"),
+    };
+    Some(format!(
+        "backing device over NBD: {up} of {shared} connection(s) up{down}; {} spare \
+         connection(s) open for requests around the cache, {} lent now",
+        num(c, "spare_open"),
+        num(c, "spare_lent")
+    ))
 }
 
 /// The cache device's health, one line when it is ok, two when the set is degraded.

@@ -934,6 +934,23 @@ fn remote_links(s: &[(String, Labels, f64)]) -> [f64; 4] {
     })
 }
 
+/// `status --json`'s `backing_connections` of the one device (shared, shared up, spare
+/// open, spare lent), checked against what `status` prints.
+fn status_links(f: &Fixture) -> [u64; 4] {
+    let s: Value = serde_json::from_slice(&f.tc_admin(&["status", "--json"]).stdout).unwrap();
+    let c = &s["devices"][0]["backing_connections"];
+    let links = ["shared", "shared_up", "spare_open", "spare_lent"]
+        .map(|k| c[k].as_u64().unwrap_or_else(|| panic!("{k} in {c}")));
+    let text = stdout(&f.tc_admin(&["status"]));
+    let line = format!(
+        "backing device over NBD: {} of {} connection(s) up; {} spare connection(s) open for \
+         requests around the cache, {} lent now",
+        links[1], links[0], links[2], links[3]
+    );
+    assert!(text.contains(&line), "no '{line}' in:\n{text}");
+    links
+}
+
 /// What the server logged of its remote device's connections.
 fn connections_logged(f: &Fixture) -> String {
     let log = std::fs::read_to_string(f.path("serve.log")).unwrap();
@@ -977,6 +994,7 @@ fn spare_connections_zero_carries_requests_around_the_cache_on_the_shared_connec
         assert_eq!(value(&s, name, &[]), 0.0, "{name}");
     }
     assert_eq!(remote_links(&s), [4.0, 0.0, 0.0, 0.0]);
+    assert_eq!(status_links(&f), [4, 4, 0, 0]);
     f.stop();
     let _ = kit.kill();
     let _ = kit.wait();
@@ -1022,6 +1040,12 @@ fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
     assert!(
         up == 4.0 && down == 0.0 && (1.0..=8.0).contains(&idle) && lent == 0.0,
         "nbd connections: {up} up, {down} down, {idle} spare idle, {lent} spare lent"
+    );
+    // `status` says the same.
+    let [shared, shared_up, open, lent_now] = status_links(&f);
+    assert!(
+        shared == 4 && shared_up == 4 && (1..=8).contains(&open) && lent_now == 0,
+        "status: {shared_up} of {shared} up, {open} spare open, {lent_now} lent"
     );
     // The first requests take the shared connections while spare ones are opened.
     assert!(

@@ -287,6 +287,7 @@ impl Volume {
             stats: b.history.windows(now, &snap),
             cost: b.cost(),
             fill_read_share: b.policy.fill_read_share(),
+            backing_links: b.dev.nbd_links(),
         }
     }
 
