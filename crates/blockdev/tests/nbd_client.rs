@@ -1,8 +1,8 @@
 //! `NbdDevice` against real servers (nbdkit with its memory and file plugins and the log,
 //! delay, pause and multi-conn filters) and a fake one: many requests in flight on one
 //! connection, multi-conn, timeouts with late replies, reconnection after a server restart
-//! with the reconnect rule for unflushed writes, closing with a dead server, and connections
-//! lent whole for one request (`direct_nbd`).
+//! with the reconnect rule for unflushed writes, a server that shuts down (`NBD_ESHUTDOWN`),
+//! closing with a dead server, and connections lent whole for one request (`direct_nbd`).
 //!
 //! A missing nbdkit fails the tests under CI=true and is a printed skip otherwise. Randomized
 //! tests print their seed; `TIERCACHE_SEED=N` replays one.
@@ -114,6 +114,15 @@ impl Nbdkit {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Asks nbdkit to shut down (SIGTERM) and hands its process back: it answers
+    /// `NBD_ESHUTDOWN` to the requests it still gets and exits once its clients have left.
+    fn terminate(&mut self) -> Child {
+        let c = self.child.take().expect("nbdkit is running");
+        // SAFETY: kill(2) on the pid of our own child, which we have not waited for.
+        assert_eq!(unsafe { libc::kill(c.id() as i32, libc::SIGTERM) }, 0);
+        c
     }
 
     fn kill9(&mut self) {
@@ -674,6 +683,107 @@ fn a_server_restart_is_survived_and_unflushed_writes_fail_the_next_flush() {
     dev.flush().unwrap();
     assert_eq!(read(&dev, 3 << 20, 4096).unwrap(), pattern(0x55, 4096));
     assert_eq!(read(&dev, 0, p1.len()).unwrap(), p1);
+}
+
+/// A server shutting down answers `NBD_ESHUTDOWN` and waits for its clients to leave (nbdkit
+/// on SIGTERM). The client leaves it (`NBD_CMD_DISC`), so it can exit, and reconnects to the
+/// server started in its place; requests are sent again there under the reconnect rule (a
+/// write not flushed fails the next flush, once). Before, every request failed with ESHUTDOWN
+/// for as long as the old server waited, and it waited for ever.
+#[test]
+fn a_server_that_shuts_down_is_left_and_its_successor_serves() {
+    if !have_nbdkit() {
+        return;
+    }
+    let mut k = Nbdkit::new(&["file", "{dir}/disk.img"]);
+    std::fs::File::create(k.path("disk.img"))
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
+    k.restart();
+    let options = NbdOptions {
+        timeout: Duration::from_secs(10),
+        ..NbdOptions::default()
+    };
+    let dev = Arc::new(NbdDevice::connect_with(&k.uri(""), options).unwrap());
+    assert_eq!(dev.connections(), 4, "nbdkit file advertises multi-conn");
+    let p1 = pattern(0x61, 256 << 10);
+    dev.write_at(&p1, 0).unwrap();
+    dev.flush().unwrap();
+    // Reads (checked against `expect`) until the old server has exited: it exits once every
+    // connection to it was left, and a connection learns of the shutdown from a reply (nbdkit
+    // answers normally until its signal handler ran).
+    let reads_until_exit = |mut old: Child, expect: Option<&[u8]>| {
+        let t = Instant::now();
+        while old.try_wait().unwrap().is_none() {
+            assert!(t.elapsed() < HANG_GUARD, "the old server did not exit");
+            let got = read(&dev, 0, 4096);
+            if let Some(want) = expect {
+                assert_eq!(got.unwrap(), want);
+            }
+        }
+    };
+
+    // An idle spare connection (a lent read answered whole) is left with the shared ones.
+    let mut l = lend(&dev, false, 0, 4096);
+    let mut data = vec![0u8; 4096];
+    exchange(&mut l, &[], &mut data).unwrap();
+    drop(l);
+    assert_eq!(dev.links().spare_open, 1);
+
+    // Everything flushed: every read is answered, by the old server or the new one.
+    let old = k.terminate();
+    k.restart();
+    reads_until_exit(old, Some(&p1[..4096]));
+    assert_eq!(dev.links().spare_open, 0, "the idle spare was left");
+    dev.flush().unwrap();
+    assert_eq!(read(&dev, 0, p1.len()).unwrap(), p1);
+
+    // A write not flushed when the server goes: the next flush fails once, then all is well.
+    dev.write_at(&pattern(0x62, 4096), 1 << 20).unwrap();
+    let old = k.terminate();
+    k.restart();
+    reads_until_exit(old, None);
+    let err = failed(dev.flush(), "the flush after the server went");
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted, "{err}");
+    dev.write_at(&pattern(0x63, 4096), 1 << 20).unwrap();
+    dev.flush().unwrap();
+    assert_eq!(read(&dev, 1 << 20, 4096).unwrap(), pattern(0x63, 4096));
+
+    // On lent connections: a read answered NBD_ESHUTDOWN may be sent again elsewhere (it was
+    // not carried out); a write so answered counts as lost, and fails the next flush.
+    for (write, resend) in [(false, true), (true, false)] {
+        // A spare connection opened and idle first: a server shutting down takes no new one.
+        let mut l = lend(&dev, false, 0, 4096);
+        exchange(&mut l, &[], &mut vec![0u8; 4096]).unwrap();
+        drop(l);
+        let old = k.terminate();
+        let t = Instant::now();
+        let (l, err) = loop {
+            assert!(
+                t.elapsed() < HANG_GUARD,
+                "no NBD_ESHUTDOWN on a lent connection"
+            );
+            let mut l = lend(&dev, write, 2 << 20, 4096);
+            let (payload, mut data) = if write {
+                (pattern(0x64, 4096), vec![])
+            } else {
+                (vec![], vec![0u8; 4096])
+            };
+            if let Err(e) = exchange(&mut l, &payload, &mut data) {
+                break (l, e);
+            }
+        };
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted, "{err}");
+        assert!(err.to_string().contains("NBD_ESHUTDOWN"), "{err}");
+        assert_eq!(l.may_resend(), resend, "write {write}: {err}");
+        drop(l);
+        k.restart();
+        reads_until_exit(old, None);
+    }
+    let err = failed(dev.flush(), "the flush after a lent write was refused");
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionAborted, "{err}");
+    dev.flush().unwrap();
 }
 
 #[test]

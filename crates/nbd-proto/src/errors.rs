@@ -58,6 +58,9 @@ impl NbdErrno {
 
     /// Maps an I/O error from an export to the code the client sees. The OS error number wins
     /// over the kind, so that `EDQUOT`/`EFBIG` become `ENOSPC` and `EROFS` becomes `EPERM`.
+    /// Never `ESHUTDOWN`: that one tells the client this server is shutting down (the spec has
+    /// the client disconnect), which only the server itself decides; an export's error that
+    /// says so of another server (a remote backing device going away, a broken pipe) is `EIO`.
     pub fn from_io_error(err: &io::Error) -> NbdErrno {
         if let Some(errno) = err.raw_os_error() {
             match errno {
@@ -67,7 +70,6 @@ impl NbdErrno {
                 libc::ENOSPC | libc::EDQUOT | libc::EFBIG => return NbdErrno::Enospc,
                 libc::EOVERFLOW => return NbdErrno::Eoverflow,
                 libc::ENOTSUP | libc::ENOSYS => return NbdErrno::Enotsup,
-                libc::ESHUTDOWN => return NbdErrno::Eshutdown,
                 _ => return NbdErrno::Eio,
             }
         }
@@ -82,7 +84,6 @@ impl NbdErrno {
             io::ErrorKind::InvalidInput | io::ErrorKind::InvalidData => NbdErrno::Einval,
             io::ErrorKind::WriteZero => NbdErrno::Enospc,
             io::ErrorKind::Unsupported => NbdErrno::Enotsup,
-            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted => NbdErrno::Eshutdown,
             _ => NbdErrno::Eio,
         }
     }
@@ -217,7 +218,12 @@ mod tests {
     fn wire_codes_round_trip() {
         for e in ALL {
             assert_eq!(NbdErrno::from_wire(e.code()), Some(e));
-            assert_eq!(NbdErrno::from_io_error(&e.to_io_error()), e);
+            let back = if e == NbdErrno::Eshutdown {
+                NbdErrno::Eio // an export's error never says this server is shutting down
+            } else {
+                e
+            };
+            assert_eq!(NbdErrno::from_io_error(&e.to_io_error()), back);
         }
         assert_eq!(NbdErrno::from_wire(0), None);
         assert_eq!(NbdErrno::from_wire(4242), Some(NbdErrno::Einval));
@@ -231,6 +237,8 @@ mod tests {
         assert_eq!(kind(io::ErrorKind::Unsupported), NbdErrno::Enotsup);
         assert_eq!(kind(io::ErrorKind::OutOfMemory), NbdErrno::Enomem);
         assert_eq!(kind(io::ErrorKind::Other), NbdErrno::Eio);
+        assert_eq!(kind(io::ErrorKind::ConnectionAborted), NbdErrno::Eio);
+        assert_eq!(kind(io::ErrorKind::BrokenPipe), NbdErrno::Eio);
         let os = |n| NbdErrno::from_io_error(&io::Error::from_raw_os_error(n));
         assert_eq!(os(libc::EDQUOT), NbdErrno::Enospc);
         assert_eq!(os(libc::EFBIG), NbdErrno::Enospc);

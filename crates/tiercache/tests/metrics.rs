@@ -1075,6 +1075,62 @@ fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
     let _ = kit.wait();
 }
 
+/// A remote server that shuts down gracefully (nbdkit on SIGTERM: it answers NBD_ESHUTDOWN
+/// and waits for its clients to leave) is left, so it exits, and the one started in its place
+/// serves: reads around the cache across the change succeed, and writes after it. Before,
+/// every request failed for as long as the old server waited, which was for ever, and the
+/// clients were told that tiercache itself was shutting down.
+#[test]
+fn a_remote_server_that_shuts_down_is_left_and_its_successor_serves() {
+    if !(have("nbdkit") && have("qemu-io")) {
+        return;
+    }
+    let mut f = Fixture::new(64, 32, false);
+    let mut kit = nbdkit_on_backing(&f, &[], &[]);
+    serve_on_nbdkit(&mut f, "timeout=20");
+    let qemu_io = |cmds: &[&str]| {
+        let mut c = Command::new("qemu-io");
+        c.args(["-f", "raw"]);
+        for cmd in cmds {
+            c.args(["-c", cmd]);
+        }
+        c.arg(f.uri());
+        run(&mut c)
+    };
+    let ok = |o: &std::process::Output| {
+        let out = stdout(o) + &String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success() && !out.contains("failed"), "{out}");
+    };
+    ok(&qemu_io(&["write -P 0x41 0 256k", "flush"]));
+    // SAFETY: kill(2) on the pid of our own child, not waited for yet.
+    assert_eq!(unsafe { libc::kill(kit.id() as i32, libc::SIGTERM) }, 0);
+    let mut old = kit;
+    let _ = std::fs::remove_file(f.path("kit.sock"));
+    kit = nbdkit_on_backing(&f, &[], &[]);
+    // Reads until every connection to the old server has learnt of its shutdown (nbdkit
+    // answers normally until its signal handler ran) and it has exited; each one succeeds:
+    // nothing was unflushed, so a read the old server refused is sent again.
+    let t = Instant::now();
+    while old.try_wait().unwrap().is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the old nbdkit did not exit"
+        );
+        ok(&qemu_io(&["read -P 0x41 0 256k"]));
+    }
+    ok(&qemu_io(&[
+        "write -P 0x42 2M 64k",
+        "flush",
+        "read -P 0x42 2M 64k",
+        "read -P 0x41 0 256k",
+    ]));
+    let logged = std::fs::read_to_string(f.path("serve.log")).unwrap();
+    assert!(logged.contains("NBD_ESHUTDOWN"), "{logged}");
+    f.stop();
+    let _ = kit.kill();
+    let _ = kit.wait();
+}
+
 /// A read around the cache in flight on a lent connection when the remote server is killed
 /// and started again is sent again on the shared connections (nothing was at stake) and
 /// succeeds, as a read in flight on a shared connection does.

@@ -18,16 +18,19 @@
 //!   [`NbdDirect::reply`], reads the data `reply` says follows, then calls
 //!   [`NbdDirect::done`]. Only a lease that reached `done` gives its connection back to the
 //!   idle ones; any other end (an I/O error, a short transfer, a protocol violation, the
-//!   deadline, the device's close, a lease dropped half way) closes the connection, so a
+//!   deadline, the device's close, a lease dropped half way, an `NBD_ESHUTDOWN` reply, which
+//!   is closed after an `NBD_CMD_DISC` as the spec asks) closes the connection, so a
 //!   connection is never reused with part of another request's reply in it;
 //! - a write is numbered in the device's durability bookkeeping from when it is lent until
 //!   its reply is read; a lease that ends with its write sent and unanswered counts a loss
 //!   (the next flush fails), as a shared connection that breaks with writes in flight does.
 //!   A spare connection that breaks with nothing at stake counts nothing: the shared
 //!   connections, each always reading, see a server restart themselves;
-//! - a read whose lent connection broke (not an error reply, not the deadline) while no
-//!   write is unflushed may be sent again by the caller on the shared connections
-//!   ([`NbdDirect::may_resend`]), as those resend a read in flight on one that breaks;
+//! - a read whose lent connection broke (not an error reply, not the deadline; an
+//!   `NBD_ESHUTDOWN` reply counts as broken: the read was not carried out) while no write is
+//!   unflushed may be sent again by the caller on the shared connections
+//!   ([`NbdDirect::may_resend`]), as those resend a read in flight on one that breaks; a
+//!   write answered `NBD_ESHUTDOWN` counts as in flight on a broken connection;
 //! - an idle connection the server closed (or sent anything on) is never lent: it is checked
 //!   with a non-blocking peek when taken, and closed;
 //! - at close, every spare connection's socket is shut down (idle and lent: the caller's
@@ -37,14 +40,14 @@
 //! closes the connection and fails the request); a connection that cannot be opened is not
 //! tried again for [`RETRY_AFTER`] (requests take the shared connections meanwhile).
 
-use super::link::Sock;
+use super::link::{disc_request, ServerShutdown, Sock};
 use super::{Live, Shared};
 use nbd_proto::{
-    decode_reply, Command, CommandFlags, Decoded, Reply, Request, SimpleReplyHeader,
+    decode_reply, Command, CommandFlags, Decoded, NbdErrno, Reply, Request, SimpleReplyHeader,
     TransmissionFlags,
 };
 use std::collections::HashMap;
-use std::io;
+use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -84,6 +87,17 @@ impl Spares {
         }
         self.idle.clear();
     }
+
+    /// The server said it is shutting down (`NBD_ESHUTDOWN` on a shared connection): every
+    /// idle spare connection is to it, so each is left (`NBD_CMD_DISC`, then closed) and the
+    /// server need not wait for them; lent ones learn it from their own reply.
+    pub(super) fn leave_idle(&mut self) {
+        for (id, mut sock) in self.idle.drain(..) {
+            let _ = sock.write_all(&disc_request());
+            sock.shutdown();
+            self.all.remove(&id);
+        }
+    }
 }
 
 /// Where a lent request is.
@@ -115,6 +129,9 @@ pub struct NbdDirect {
     deadline: Instant,
     stage: Stage,
     timed_out: bool,
+    /// The server answered `NBD_ESHUTDOWN`: the connection is closed after an
+    /// `NBD_CMD_DISC`, as the spec asks.
+    disconnect: bool,
 }
 
 /// Why the device lends no connection at all, if it lends none (said once when it connects).
@@ -193,6 +210,7 @@ pub(super) fn lend(
         deadline: Instant::now() + shared.options.timeout,
         stage: Stage::Lent,
         timed_out: false,
+        disconnect: false,
     })
 }
 
@@ -316,6 +334,21 @@ impl NbdDirect {
                 ));
             }
         };
+        if error == Some(NbdErrno::Eshutdown) {
+            // Not carried out, and the server is going: a read may be sent again elsewhere
+            // (`may_resend`), a write counts as one a broken connection had in flight.
+            self.stage = Stage::Broken;
+            self.disconnect = true;
+            if let Some(seq) = self.write_seq.take() {
+                let mut d = self.shared.durability.lock();
+                d.connection_lost();
+                d.end_write(seq);
+            }
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                format!("{}: {}", self.shared.uri, ServerShutdown),
+            ));
+        }
         self.stage = Stage::Answered;
         if let Some(seq) = self.write_seq.take() {
             self.shared.durability.lock().end_write(seq);
@@ -407,6 +440,11 @@ impl Drop for NbdDirect {
         if matches!(self.stage, Stage::Lent | Stage::Done) && !sh.closed.load(Ordering::SeqCst) {
             s.idle.push((self.id, sock));
             return;
+        }
+        let mut sock = sock;
+        if self.disconnect {
+            // Best effort: nothing else is in flight on it, so 28 bytes fit its buffer.
+            let _ = sock.write_all(&disc_request());
         }
         sock.shutdown();
         s.all.remove(&self.id);

@@ -26,13 +26,17 @@
 //! Fault model: the server is untrusted (framing violations, unknown cookies, structured
 //! replies that were not negotiated break the link, never panic). A broken link answers each
 //! request in flight with [`Outcome::Retry`] when no write is at stake (see `durability`),
-//! with an error otherwise; it is never used again.
+//! with an error otherwise; it is never used again. A server that is shutting down answers
+//! with `NBD_ESHUTDOWN` ([`ServerShutdown`]): that request was not carried out and is sent
+//! again ([`Outcome::Retry`]), and the spec has the client disconnect: the link ends as a
+//! broken one does (the others in flight by the rule above), after an `NBD_CMD_DISC` (the
+//! stream is still framed), and the connection is opened again.
 
 use super::durability::Durability;
 use super::uri::Target;
 use nbd_proto::{
     decode_reply, ClientConfig, ClientEvent, ClientHandshake, Command, CommandFlags, Decoded,
-    Reply, Request, TransmissionFlags,
+    NbdErrno, Reply, Request, TransmissionFlags,
 };
 use nbd_tls::{ClientTls, Session, TlsReader};
 use parking_lot::{Condvar, Mutex};
@@ -51,6 +55,45 @@ const READ_BUFFER_BYTES: usize = 64 << 10;
 const DISC_WAIT: Duration = Duration::from_millis(100);
 /// Largest request the client sends, whatever the server allows (the spec's common limit).
 const REQUEST_BYTES_MAX: u64 = 32 << 20;
+
+/// Why a link ended when the server answered `NBD_ESHUTDOWN`: it is shutting down, the
+/// request was not carried out, and the client must disconnect (`NBD_CMD_DISC`).
+#[derive(Debug)]
+pub(super) struct ServerShutdown;
+
+impl std::fmt::Display for ServerShutdown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the server is shutting down (it answered NBD_ESHUTDOWN)")
+    }
+}
+
+impl std::error::Error for ServerShutdown {}
+
+impl ServerShutdown {
+    pub(super) fn error() -> io::Error {
+        io::Error::new(io::ErrorKind::ConnectionAborted, ServerShutdown)
+    }
+
+    /// Whether `e` is a link's end by [`ServerShutdown`].
+    pub(super) fn is(e: &io::Error) -> bool {
+        e.get_ref()
+            .is_some_and(|inner| inner.is::<ServerShutdown>())
+    }
+}
+
+/// The bytes of `NBD_CMD_DISC`.
+pub(super) fn disc_request() -> Vec<u8> {
+    let mut out = Vec::with_capacity(Request::HEADER_BYTES);
+    Request {
+        flags: CommandFlags(0),
+        command: Command::Disc,
+        cookie: 0,
+        offset: 0,
+        length: 0,
+    }
+    .encode(&mut out);
+    out
+}
 
 /// A connected socket of either kind.
 #[derive(Debug)]
@@ -461,16 +504,7 @@ impl Link {
     /// then shuts the socket down.
     pub(super) fn disconnect(&self) {
         if let Some(mut w) = self.writer.try_lock_for(DISC_WAIT) {
-            let mut out = Vec::with_capacity(Request::HEADER_BYTES);
-            Request {
-                flags: CommandFlags(0),
-                command: Command::Disc,
-                cookie: 0,
-                offset: 0,
-                length: 0,
-            }
-            .encode(&mut out);
-            if send(&mut w, self.tls.as_deref(), &out, &[]).is_ok() {
+            if send(&mut w, self.tls.as_deref(), &disc_request(), &[]).is_ok() {
                 if let Some(session) = &self.tls {
                     // The spec: the client ends TLS after NBD_CMD_DISC.
                     let _ = session.close(&mut *w);
@@ -638,6 +672,20 @@ impl Link {
             Some(e) => e.read_bytes,
             None => return Err(unknown()),
         };
+        if error == Some(NbdErrno::Eshutdown) {
+            // Not carried out: sent again on another connection. The link's end answers the
+            // others in flight by the reconnect rule.
+            let mut p = self.pending.lock();
+            if let Some(entry) = p.entries.remove(&cookie) {
+                if let Some(seq) = entry.write_seq {
+                    durability.lock().end_write(seq);
+                }
+                if let Some(w) = entry.waiter {
+                    w.complete(Outcome::Retry);
+                }
+            }
+            return Err(ServerShutdown::error());
+        }
         let mut data = Vec::new();
         if error.is_none() && read_bytes > 0 {
             data.resize(read_bytes, 0);

@@ -503,7 +503,13 @@ fn run_connection(shared: Arc<Shared>, index: usize, mut link: Arc<Link>, mut re
     let shared = &live.0;
     loop {
         let cause = link.read_replies(&mut reader, &shared.durability, &shared.uri);
-        link.shutdown();
+        if link::ServerShutdown::is(&cause) {
+            // The spec: a client answered NBD_ESHUTDOWN disconnects (the stream is framed).
+            link.disconnect();
+            shared.spares.lock().leave_idle();
+        } else {
+            link.shutdown();
+        }
         shared.unpublish(index, &link);
         let lost = link.fail(&shared.durability, &shared.uri, &cause);
         if shared.closed.load(Ordering::SeqCst) {
