@@ -603,19 +603,10 @@ fn a_server_that_never_answers_the_handshake_is_a_timeout() {
     drop(accepted.join().unwrap());
 }
 
-#[test]
-fn a_server_restart_is_survived_and_unflushed_writes_fail_the_next_flush() {
-    if !have_nbdkit() {
-        return;
-    }
-    let mut k = Nbdkit::new(&[
-        "--filter=log",
-        "--filter=pause",
-        "file",
-        "{dir}/disk.img",
-        "logfile={dir}/log{n}.txt",
-        "pause-control={dir}/pause.ctl",
-    ]);
+/// nbdkit started with `args` on a 16 MiB `{dir}/disk.img`, and a device on it with a 10 s
+/// timeout (4 connections: nbdkit file advertises multi-conn).
+fn file_server(args: &[&str]) -> (Nbdkit, Arc<NbdDevice>) {
+    let mut k = Nbdkit::new(args);
     std::fs::File::create(k.path("disk.img"))
         .unwrap()
         .set_len(16 << 20)
@@ -627,6 +618,22 @@ fn a_server_restart_is_survived_and_unflushed_writes_fail_the_next_flush() {
     };
     let dev = Arc::new(NbdDevice::connect_with(&k.uri(""), options).unwrap());
     assert_eq!(dev.connections(), 4, "nbdkit file advertises multi-conn");
+    (k, dev)
+}
+
+#[test]
+fn a_server_restart_is_survived_and_unflushed_writes_fail_the_next_flush() {
+    if !have_nbdkit() {
+        return;
+    }
+    let (mut k, dev) = file_server(&[
+        "--filter=log",
+        "--filter=pause",
+        "file",
+        "{dir}/disk.img",
+        "logfile={dir}/log{n}.txt",
+        "pause-control={dir}/pause.ctl",
+    ]);
     let p1 = pattern(0x11, 1 << 20);
     dev.write_at(&p1, 0).unwrap();
     dev.flush().unwrap();
@@ -695,18 +702,7 @@ fn a_server_that_shuts_down_is_left_and_its_successor_serves() {
     if !have_nbdkit() {
         return;
     }
-    let mut k = Nbdkit::new(&["file", "{dir}/disk.img"]);
-    std::fs::File::create(k.path("disk.img"))
-        .unwrap()
-        .set_len(16 << 20)
-        .unwrap();
-    k.restart();
-    let options = NbdOptions {
-        timeout: Duration::from_secs(10),
-        ..NbdOptions::default()
-    };
-    let dev = Arc::new(NbdDevice::connect_with(&k.uri(""), options).unwrap());
-    assert_eq!(dev.connections(), 4, "nbdkit file advertises multi-conn");
+    let (mut k, dev) = file_server(&["file", "{dir}/disk.img"]);
     let p1 = pattern(0x61, 256 << 10);
     dev.write_at(&p1, 0).unwrap();
     dev.flush().unwrap();
