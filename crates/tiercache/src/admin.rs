@@ -223,12 +223,7 @@ pub fn status_json(s: &DevStatus, name: &str) -> Value {
         "stats_day": stats(&s.stats.day),
         "cost": cost_json(&s.cost),
         "fill_read_share": s.fill_read_share.map(|r| (r * 1e4).round() / 1e4),
-        "backing_connections": s.backing_links.map(|l| json!({
-            "shared": l.shared,
-            "shared_up": l.shared_up,
-            "spare_open": l.spare_open,
-            "spare_lent": l.spare_lent,
-        })),
+        "backing_connections": s.backing_links,
     })
 }
 

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -188,13 +188,24 @@ fn value(samples: &[(String, Labels, f64)], name: &str, want: &[(&str, &str)]) -
     found[0]
 }
 
-fn qemu_io(f: &Fixture, cmds: &[&str]) {
+/// `qemu-io` running `cmds` on the fixture's export, not started yet.
+fn qemu_io_cmd(f: &Fixture, cmds: &[&str]) -> Command {
     let mut c = Command::new("qemu-io");
     c.args(["-f", "raw"]);
     for cmd in cmds {
         c.args(["-c", cmd]);
     }
-    run(c.arg(f.uri()));
+    c.arg(f.uri());
+    c
+}
+
+/// Runs `cmds` with `qemu-io` on the fixture's export; each must succeed (qemu-io exits 0
+/// when a command fails, and says "failed").
+fn qemu_io(f: &Fixture, cmds: &[&str]) -> Output {
+    let o = run(&mut qemu_io_cmd(f, cmds));
+    let out = stdout(&o) + &String::from_utf8_lossy(&o.stderr);
+    assert!(!out.contains("failed"), "qemu-io {cmds:?}: {out}");
+    o
 }
 
 fn metrics_address(f: &Fixture) -> String {
@@ -882,7 +893,7 @@ fn hits_are_read_by_the_data_path_asked_for() {
 /// again serves the next.
 /// `nbdkit [FILTERS] file slow.img [PARAMS]` on `kit.sock` in the fixture's directory (the
 /// fixture's backing device, served remote), started and accepting connections.
-fn nbdkit_on_backing(f: &Fixture, filters: &[&str], params: &[&str]) -> std::process::Child {
+fn nbdkit_on_backing(f: &Fixture, filters: &[&str], params: &[&str]) -> Child {
     let pidfile = f.path("kit.pid");
     let _ = std::fs::remove_file(&pidfile);
     let _ = std::fs::remove_file(f.path("kit.sock"));
@@ -920,6 +931,14 @@ fn serve_on_nbdkit(f: &mut Fixture, query: &str) {
         .stderr(std::fs::File::create(f.path("serve.log")).unwrap());
     f.start_cmd(cmd);
     f.tc_admin(&["set", "data", "cache_mode", "none"]);
+}
+
+/// `serve` in front of a fresh `nbdkit file` (see [`serve_on_nbdkit`]), and that nbdkit.
+fn served_on_nbdkit(query: &str) -> (Fixture, Child) {
+    let mut f = Fixture::new(64, 32, false);
+    let kit = nbdkit_on_backing(&f, &[], &[]);
+    serve_on_nbdkit(&mut f, query);
+    (f, kit)
 }
 
 /// `tiercache_device_nbd_connections` of the one backing device: shared up, shared down,
@@ -967,25 +986,14 @@ fn spare_connections_zero_carries_requests_around_the_cache_on_the_shared_connec
     if !(have("nbdkit") && have("qemu-io")) {
         return;
     }
-    let mut f = Fixture::new(64, 32, false);
-    let mut kit = nbdkit_on_backing(&f, &[], &[]);
-    serve_on_nbdkit(&mut f, "spare-connections=0");
+    let (mut f, mut kit) = served_on_nbdkit("spare-connections=0");
     let addr = metrics_address(&f);
     let logged = connections_logged(&f);
     assert!(
         logged.contains("4 connection(s); no spare connections for requests around the cache (spare-connections=0)"),
         "{logged}"
     );
-    let o = run(Command::new("qemu-io").args([
-        "-f",
-        "raw",
-        "-c",
-        "write -P 0x5a 1M 256k",
-        "-c",
-        "read -P 0x5a 1M 256k",
-        &f.uri(),
-    ]));
-    assert!(!stdout(&o).contains("failed"), "{}", stdout(&o));
+    qemu_io(&f, &["write -P 0x5a 1M 256k", "read -P 0x5a 1M 256k"]);
     let s = parse(&scrape(&addr));
     for name in [
         "tiercache_direct_reads_total",
@@ -1005,9 +1013,7 @@ fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
     if !(have("nbdkit") && have("fio") && have("qemu-io")) {
         return;
     }
-    let mut f = Fixture::new(64, 32, false);
-    let mut kit = nbdkit_on_backing(&f, &[], &[]);
-    serve_on_nbdkit(&mut f, "timeout=2");
+    let (mut f, mut kit) = served_on_nbdkit("timeout=2");
     let addr = metrics_address(&f);
     let logged = connections_logged(&f);
     assert!(
@@ -1055,21 +1061,18 @@ fn requests_around_the_cache_on_a_remote_device_are_carried_on_the_ring() {
     // A remote device that stops answering: the read fails within its timeout (2 s), at
     // most a few times over, and nothing waits for it afterwards.
     run(Command::new("kill").args(["-STOP", &kit.id().to_string()]));
-    let qemu_io = |cmd: &str| {
-        let mut c = Command::new("qemu-io");
-        c.args(["-f", "raw", "-c", cmd, &f.uri()]);
-        c
-    };
-    let o = output_within(&mut qemu_io("read 8M 4k"), Duration::from_secs(60))
-        .expect("a read of a hung remote device did not end");
+    let o = output_within(
+        &mut qemu_io_cmd(&f, &["read 8M 4k"]),
+        Duration::from_secs(60),
+    )
+    .expect("a read of a hung remote device did not end");
     let out = stdout(&o) + &String::from_utf8_lossy(&o.stderr);
     assert!(
         !o.status.success() || out.contains("failed"),
         "a read of a hung remote device succeeded: {out}"
     );
     run(Command::new("kill").args(["-CONT", &kit.id().to_string()]));
-    let o = run(&mut qemu_io("read 8M 4k"));
-    assert!(!stdout(&o).contains("failed"), "{}", stdout(&o));
+    qemu_io(&f, &["read 8M 4k"]);
     f.stop();
     let _ = kit.kill();
     let _ = kit.wait();
@@ -1085,23 +1088,8 @@ fn a_remote_server_that_shuts_down_is_left_and_its_successor_serves() {
     if !(have("nbdkit") && have("qemu-io")) {
         return;
     }
-    let mut f = Fixture::new(64, 32, false);
-    let mut kit = nbdkit_on_backing(&f, &[], &[]);
-    serve_on_nbdkit(&mut f, "timeout=20");
-    let qemu_io = |cmds: &[&str]| {
-        let mut c = Command::new("qemu-io");
-        c.args(["-f", "raw"]);
-        for cmd in cmds {
-            c.args(["-c", cmd]);
-        }
-        c.arg(f.uri());
-        run(&mut c)
-    };
-    let ok = |o: &std::process::Output| {
-        let out = stdout(o) + &String::from_utf8_lossy(&o.stderr);
-        assert!(o.status.success() && !out.contains("failed"), "{out}");
-    };
-    ok(&qemu_io(&["write -P 0x41 0 256k", "flush"]));
+    let (mut f, mut kit) = served_on_nbdkit("timeout=20");
+    qemu_io(&f, &["write -P 0x41 0 256k", "flush"]);
     // SAFETY: kill(2) on the pid of our own child, not waited for yet.
     assert_eq!(unsafe { libc::kill(kit.id() as i32, libc::SIGTERM) }, 0);
     let mut old = kit;
@@ -1116,14 +1104,17 @@ fn a_remote_server_that_shuts_down_is_left_and_its_successor_serves() {
             t.elapsed() < Duration::from_secs(60),
             "the old nbdkit did not exit"
         );
-        ok(&qemu_io(&["read -P 0x41 0 256k"]));
+        qemu_io(&f, &["read -P 0x41 0 256k"]);
     }
-    ok(&qemu_io(&[
-        "write -P 0x42 2M 64k",
-        "flush",
-        "read -P 0x42 2M 64k",
-        "read -P 0x41 0 256k",
-    ]));
+    qemu_io(
+        &f,
+        &[
+            "write -P 0x42 2M 64k",
+            "flush",
+            "read -P 0x42 2M 64k",
+            "read -P 0x41 0 256k",
+        ],
+    );
     let logged = std::fs::read_to_string(f.path("serve.log")).unwrap();
     assert!(logged.contains("NBD_ESHUTDOWN"), "{logged}");
     f.stop();
@@ -1144,19 +1135,14 @@ fn a_remote_read_on_the_ring_survives_a_server_restart() {
     let mut kit = delayed(&f);
     serve_on_nbdkit(&mut f, "timeout=20");
     let addr = metrics_address(&f);
-    let qemu_io = |cmd: &str| {
-        let mut c = Command::new("qemu-io");
-        c.args(["-f", "raw", "-c", cmd, &f.uri()]);
-        c
-    };
     // The first read opens a spare connection; the next ones are lent it.
     let direct = || value(&parse(&scrape(&addr)), "tiercache_direct_reads_total", &[]);
     let t = Instant::now();
     while direct() < 1.0 {
         assert!(t.elapsed() < Duration::from_secs(30), "no read was lent");
-        run(&mut qemu_io("read 0 4k"));
+        qemu_io(&f, &["read 0 4k"]);
     }
-    let reader = qemu_io("read 1M 4k")
+    let reader = qemu_io_cmd(&f, &["read 1M 4k"])
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();

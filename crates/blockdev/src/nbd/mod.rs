@@ -81,8 +81,9 @@ const CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// Failed reconnection attempts, logged at most once a minute.
 static RECONNECT_FAILED: lograte::Throttled = lograte::Throttled::new();
 
-/// A remote device's connections at one moment ([`NbdDevice::links`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// A remote device's connections at one moment ([`NbdDevice::links`]); serialized as is in
+/// metrics samples and `status --json`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NbdLinks {
     /// Shared connections the device keeps, and of those connected now (the others are
     /// being reconnected).

@@ -115,27 +115,7 @@ pub struct DeviceSample {
     pub ops: Vec<DeviceOpSample>,
     /// A remote device's connections (see [`blockdev::NbdLinks`]).
     #[serde(default)]
-    pub nbd: Option<NbdLinksSample>,
-}
-
-/// [`blockdev::NbdLinks`], as a sample carries it.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
-pub struct NbdLinksSample {
-    pub shared: usize,
-    pub shared_up: usize,
-    pub spare_open: usize,
-    pub spare_lent: usize,
-}
-
-impl From<blockdev::NbdLinks> for NbdLinksSample {
-    fn from(l: blockdev::NbdLinks) -> Self {
-        NbdLinksSample {
-            shared: l.shared,
-            shared_up: l.shared_up,
-            spare_open: l.spare_open,
-            spare_lent: l.spare_lent,
-        }
-    }
+    pub nbd: Option<blockdev::NbdLinks>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -165,8 +145,7 @@ impl DeviceMetrics {
                 .remote
                 .as_ref()
                 .and_then(Weak::upgrade)
-                .and_then(|d| d.nbd_links())
-                .map(Into::into),
+                .and_then(|d| d.nbd_links()),
         }
     }
 }

@@ -653,7 +653,7 @@ mod tests {
             .latency
             .observe(std::time::Duration::from_micros(70));
         let mut d = dev.sample();
-        d.nbd = Some(crate::metrics::device::NbdLinksSample {
+        d.nbd = Some(blockdev::NbdLinks {
             shared: 4,
             shared_up: 3,
             spare_open: 2,
