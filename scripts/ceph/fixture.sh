@@ -12,6 +12,8 @@
 #   fixture.sh osd-stop|osd-kill|osd-start DIR    stop (SIGTERM), kill -9 or start the OSD
 #   fixture.sh nbd-stop|nbd-kill|nbd-start DIR    the same for the qemu-nbd export
 #   fixture.sh rss DIR                  resident memory of mon, osd and qemu-nbd (KiB, and total)
+#   fixture.sh diag DIR                 what the cluster is doing: health, the OSD map, which
+#                                       daemons run, the ends of their logs (for a test that hangs)
 #
 # `start` stops whatever it started if any step fails, so a failed start leaves no daemon.
 # Every daemon's pid is in DIR/pids/NAME; `stop` ends exactly those (never by name).
@@ -20,7 +22,7 @@ set -euo pipefail
 cmd="${1:-}"
 dir="${2:-}"
 if [ -z "$cmd" ] || [ -z "$dir" ]; then
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 mkdir -p "$dir"
@@ -215,6 +217,27 @@ rss_total() {
     echo "$t"
 }
 
+# Every command bounded: the cluster may be the thing that hangs.
+diag() {
+    local n f
+    for n in mon osd nbd; do
+        if alive "$n"; then echo "$n: pid $(cat "$pids/$n") runs"; else echo "$n: not running"; fi
+    done
+    echo "--- ceph -s"
+    timeout 20 ceph -c "$conf" -s 2>&1 || echo "(ceph -s failed or timed out)"
+    echo "--- ceph health detail"
+    timeout 20 ceph -c "$conf" health detail 2>&1 || true
+    echo "--- ceph osd dump"
+    timeout 20 ceph -c "$conf" osd dump 2>&1 | grep -E '^(epoch|flags|osd\.|pool)' || true
+    echo "--- the OSD's operations in flight"
+    timeout 20 ceph -c "$conf" daemon osd.0 dump_ops_in_flight 2>&1 | head -60 || true
+    for f in "$dir"/log/*; do
+        [ -f "$f" ] || continue
+        echo "--- the last lines of $f"
+        tail -n 25 "$f"
+    done
+}
+
 case "$cmd" in
 start) start "${3:-256M}" ;;
 env) print_env ;;
@@ -225,6 +248,7 @@ osd-start) osd_start ;;
 nbd-stop) end nbd TERM ;;
 nbd-kill) end nbd KILL ;;
 nbd-start) nbd_start ;;
+diag) diag ;;
 rss)
     for n in mon osd nbd; do
         if alive "$n"; then echo "$n $(rss_of "$(cat "$pids/$n")")"; fi

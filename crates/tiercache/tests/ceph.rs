@@ -17,22 +17,157 @@
 //! Needs ceph-mon, ceph-osd, ceph-common, qemu-nbd with qemu's rbd driver (qemu-block-extra),
 //! fio and nbdsh: missing, a failure under CI=true and a printed skip otherwise. Seeds are
 //! printed (`TIERCACHE_SEED=N`).
+//!
+//! Invariant: the test ends. Each step is named as it starts; every fio and nbdsh run is
+//! bounded (`BOUND`), and a watchdog ends the whole test process after `LIMIT` (it takes about
+//! a minute here), first printing the step, the cluster's state and logs (`fixture.sh diag`),
+//! each server's `status` and the stacks of every process the test started (gdb), so that a
+//! hang fails with its reason instead of using up CI's time.
 
 mod common;
 
 use common::host::*;
 use common::*;
 use serde_json::Value;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/ceph/fixture.sh");
 const MIB: u64 = 1 << 20;
+/// The whole test, at most (the watchdog).
+const LIMIT: Duration = Duration::from_secs(600);
+/// One fio or nbdsh run, at most.
+const BOUND: Duration = Duration::from_secs(240);
+
+/// The step under way, for the watchdog's report.
+static STEP: Mutex<String> = Mutex::new(String::new());
+
+fn step(what: &str) {
+    eprintln!("ceph: step: {what}");
+    *STEP.lock().unwrap() = what.to_string();
+}
+
+/// `cmd` run to completion within `BOUND` (a hang fails the test, naming `cmd`).
+fn bounded(cmd: &mut Command) -> Output {
+    cmd.stdin(Stdio::null());
+    output_within(cmd, BOUND).unwrap_or_else(|| panic!("{cmd:?} did not end within {BOUND:?}"))
+}
+
+/// `bounded`, and it must succeed.
+fn bounded_ok(cmd: &mut Command) -> Output {
+    let o = bounded(cmd);
+    assert!(
+        o.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        stdout(&o),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+/// Ends the test process if the test has not finished within `LIMIT`, after printing what
+/// was going on (see the module's invariant). Dropping it at the test's end disarms it.
+struct Watchdog {
+    done: Arc<(Mutex<bool>, Condvar)>,
+}
+
+impl Watchdog {
+    fn arm(dir: PathBuf) -> Watchdog {
+        let done = Arc::new((Mutex::new(false), Condvar::new()));
+        let d = Arc::clone(&done);
+        std::thread::spawn(move || {
+            let (lock, cv) = &*d;
+            let (ended, _) = cv
+                .wait_timeout_while(lock.lock().unwrap(), LIMIT, |ended| !*ended)
+                .unwrap();
+            if *ended {
+                return;
+            }
+            drop(ended);
+            eprintln!(
+                "ceph: the test has not ended within {LIMIT:?}; the step under way: {}",
+                STEP.lock().unwrap()
+            );
+            diagnose(&dir);
+            let _ = Command::new("bash")
+                .arg(FIXTURE)
+                .arg("stop")
+                .arg(&dir)
+                .status();
+            // Every server, fio and nbdsh this test started (the daemons were stopped above).
+            let _ = Command::new("pkill")
+                .args(["-KILL", "-P", &std::process::id().to_string()])
+                .status();
+            eprintln!("ceph: FAILED: the test hung (see above)");
+            std::process::exit(101);
+        });
+        Watchdog { done }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        *self.done.0.lock().unwrap() = true;
+        self.done.1.notify_all();
+    }
+}
+
+/// Prints the cluster's state, each server's `status`, and the stacks of the processes this
+/// test started. Each probe bounded: any of them may be what hangs.
+fn diagnose(dir: &Path) {
+    let show = |what: &str, cmd: &mut Command| {
+        cmd.stdin(Stdio::null());
+        match output_within(cmd, Duration::from_secs(90)) {
+            Some(o) => eprintln!(
+                "ceph: --- {what}\n{}{}",
+                stdout(&o),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+            None => eprintln!("ceph: --- {what}: did not end within 90 s"),
+        }
+    };
+    show(
+        "fixture.sh diag",
+        Command::new("bash").arg(FIXTURE).arg("diag").arg(dir),
+    );
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = entry.path();
+        if p.to_string_lossy().ends_with(".sock.admin") {
+            show(
+                &format!("status of {}", p.display()),
+                &mut admin_cmd(&p.to_string_lossy(), &["status"]),
+            );
+        }
+    }
+    show(
+        "processes",
+        Command::new("ps").args(["-eo", "pid,ppid,stat,wchan:30,etime,args"]),
+    );
+    let children = Command::new("pgrep")
+        .args(["-P", &std::process::id().to_string()])
+        .output()
+        .map(|o| stdout(&o))
+        .unwrap_or_default();
+    let gdb = Command::new("gdb").arg("--version").output().is_ok();
+    if !gdb {
+        eprintln!("ceph: no gdb here: no stacks");
+    }
+    for pid in children.split_whitespace().filter(|_| gdb) {
+        show(
+            &format!("the stacks of pid {pid}"),
+            Command::new("gdb").args(["-batch", "-p", pid, "-ex", "thread apply all bt 30"]),
+        );
+    }
+}
 
 /// The cluster of `fixture.sh`, stopped when dropped (also when a step panics).
 struct Ceph {
     dir: tempfile::TempDir,
     uri: String,
+    /// Armed while the cluster runs.
+    _watchdog: Watchdog,
 }
 
 impl Ceph {
@@ -50,18 +185,21 @@ impl Ceph {
             return None;
         }
         let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+        let watchdog = Watchdog::arm(dir.path().to_path_buf());
+        step("starting the cluster");
         let t = Instant::now();
-        let out = Command::new("bash")
-            .arg(FIXTURE)
-            .arg("start")
-            .arg(dir.path())
-            .arg("256M")
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("running fixture.sh");
+        let out = bounded(
+            Command::new("bash")
+                .arg(FIXTURE)
+                .arg("start")
+                .arg(dir.path())
+                .arg("256M"),
+        );
+        eprint!("{}", String::from_utf8_lossy(&out.stderr));
         let mut ceph = Ceph {
             dir,
             uri: String::new(),
+            _watchdog: watchdog,
         };
         assert!(out.status.success(), "fixture.sh start failed");
         let env = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -76,18 +214,22 @@ impl Ceph {
 
     fn fixture(&self, what: &str) {
         let t = Instant::now();
-        run(Command::new("bash")
-            .arg(FIXTURE)
-            .arg(what)
-            .arg(self.dir.path()));
+        bounded_ok(
+            Command::new("bash")
+                .arg(FIXTURE)
+                .arg(what)
+                .arg(self.dir.path()),
+        );
         eprintln!("ceph: {what} took {:?}", t.elapsed());
     }
 
     fn rss(&self) -> String {
-        stdout(&run(Command::new("bash")
-            .arg(FIXTURE)
-            .arg("rss")
-            .arg(self.dir.path())))
+        stdout(&bounded_ok(
+            Command::new("bash")
+                .arg(FIXTURE)
+                .arg("rss")
+                .arg(self.dir.path()),
+        ))
     }
 }
 
@@ -124,7 +266,7 @@ fn fio(uri: &str, offset: u64, size: u64, bs: &str, seed: u64, verify_only: bool
     if verify_only {
         c.arg("--verify_only");
     }
-    c.output().expect("running fio")
+    bounded(&mut c)
 }
 
 fn fio_ok(uri: &str, offset: u64, size: u64, bs: &str, seed: u64, verify_only: bool, what: &str) {
@@ -175,6 +317,7 @@ fn tiercache_in_front_of_ceph_rbd() {
         .iter()
         .enumerate()
     {
+        step(&format!("1. fio with verify in {mode}"));
         a.tc_admin(&["set", SHARED, "cache_mode", mode]);
         let off = i as u64 * 16 * MIB;
         let t = Instant::now();
@@ -196,6 +339,7 @@ fn tiercache_in_front_of_ceph_rbd() {
 
     // 2. The OSD killed and restarted under a verifying writer (writethrough: every write
     // reaches RBD): the client waits, sees no error and no wrong byte.
+    step("2. the OSD killed and restarted under fio");
     a.tc_admin(&["set", SHARED, "cache_mode", "writethrough"]);
     let off = 64 * MIB;
     let uri = a.uri();
@@ -222,6 +366,7 @@ fn tiercache_in_front_of_ceph_rbd() {
     // data stays until the OSD is back, then is written back and the header says clean.
     // Knobs are kept in the backing header, and the first dirty write marks it dirty: both
     // need the store, so they come before it stops.
+    step("3. writeback with the OSD down");
     a.tc_admin(&["set", SHARED, "cache_mode", "writeback"]);
     a.tc_admin(&["set", SHARED, "writeback_delay", "5"]);
     write_at(dir, &a.uri(), 80 * MIB, &pattern(seed + 19, 4096));
@@ -255,6 +400,7 @@ fn tiercache_in_front_of_ceph_rbd() {
 
     // 4. qemu-nbd killed and restarted after writes it answered but nobody flushed: the next
     // flush fails (they may be lost), the one after succeeds, and the data reads back.
+    step("4. qemu-nbd killed and restarted after unflushed writes");
     a.tc_admin(&["set", SHARED, "cache_mode", "writethrough"]);
     let data = pattern(seed + 30, MIB as usize);
     let f = dir.join("unflushed.bin");
@@ -272,7 +418,7 @@ fn tiercache_in_front_of_ceph_rbd() {
         off = 96 * MIB,
         d = dir.display().to_string(),
     );
-    let o = run(&mut nbdsh(&["-u", &a.uri(), "-c", &script]));
+    let o = bounded_ok(&mut nbdsh(&["-u", &a.uri(), "-c", &script]));
     let said = stdout(&o);
     eprintln!("ceph: qemu-nbd restart: {said}");
     assert!(said.contains("first flush: failed"), "{said}");
@@ -280,6 +426,7 @@ fn tiercache_in_front_of_ceph_rbd() {
     assert_holds(&a.uri(), 96 * MIB, &data, "after the export's restart");
 
     // 5. tiercache killed in writeback with writeback held back: nothing flushed is lost.
+    step("5. tiercache killed in writeback");
     a.tc_admin(&["set", SHARED, "cache_mode", "writeback"]);
     a.tc_admin(&["set", SHARED, "writeback_running", "0"]);
     let data = pattern(seed + 40, 4 * MIB as usize);
@@ -291,6 +438,7 @@ fn tiercache_in_front_of_ceph_rbd() {
 
     // 6. Hand-over: a clean detach on A, attach on B with no option: every write A
     // acknowledged (the dirty ones included) is there.
+    step("6. the hand-over from A to B");
     let t = Instant::now();
     a.tc_admin(&["detach", SHARED]);
     eprintln!("ceph: detach on A (4 MiB dirty) took {:?}", t.elapsed());
@@ -320,6 +468,7 @@ fn tiercache_in_front_of_ceph_rbd() {
 
     // B holds dirty data and is gone: A's take-over is refused, naming B's set and the
     // amount, until A gives that data up.
+    step("7. B gone with dirty data: A's take-over");
     b.tc_admin(&["set", SHARED, "cache_mode", "writeback"]);
     b.tc_admin(&["set", SHARED, "writeback_running", "0"]);
     let newer = pattern(seed + 50, 2 * MIB as usize);
@@ -338,6 +487,7 @@ fn tiercache_in_front_of_ceph_rbd() {
         &data,
         "A after giving B's dirty data up",
     );
+    step("8. A stops");
     a.stop();
     eprintln!("ceph: at the end: {}", ceph.rss().replace('\n', ", "));
 }
