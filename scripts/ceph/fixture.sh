@@ -17,7 +17,7 @@
 #
 # `start` stops whatever it started if any step fails, so a failed start leaves no daemon.
 # Every daemon's pid is in DIR/pids/NAME; `stop` ends exactly those (never by name).
-set -euo pipefail
+set -eEuo pipefail
 
 cmd="${1:-}"
 dir="${2:-}"
@@ -45,7 +45,9 @@ spawn() {
     local name="$1"
     shift
     mkdir -p "$pids" "$dir/log"
-    "$@" >>"$dir/log/$name.out" 2>&1 &
+    # Only the log file: a daemon that kept a descriptor of ours (the caller's stdout, fd 3)
+    # would keep a pipe open after this script exits, and whoever reads it to its end waits.
+    "$@" >>"$dir/log/$name.out" 2>&1 3>&- </dev/null &
     echo $! >"$pids/$name"
 }
 
@@ -71,10 +73,17 @@ end() {
 
 ceph_() { timeout 60 ceph -c "$conf" "$@"; }
 
+# A one-shot tool that should take seconds, bounded: a hang fails the start with its name.
+bounded() { timeout 120 "$@"; }
+
+# Polls "$@" until it succeeds, for at most `seconds` of wall time (each try may itself take
+# up to ceph_'s 60 s when the cluster does not answer, so the deadline is the clock's, not a
+# count of tries; it may be passed by one try).
 wait_for() { # what, seconds, command...
-    local what="$1" secs="$2" i
+    local what="$1" secs="$2" deadline
     shift 2
-    for i in $(seq $((secs * 10))); do
+    deadline=$((SECONDS + secs))
+    while [ "$SECONDS" -lt "$deadline" ]; do
         if "$@" >/dev/null 2>&1; then return 0; fi
         sleep 0.1
     done
@@ -106,8 +115,24 @@ nbd_start() {
     wait_for "qemu-nbd's socket" 60 test -S "$sock"
 }
 
+# A free TCP port for the monitor, below the kernel's ephemeral range: a port the kernel hands
+# out (bind to 0) may be taken as some connection's local port before the monitor binds it.
 free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+    timeout 10 python3 -c '
+import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(200):
+    p = random.randrange(10000, max(low, 10001))
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p))
+    except OSError:
+        continue
+    print(p)
+    break
+else:
+    raise SystemExit("no free port below the ephemeral range")
+'
 }
 
 print_env() {
@@ -128,7 +153,9 @@ start() {
         log "something from an earlier start still runs in $dir: stop it first"
         exit 1
     fi
-    trap 'log "start failed; stopping what it started (logs in $dir/log)"; stop_all' ERR
+    # fd 3: this script's stderr, also where a failing command's own output was redirected.
+    exec 3>&2
+    trap '{ log "start failed; what the cluster was doing:"; diag; log "stopping what it started (logs in $dir/log)"; } >&3 2>&3; stop_all' ERR
     local t0
     t0=$(date +%s.%N)
     rm -rf "$dir/mon" "$dir/osd" "$dir/run" "$dir/log" "$pids"
@@ -185,15 +212,15 @@ osd heartbeat grace = 20
 [client]
 rbd cache = false
 EOF
-    ceph-authtool --create-keyring "$dir/keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
-    monmaptool --create --fsid "$fsid" --addv a "[v2:127.0.0.1:$port]" "$dir/monmap" >/dev/null
-    ceph-mon --mkfs -i a --monmap "$dir/monmap" --keyring "$dir/keyring" -c "$conf"
+    bounded ceph-authtool --create-keyring "$dir/keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
+    bounded monmaptool --create --fsid "$fsid" --addv a "[v2:127.0.0.1:$port]" "$dir/monmap" >/dev/null
+    bounded ceph-mon --mkfs -i a --monmap "$dir/monmap" --keyring "$dir/keyring" -c "$conf"
     spawn mon ceph-mon -f -i a -c "$conf"
     wait_for "the monitor" 60 ceph_ mon stat
     local uuid
     uuid="$(cat /proc/sys/kernel/random/uuid)"
     ceph_ osd new "$uuid" 0 >/dev/null
-    ceph-osd -i 0 --mkfs --osd-uuid "$uuid" -c "$conf" >"$dir/log/osd-mkfs.out" 2>&1
+    bounded ceph-osd -i 0 --mkfs --osd-uuid "$uuid" -c "$conf" >"$dir/log/osd-mkfs.out" 2>&1
     osd_start
     ceph_ osd pool create rbd 8 8 >/dev/null 2>&1
     ceph_ osd pool set rbd size 1 --yes-i-really-mean-it >/dev/null 2>&1
@@ -201,7 +228,8 @@ EOF
     timeout 60 rbd -c "$conf" create "$image" --size "$size" --image-feature layering
     nbd_start
     trap - ERR
-    log "started in $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s; rss: $(rss_total) KiB (mon+osd+qemu-nbd)"
+    exec 3>&-
+    log "started in $(timeout 10 python3 -c "print(round($(date +%s.%N) - $t0, 1))") s; rss: $(rss_total) KiB (mon+osd+qemu-nbd)"
     print_env
 }
 

@@ -18,8 +18,8 @@
 //! fio and nbdsh: missing, a failure under CI=true and a printed skip otherwise. Seeds are
 //! printed (`TIERCACHE_SEED=N`).
 //!
-//! Invariant: the test ends. Each step is named as it starts; every fio and nbdsh run is
-//! bounded (`BOUND`), and a watchdog ends the whole test process after `LIMIT` (it takes about
+//! Invariant: the test ends. Each step is named as it starts; every fio and nbdsh run, and
+//! each start of the cluster, is bounded (`BOUND`), and a watchdog ends the whole test process after `LIMIT` (it takes about
 //! a minute here), first printing the step, the cluster's state and logs (`fixture.sh diag`),
 //! each server's `status` and the stacks of every process the test started (gdb), so that a
 //! hang fails with its reason instead of using up CI's time.
@@ -38,8 +38,11 @@ const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/ceph/f
 const MIB: u64 = 1 << 20;
 /// The whole test, at most (the watchdog).
 const LIMIT: Duration = Duration::from_secs(600);
-/// One fio or nbdsh run, at most.
+/// One fio or nbdsh run, or the cluster's start, at most.
 const BOUND: Duration = Duration::from_secs(240);
+/// Starts of the cluster tried: a one-node Ceph that fails to come up is the fixture's
+/// failure, not tiercache's, and is tried once more (each failure prints the cluster's state).
+const START_ATTEMPTS: u32 = 2;
 
 /// The step under way, for the watchdog's report.
 static STEP: Mutex<String> = Mutex::new(String::new());
@@ -176,40 +179,60 @@ impl Ceph {
         if !(tools.iter().all(|t| have(t)) && have_nbdsh()) {
             return None;
         }
-        let probe = Command::new("qemu-img")
-            .args(["info", "rbd:none/none:conf=/dev/null"])
-            .output()
-            .expect("running qemu-img");
+        let probe =
+            bounded(Command::new("qemu-img").args(["info", "rbd:none/none:conf=/dev/null"]));
         if String::from_utf8_lossy(&probe.stderr).contains("Unknown protocol") {
             unavailable("qemu's rbd driver (qemu-block-extra)");
             return None;
         }
-        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
-        let watchdog = Watchdog::arm(dir.path().to_path_buf());
         step("starting the cluster");
-        let t = Instant::now();
-        let out = bounded(
-            Command::new("bash")
-                .arg(FIXTURE)
-                .arg("start")
-                .arg(dir.path())
-                .arg("256M"),
-        );
-        eprint!("{}", String::from_utf8_lossy(&out.stderr));
-        let mut ceph = Ceph {
-            dir,
-            uri: String::new(),
-            _watchdog: watchdog,
-        };
-        assert!(out.status.success(), "fixture.sh start failed");
-        let env = String::from_utf8_lossy(&out.stdout).into_owned();
-        let uri = env
-            .lines()
-            .find_map(|l| l.strip_prefix("NBD_URI="))
-            .unwrap_or_else(|| panic!("no NBD_URI in {env}"));
-        eprintln!("ceph: cluster and export up in {:?}", t.elapsed());
-        ceph.uri = format!("{uri}&timeout=20");
-        Some(ceph)
+        for attempt in 1..=START_ATTEMPTS {
+            let t = Instant::now();
+            let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+            let mut ceph = Ceph {
+                _watchdog: Watchdog::arm(dir.path().to_path_buf()),
+                dir,
+                uri: String::new(),
+            };
+            let out = output_within(
+                Command::new("bash")
+                    .arg(FIXTURE)
+                    .arg("start")
+                    .arg(ceph.dir.path())
+                    .arg("256M")
+                    .stdin(Stdio::null()),
+                BOUND,
+            );
+            match out {
+                Some(out) => {
+                    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+                    if out.status.success() {
+                        let env = stdout(&out);
+                        let uri = env
+                            .lines()
+                            .find_map(|l| l.strip_prefix("NBD_URI="))
+                            .unwrap_or_else(|| panic!("no NBD_URI in {env}"));
+                        eprintln!("ceph: cluster and export up in {:?}", t.elapsed());
+                        ceph.uri = format!("{uri}&timeout=20");
+                        return Some(ceph);
+                    }
+                }
+                None => {
+                    eprintln!("ceph: fixture.sh start did not end within {BOUND:?}");
+                    diagnose(ceph.dir.path());
+                }
+            }
+            assert!(
+                attempt < START_ATTEMPTS,
+                "the cluster did not start in {START_ATTEMPTS} attempts (see above)"
+            );
+            // Dropping it stops what the failed start left running.
+            eprintln!(
+                "ceph: the cluster did not start (attempt {attempt}; its state is above); \
+                 once more in a new directory"
+            );
+        }
+        unreachable!("the last attempt returns or panics")
     }
 
     fn fixture(&self, what: &str) {
