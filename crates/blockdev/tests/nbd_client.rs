@@ -2,6 +2,7 @@
 //! delay, pause and multi-conn filters) and a fake one: many requests in flight on one
 //! connection, multi-conn, timeouts with late replies, reconnection after a server restart
 //! with the reconnect rule for unflushed writes, a server that shuts down (`NBD_ESHUTDOWN`),
+//! a server that accepts no connection (its queue full),
 //! closing with a dead server, and connections lent whole for one request (`direct_nbd`).
 //!
 //! A missing nbdkit fails the tests under CI=true and is a printed skip otherwise. Randomized
@@ -601,6 +602,28 @@ fn a_server_that_never_answers_the_handshake_is_a_timeout() {
     });
     assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
     drop(accepted.join().unwrap());
+}
+
+#[test]
+fn a_server_that_accepts_no_connection_is_a_timeout() {
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("full.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    // Never accepting, with room for one connection in its queue (backlog 0), taken: the
+    // next blocking connect would wait until the server accepts, for ever.
+    // SAFETY: the listener's own descriptor.
+    assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0);
+    let _queued = UnixStream::connect(&sock).unwrap();
+    let uri = format!("nbd+unix:///x?socket={}&timeout=1", sock.display());
+    let t = Instant::now();
+    let err = within("connecting to a server that accepts nothing", move || {
+        failed(NbdDevice::connect(&uri), "connect")
+    });
+    assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+    assert!(err.to_string().contains("accepted no connection"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    drop(listener);
 }
 
 /// nbdkit started with `args` on a 16 MiB `{dir}/disk.img`, and a device on it with a 10 s

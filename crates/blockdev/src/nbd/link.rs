@@ -105,7 +105,10 @@ pub(super) enum Sock {
 impl Sock {
     fn connect(target: &Target, timeout: Duration) -> io::Result<Sock> {
         match target {
-            Target::Unix { socket, .. } => Ok(Sock::Unix(UnixStream::connect(socket)?)),
+            Target::Unix { socket, .. } => Ok(Sock::Unix(connect_unix(
+                std::path::Path::new(socket),
+                timeout,
+            )?)),
             Target::Tcp { addr, .. } => {
                 let mut last = None;
                 for a in addr.to_socket_addrs()? {
@@ -188,6 +191,78 @@ impl Write for Sock {
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+/// Connects to the unix socket at `path` within `timeout`. A blocking `connect` waits for
+/// as long as the server's queue of connections not yet accepted is full (a server that
+/// stopped accepting: stopped, or at its connection limit with a small backlog); a
+/// non-blocking one is told so (`EAGAIN`), and is tried again until the deadline.
+fn connect_unix(path: &std::path::Path, timeout: Duration) -> io::Result<UnixStream> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: an all-zero sockaddr_un is a valid empty one.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{}: not a usable unix socket path (at most {} bytes, no NUL)",
+                path.display(),
+                addr.sun_path.len() - 1
+            ),
+        ));
+    }
+    for (d, b) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *b as libc::c_char;
+    }
+    // SAFETY: plain socket creation; the descriptor is owned by `stream` right after.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh socket nobody else owns.
+    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    let deadline = Instant::now() + timeout;
+    loop {
+        // SAFETY: `addr` is a valid sockaddr_un of the size passed, alive for the call.
+        let r = unsafe {
+            libc::connect(
+                fd,
+                (&addr as *const libc::sockaddr_un).cast(),
+                std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            stream.set_nonblocking(false)?;
+            return Ok(stream);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EAGAIN) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Some(libc::EAGAIN) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "{}: the server accepted no connection within {timeout:?} (its queue \
+                         of connections waiting to be accepted is full)",
+                        path.display()
+                    ),
+                ))
+            }
+            _ => return Err(e),
+        }
     }
 }
 
