@@ -26,7 +26,6 @@
 use std::ffi::{CString, OsStr};
 use std::fs::{self, DirBuilder, Permissions};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
@@ -234,54 +233,17 @@ fn is_stale(path: &Path) -> io::Result<bool> {
 /// Whether a server accepts connections at the socket `path`. The probe never blocks: a full
 /// backlog (`EAGAIN`) counts as live; a refusal or a vanished file as not live.
 fn is_live(path: &Path) -> io::Result<bool> {
-    let bytes = path.as_os_str().as_bytes();
-    // SAFETY: `sockaddr_un` is plain integers and arrays of them; all zeroes is a valid value.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    if bytes.len() >= addr.sun_path.len() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!(
-                "socket path {} is longer than {} bytes",
-                path.display(),
-                addr.sun_path.len() - 1
-            ),
-        ));
-    }
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (dst, &src) in addr.sun_path.iter_mut().zip(bytes) {
-        *dst = src as libc::c_char;
-    }
-    let addr_len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + bytes.len() + 1;
-    // SAFETY: plain system call with constant arguments; the result is checked below.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just returned by `socket` and nothing else owns it.
-    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: `addr` is a valid, NUL-terminated `sockaddr_un` that outlives the call, and
-    // `addr_len` (at most its size) covers the family and the path with its NUL.
-    let rc = unsafe {
-        libc::connect(
-            socket.as_raw_fd(),
-            std::ptr::addr_of!(addr).cast::<libc::sockaddr>(),
-            addr_len as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        return Ok(true);
-    }
-    let err = io::Error::last_os_error();
-    match err.raw_os_error() {
-        Some(libc::EAGAIN) => Ok(true),
-        Some(libc::ECONNREFUSED | libc::ENOENT) => Ok(false),
-        _ => Err(with_path(err, "could not probe", path)),
+    use socket2::{Domain, SockAddr, Socket, Type};
+    let addr = SockAddr::unix(path).map_err(|e| with_path(e, "cannot probe", path))?;
+    let socket = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+    socket.set_nonblocking(true)?;
+    match socket.connect(&addr) {
+        Ok(()) => Ok(true),
+        Err(err) => match err.raw_os_error() {
+            Some(libc::EAGAIN) => Ok(true),
+            Some(libc::ECONNREFUSED | libc::ENOENT) => Ok(false),
+            _ => Err(with_path(err, "could not probe", path)),
+        },
     }
 }
 

@@ -199,59 +199,23 @@ impl Write for Sock {
 /// stopped accepting: stopped, or at its connection limit with a small backlog); a
 /// non-blocking one is told so (`EAGAIN`), and is tried again until the deadline.
 fn connect_unix(path: &std::path::Path, timeout: Duration) -> io::Result<UnixStream> {
-    use std::os::fd::FromRawFd;
-    use std::os::unix::ffi::OsStrExt;
-    // SAFETY: an all-zero sockaddr_un is a valid empty one.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    let bytes = path.as_os_str().as_bytes();
-    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!(
-                "{}: not a usable unix socket path (at most {} bytes, no NUL)",
-                path.display(),
-                addr.sun_path.len() - 1
-            ),
-        ));
-    }
-    for (d, b) in addr.sun_path.iter_mut().zip(bytes) {
-        *d = *b as libc::c_char;
-    }
-    // SAFETY: plain socket creation; the descriptor is owned by `stream` right after.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is a fresh socket nobody else owns.
-    let stream = unsafe { UnixStream::from_raw_fd(fd) };
+    use socket2::{Domain, SockAddr, Socket, Type};
+    let addr = SockAddr::unix(path)?;
     let deadline = Instant::now() + timeout;
     loop {
-        // SAFETY: `addr` is a valid sockaddr_un of the size passed, alive for the call.
-        let r = unsafe {
-            libc::connect(
-                fd,
-                (&addr as *const libc::sockaddr_un).cast(),
-                std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
-            )
-        };
-        if r == 0 {
-            stream.set_nonblocking(false)?;
-            return Ok(stream);
-        }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EINTR) => {}
-            Some(libc::EAGAIN) if Instant::now() < deadline => {
+        // A new socket each try (socket2 makes it close-on-exec).
+        let sock = Socket::new(Domain::UNIX, Type::STREAM, None)?;
+        sock.set_nonblocking(true)?;
+        match sock.connect(&addr) {
+            Ok(()) => {
+                sock.set_nonblocking(false)?;
+                return Ok(UnixStream::from(std::os::fd::OwnedFd::from(sock)));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(10));
             }
-            Some(libc::EAGAIN) => {
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     format!(
@@ -261,7 +225,7 @@ fn connect_unix(path: &std::path::Path, timeout: Duration) -> io::Result<UnixStr
                     ),
                 ))
             }
-            _ => return Err(e),
+            Err(e) => return Err(e),
         }
     }
 }
