@@ -44,11 +44,21 @@ const BOUND: Duration = Duration::from_secs(240);
 /// failure, not tiercache's, and is tried once more (each failure prints the cluster's state).
 const START_ATTEMPTS: u32 = 2;
 
+/// Writes a line to the process's stderr past the test harness's capture: the watchdog's
+/// report must outlive its `exit` (captured output is printed only for a test that returns
+/// failed), and a hang's steps must show without `--nocapture`.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 /// The step under way, for the watchdog's report.
 static STEP: Mutex<String> = Mutex::new(String::new());
 
 fn step(what: &str) {
-    eprintln!("ceph: step: {what}");
+    say!("ceph: step: {what}");
     *STEP.lock().unwrap() = what.to_string();
 }
 
@@ -89,7 +99,7 @@ impl Watchdog {
                 return;
             }
             drop(ended);
-            eprintln!(
+            say!(
                 "ceph: the test has not ended within {LIMIT:?}; the step under way: {}",
                 STEP.lock().unwrap()
             );
@@ -103,7 +113,7 @@ impl Watchdog {
             let _ = Command::new("pkill")
                 .args(["-KILL", "-P", &std::process::id().to_string()])
                 .status();
-            eprintln!("ceph: FAILED: the test hung (see above)");
+            say!("ceph: FAILED: the test hung (see above)");
             std::process::exit(101);
         });
         Watchdog { done }
@@ -123,12 +133,12 @@ fn diagnose(dir: &Path) {
     let show = |what: &str, cmd: &mut Command| {
         cmd.stdin(Stdio::null());
         match output_within(cmd, Duration::from_secs(90)) {
-            Some(o) => eprintln!(
+            Some(o) => say!(
                 "ceph: --- {what}\n{}{}",
                 stdout(&o),
                 String::from_utf8_lossy(&o.stderr)
             ),
-            None => eprintln!("ceph: --- {what}: did not end within 90 s"),
+            None => say!("ceph: --- {what}: did not end within 90 s"),
         }
     };
     show(
@@ -155,7 +165,7 @@ fn diagnose(dir: &Path) {
         .unwrap_or_default();
     let gdb = Command::new("gdb").arg("--version").output().is_ok();
     if !gdb {
-        eprintln!("ceph: no gdb here: no stacks");
+        say!("ceph: no gdb here: no stacks");
     }
     for pid in children.split_whitespace().filter(|_| gdb) {
         show(
@@ -205,20 +215,20 @@ impl Ceph {
             );
             match out {
                 Some(out) => {
-                    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+                    say!("{}", String::from_utf8_lossy(&out.stderr).trim_end());
                     if out.status.success() {
                         let env = stdout(&out);
                         let uri = env
                             .lines()
                             .find_map(|l| l.strip_prefix("NBD_URI="))
                             .unwrap_or_else(|| panic!("no NBD_URI in {env}"));
-                        eprintln!("ceph: cluster and export up in {:?}", t.elapsed());
+                        say!("ceph: cluster and export up in {:?}", t.elapsed());
                         ceph.uri = format!("{uri}&timeout=20");
                         return Some(ceph);
                     }
                 }
                 None => {
-                    eprintln!("ceph: fixture.sh start did not end within {BOUND:?}");
+                    say!("ceph: fixture.sh start did not end within {BOUND:?}");
                     diagnose(ceph.dir.path());
                 }
             }
@@ -227,7 +237,7 @@ impl Ceph {
                 "the cluster did not start in {START_ATTEMPTS} attempts (see above)"
             );
             // Dropping it stops what the failed start left running.
-            eprintln!(
+            say!(
                 "ceph: the cluster did not start (attempt {attempt}; its state is above); \
                  once more in a new directory"
             );
@@ -243,7 +253,7 @@ impl Ceph {
                 .arg(what)
                 .arg(self.dir.path()),
         );
-        eprintln!("ceph: {what} took {:?}", t.elapsed());
+        say!("ceph: {what} took {:?}", t.elapsed());
     }
 
     fn rss(&self) -> String {
