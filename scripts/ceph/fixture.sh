@@ -71,7 +71,9 @@ end() {
     rm -f "$pids/$name"
 }
 
-ceph_() { timeout 60 ceph -c "$conf" "$@"; }
+# A ceph command, bounded (60 s, or $ceph_wait): against a monitor that does not answer it
+# would wait for ever.
+ceph_() { timeout "${ceph_wait:-60}" ceph -c "$conf" "$@"; }
 
 # A one-shot tool that should take seconds, bounded: a hang fails the start with its name.
 bounded() { timeout 120 "$@"; }
@@ -247,18 +249,18 @@ rss_total() {
 
 # Every command bounded: the cluster may be the thing that hangs.
 diag() {
-    local n f
+    local n f ceph_wait=20
     for n in mon osd nbd; do
         if alive "$n"; then echo "$n: pid $(cat "$pids/$n") runs"; else echo "$n: not running"; fi
     done
     echo "--- ceph -s"
-    timeout 20 ceph -c "$conf" -s 2>&1 || echo "(ceph -s failed or timed out)"
+    ceph_ -s 2>&1 || echo "(ceph -s failed or timed out)"
     echo "--- ceph health detail"
-    timeout 20 ceph -c "$conf" health detail 2>&1 || true
+    ceph_ health detail 2>&1 || true
     echo "--- ceph osd dump"
-    timeout 20 ceph -c "$conf" osd dump 2>&1 | grep -E '^(epoch|flags|osd\.|pool)' || true
+    ceph_ osd dump 2>&1 | grep -E '^(epoch|flags|osd\.|pool)' || true
     echo "--- the OSD's operations in flight"
-    timeout 20 ceph -c "$conf" daemon osd.0 dump_ops_in_flight 2>&1 | head -60 || true
+    ceph_ daemon osd.0 dump_ops_in_flight 2>&1 | head -60 || true
     for f in "$dir"/log/*; do
         [ -f "$f" ] || continue
         echo "--- the last lines of $f"

@@ -19,10 +19,11 @@
 //! printed (`TIERCACHE_SEED=N`).
 //!
 //! Invariant: the test ends. Each step is named as it starts; every fio and nbdsh run, and
-//! each start of the cluster, is bounded (`BOUND`), and a watchdog ends the whole test process after `LIMIT` (it takes about
-//! a minute here), first printing the step, the cluster's state and logs (`fixture.sh diag`),
-//! each server's `status` and the stacks of every process the test started (gdb), so that a
-//! hang fails with its reason instead of using up CI's time.
+//! each start of the cluster, is bounded (`BOUND`), and a watchdog ends the whole test
+//! process after `LIMIT` (it takes about a minute here), first printing the step, the
+//! cluster's state and logs (`fixture.sh diag`), each server's `status` and the stacks of
+//! every process the test started (gdb), so that a hang fails with its reason instead of
+//! using up CI's time.
 
 mod common;
 
@@ -31,7 +32,7 @@ use common::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/ceph/fixture.sh");
@@ -62,43 +63,30 @@ fn step(what: &str) {
     *STEP.lock().unwrap() = what.to_string();
 }
 
-/// `cmd` run to completion within `BOUND` (a hang fails the test, naming `cmd`).
+/// `cmd` (reading nothing) run to completion within `BOUND`: a hang fails the test.
 fn bounded(cmd: &mut Command) -> Output {
-    cmd.stdin(Stdio::null());
-    output_within(cmd, BOUND).unwrap_or_else(|| panic!("{cmd:?} did not end within {BOUND:?}"))
+    output_bounded(cmd.stdin(Stdio::null()), BOUND)
 }
 
 /// `bounded`, and it must succeed.
 fn bounded_ok(cmd: &mut Command) -> Output {
-    let o = bounded(cmd);
-    assert!(
-        o.status.success(),
-        "{cmd:?} failed: {}\n{}",
-        stdout(&o),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
+    run_within(cmd.stdin(Stdio::null()), BOUND)
 }
 
 /// Ends the test process if the test has not finished within `LIMIT`, after printing what
-/// was going on (see the module's invariant). Dropping it at the test's end disarms it.
+/// was going on (see the module's invariant). Dropping it disarms it.
 struct Watchdog {
-    done: Arc<(Mutex<bool>, Condvar)>,
+    /// Dropped with the watchdog, which ends the thread's wait.
+    _armed: mpsc::Sender<()>,
 }
 
 impl Watchdog {
     fn arm(dir: PathBuf) -> Watchdog {
-        let done = Arc::new((Mutex::new(false), Condvar::new()));
-        let d = Arc::clone(&done);
+        let (armed, disarmed) = mpsc::channel::<()>();
         std::thread::spawn(move || {
-            let (lock, cv) = &*d;
-            let (ended, _) = cv
-                .wait_timeout_while(lock.lock().unwrap(), LIMIT, |ended| !*ended)
-                .unwrap();
-            if *ended {
+            if disarmed.recv_timeout(LIMIT) != Err(mpsc::RecvTimeoutError::Timeout) {
                 return;
             }
-            drop(ended);
             say!(
                 "ceph: the test has not ended within {LIMIT:?}; the step under way: {}",
                 STEP.lock().unwrap()
@@ -116,14 +104,7 @@ impl Watchdog {
             say!("ceph: FAILED: the test hung (see above)");
             std::process::exit(101);
         });
-        Watchdog { done }
-    }
-}
-
-impl Drop for Watchdog {
-    fn drop(&mut self) {
-        *self.done.0.lock().unwrap() = true;
-        self.done.1.notify_all();
+        Watchdog { _armed: armed }
     }
 }
 

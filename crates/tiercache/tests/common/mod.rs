@@ -31,6 +31,18 @@ pub fn admin_cmd(admin: &str, args: &[&str]) -> Command {
 
 pub fn run(cmd: &mut Command) -> Output {
     let o = cmd.output().expect("spawning a command");
+    assert_succeeded(cmd, &o);
+    o
+}
+
+/// `run`, bounded: a command that hangs fails the test, naming it, instead of hanging it.
+pub fn run_within(cmd: &mut Command, limit: Duration) -> Output {
+    let o = output_bounded(cmd, limit);
+    assert_succeeded(cmd, &o);
+    o
+}
+
+fn assert_succeeded(cmd: &Command, o: &Output) {
     assert!(
         o.status.success(),
         "{:?} failed: {}\n{}",
@@ -38,7 +50,6 @@ pub fn run(cmd: &mut Command) -> Output {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     );
-    o
 }
 
 pub fn stdout(o: &Output) -> String {
@@ -178,7 +189,7 @@ impl Drop for Fixture {
 /// Runs `cmd`, which must fail cleanly (a non-zero exit, no panic) within `limit`; returns
 /// what it printed, stdout then stderr.
 pub fn refused_within(cmd: &mut Command, limit: Duration) -> String {
-    let o = output_within(cmd, limit).unwrap_or_else(|| panic!("{cmd:?} hung for {limit:?}"));
+    let o = output_bounded(cmd, limit);
     let said = format!("{}{}", stdout(&o), String::from_utf8_lossy(&o.stderr));
     assert!(!o.status.success(), "{cmd:?} succeeded: {said}");
     assert!(!said.contains("panicked"), "{cmd:?} panicked: {said}");
@@ -215,6 +226,11 @@ pub fn output_within(cmd: &mut Command, limit: Duration) -> Option<Output> {
         stdout,
         stderr,
     })
+}
+
+/// `output_within`, where a command that does not end within `limit` fails the test.
+pub fn output_bounded(cmd: &mut Command, limit: Duration) -> Output {
+    output_within(cmd, limit).unwrap_or_else(|| panic!("{cmd:?} hung for {limit:?}"))
 }
 
 /// Waits for a child for at most `limit`.
