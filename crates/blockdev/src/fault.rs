@@ -198,6 +198,8 @@ struct Images {
     durable: Vec<u8>,
     /// Writes since the last completed flush, in order.
     pending: Vec<(u64, Vec<u8>)>,
+    /// A restart lost unflushed writes: the next flush fails (reports it), once.
+    lost: bool,
 }
 
 /// In-memory storage with a live image (what reads see) and a durable image (what survives).
@@ -207,6 +209,8 @@ pub struct SimDevice {
     ctrl: Arc<FaultController>,
     img: Mutex<Images>,
     rotational: AtomicBool,
+    /// Modelled as a remote server that can restart alone (see `restart`).
+    restartable: AtomicBool,
 }
 
 impl SimDevice {
@@ -228,8 +232,10 @@ impl SimDevice {
                 live: image.clone(),
                 durable: image,
                 pending: Vec::new(),
+                lost: false,
             }),
             rotational: AtomicBool::new(false),
+            restartable: AtomicBool::new(false),
         }
     }
 
@@ -239,6 +245,12 @@ impl SimDevice {
 
     pub fn set_rotational(&self, on: bool) {
         self.rotational.store(on, Ordering::Relaxed);
+    }
+
+    /// Models a remote server that may `restart` while its users run on
+    /// (`BlockDevice::restarts_alone`).
+    pub fn set_restartable(&self, on: bool) {
+        self.restartable.store(on, Ordering::Relaxed);
     }
 
     pub fn live_image(&self) -> Vec<u8> {
@@ -299,6 +311,24 @@ impl SimDevice {
         out
     }
 
+    /// A restart of the device's server (a remote NBD disk) that loses what it had not
+    /// flushed: the live image becomes the durable one, and the next flush fails once, as
+    /// the NBD client reports a lost connection with unflushed writes. Returns whether
+    /// unflushed writes were dropped.
+    pub fn restart(&self) -> bool {
+        assert!(
+            self.restartable.load(Ordering::Relaxed),
+            "set_restartable first: its users must know it can restart"
+        );
+        let mut img = self.img.lock();
+        let img = &mut *img;
+        let lost = !img.pending.is_empty();
+        img.pending.clear();
+        img.live.copy_from_slice(&img.durable);
+        img.lost |= lost;
+        lost
+    }
+
     fn record_write(&self, data: &[u8], offset: u64) {
         let mut img = self.img.lock();
         let o = offset as usize;
@@ -343,6 +373,12 @@ impl BlockDevice for SimDevice {
             return Err(crash_error());
         }
         let mut img = self.img.lock();
+        if std::mem::take(&mut img.lost) {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                format!("{}: restarted, unflushed writes lost", self.name),
+            ));
+        }
         let pending = std::mem::take(&mut img.pending);
         for (off, data) in pending {
             img.durable[off as usize..off as usize + data.len()].copy_from_slice(&data);
@@ -372,6 +408,10 @@ impl BlockDevice for SimDevice {
 
     fn is_rotational(&self) -> bool {
         self.rotational.load(Ordering::Relaxed)
+    }
+
+    fn restarts_alone(&self) -> bool {
+        self.restartable.load(Ordering::Relaxed)
     }
 
     fn describe(&self) -> String {

@@ -8,14 +8,16 @@
 //!   (stream detection), `admit`, `fillhits`, `readahead`;
 //! - pure decisions and small state: `policy` (admission, replacement order, miss fill,
 //!   writeback rate; driven alone by its tests), `knobs`, `degraded` (the degraded state's
-//!   data), `rangelock`, `slots` (lock-free readable arrays);
+//!   data), `rangelock`, `slots` (lock-free readable arrays), `unflushed` (client changes a
+//!   backing device may still lose);
 //! - state and its persistence: `index`, `alloc` (buckets, pins), `cachedev` (the cache
 //!   device's timing and failures), `format`, `stats`, `journal`, `wbpool`, `checkpoint`;
 //! - `state`: the shared state every mechanism works on (`Inner`, `State`, `Backing`,
 //!   `Config`);
 //! - mechanism: `guard`, `health` (stale copies, degrading, re-admission), `space`
 //!   (allocation, reclaim, GC), `check`, `commit` (group commit, checkpoints), `writeback`,
-//!   `background` (the threads), `io` (request paths: `io::read`, `io::write`);
+//!   `background` (the threads), `io` (request paths: `io::read`, `io::write`; `io::lost`
+//!   makes good what a failed backing flush may have lost);
 //! - lifecycle: `set` (format, open and recovery, attach, detach, close).
 //!
 //! No sockets, no CLI parsing.
@@ -60,6 +62,7 @@ mod space;
 mod state;
 pub mod stats;
 mod types;
+mod unflushed;
 mod units;
 mod wbpool;
 mod writeback;

@@ -111,7 +111,7 @@ impl Backing {
             let mut next = h.clone();
             next.state = BackingState::Dirty;
             next.dirty_bytes = Some(bytes);
-            next.write(&*self.dev)?;
+            self.write_header(&mut next)?;
             *h = next;
             self.amount_written_ns
                 .store(inner.now_ns(), Ordering::Relaxed);
@@ -223,7 +223,7 @@ pub(crate) fn sync_dirty_mark(inner: &Inner, b: &Backing) -> Result<()> {
         let mut next = h.clone();
         next.state = BackingState::Clean;
         next.dirty_bytes = Some(0);
-        next.write(&*b.dev)?;
+        b.write_header(&mut next)?;
         *h = next;
         return Ok(());
     }

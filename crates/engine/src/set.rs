@@ -642,6 +642,8 @@ impl CacheSet {
             client_stream_ns: AtomicU64::new(0),
             readahead: Mutex::default(),
             flush_failures: AtomicU64::new(0),
+            unflushed: Mutex::new(crate::unflushed::Unflushed::default()),
+            losses_reported: AtomicU64::new(0),
             writeback_error: Mutex::new(None),
             io_epoch: std::time::Instant::now(),
             last_done_ns: AtomicU64::new(0),

@@ -332,6 +332,12 @@ pub struct Backing {
     /// lost even if a later flush succeeds (an NBD server that restarted, a disk that
     /// dropped its cache), so whoever needs its writes durable checks this did not move.
     pub(crate) flush_failures: AtomicU64,
+    /// Clients' changes sent to the device and not yet covered by a successful flush, and
+    /// which failed flushes have been dealt with (`io::lost`).
+    pub(crate) unflushed: Mutex<crate::unflushed::Unflushed>,
+    /// Losses of acknowledged client writes that the cache could not write again (no copy):
+    /// each connection's next flush reports them once (`Volume::losses`).
+    pub(crate) losses_reported: AtomicU64,
     pub(crate) writeback_error: Mutex<Option<WritebackError>>,
     /// The clock of the device's completions (`timed`), and the latest completion on it in
     /// ns of that clock: what `cost::service_ns` needs to leave queueing out of the samples.
@@ -379,10 +385,18 @@ impl Backing {
         let mut next = h.clone();
         change(&mut next);
         if next != *h {
-            next.write(&*self.dev)?;
+            self.write_header(&mut next)?;
             *h = next;
         }
         Ok(())
+    }
+
+    /// Writes `header` (both copies, then a flush of the device). A failure counts as a
+    /// failed flush (`flush_failures`): the device may have lost what it was sent before.
+    pub(crate) fn write_header(&self, header: &mut BackingHeader) -> Result<()> {
+        header.write(&*self.dev).inspect_err(|_| {
+            self.flush_failures.fetch_add(1, Ordering::SeqCst);
+        })
     }
 
     /// Writes the backing device header with the given state if it differs.
@@ -394,10 +408,18 @@ impl Backing {
     /// dirty data superseded by writes to it); on failure it stays marked as written.
     pub(crate) fn flush_now(&self) -> Result<()> {
         self.backing_written.store(false, Ordering::SeqCst);
+        let failures = self.flush_failures.load(Ordering::SeqCst);
+        let covers = self.unflushed.lock().covers();
         self.flush_counted().map_err(|e| {
             self.backing_written.store(true, Ordering::SeqCst);
             Error::io("flushing backing device", e)
-        })
+        })?;
+        // Covered, unless some flush failed before or meanwhile: then what it may have lost
+        // is still to be written again or reported (`io::lost`).
+        if self.flush_failures.load(Ordering::SeqCst) == failures {
+            self.unflushed.lock().flushed(covers, failures);
+        }
+        Ok(())
     }
 
     /// Flushes the device, counting a failure in `flush_failures`.

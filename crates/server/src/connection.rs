@@ -74,7 +74,7 @@ use crate::iobuf::{IoBuf, REUSE_BYTES_MAX};
 use crate::net::{Deadlined, Stream};
 use crate::table::{Activity, InFlight};
 use crate::transport::{Incoming, Outgoing};
-use crate::Export;
+use crate::{Export, LossWatch};
 use nbd_proto::{
     Decoded, NbdErrno, Request, ServerEvent, ServerHandshake, TlsMode, TransmissionContext,
     ValidRequest,
@@ -261,6 +261,7 @@ fn serve_inner(
             leftover: negotiated.leftover,
             export: Arc::clone(lease.export()),
             removed: Arc::clone(lease.removed()),
+            watch: Arc::new(LossWatch::new(&**lease.export())),
             ctx,
             activity: Arc::clone(activity),
             shared: Arc::clone(shared),
@@ -311,6 +312,7 @@ fn transmission(
         shared,
         ctx,
         export: lease.export().as_ref(),
+        watch: LossWatch::new(lease.export().as_ref()),
         removed: lease.removed(),
     };
     // The scope returns once every worker has exited, i.e. reading has ended and every request
@@ -359,6 +361,8 @@ struct Connection<'a> {
     shared: &'a Shared,
     ctx: TransmissionContext,
     export: &'a dyn Export,
+    /// What this connection was told of losses below the export.
+    watch: LossWatch,
     /// Set once the export is removed: requests are refused from then on.
     removed: &'a std::sync::atomic::AtomicBool,
 }
@@ -410,8 +414,17 @@ impl<'a> Connection<'a> {
             let cookie = next.cookie;
             let data_bytes = match next.action {
                 Ok(request) => {
-                    let run =
-                        || execute(self.export, &self.ctx, cookie, request, &mut buf, &mut head);
+                    let run = || {
+                        execute(
+                            self.export,
+                            &self.watch,
+                            &self.ctx,
+                            cookie,
+                            request,
+                            &mut buf,
+                            &mut head,
+                        )
+                    };
                     catch_unwind(AssertUnwindSafe(run)).unwrap_or_else(|_| {
                         log::error!("the export panicked serving request {cookie:#x}");
                         head.clear();

@@ -6,7 +6,7 @@
 //! errors become NBD errors through `NbdErrno::from_io_error`.
 
 use crate::iobuf::IoBuf;
-use crate::Export;
+use crate::{Export, LossWatch};
 use nbd_proto::{
     encode_offset_data_header, encode_simple_reply, Chunk, Extent, NbdErrno, Request,
     TransmissionContext, ValidRequest,
@@ -44,6 +44,7 @@ const EXTENT_COUNT_MAX: usize = 1024;
 /// in `head` and returns how many bytes of `buf` (the read data) follow it.
 pub(crate) fn execute(
     export: &dyn Export,
+    watch: &LossWatch,
     ctx: &TransmissionContext,
     cookie: u64,
     request: ValidRequest,
@@ -70,8 +71,13 @@ pub(crate) fn execute(
             offset,
             length,
             fua,
-        } => export.write(offset, buf.data(length as usize), fua),
-        ValidRequest::Flush => export.flush(),
+        } => told(
+            export,
+            watch,
+            fua,
+            export.write(offset, buf.data(length as usize), fua),
+        ),
+        ValidRequest::Flush => watch.check(export, export.flush()),
         ValidRequest::Trim {
             offset,
             length,
@@ -80,13 +86,14 @@ pub(crate) fn execute(
             if length == 0 {
                 Ok(())
             } else {
-                export.trim(offset, u64::from(length)).and_then(|()| {
+                let r = export.trim(offset, u64::from(length)).and_then(|()| {
                     if fua {
                         export.flush()
                     } else {
                         Ok(())
                     }
-                })
+                });
+                told(export, watch, fua, r)
             }
         }
         ValidRequest::WriteZeroes {
@@ -95,12 +102,32 @@ pub(crate) fn execute(
             fua,
             no_hole,
             ..
-        } => export.write_zeroes(offset, u64::from(length), fua, no_hole),
+        } => told(
+            export,
+            watch,
+            fua,
+            export.write_zeroes(offset, u64::from(length), fua, no_hole),
+        ),
         ValidRequest::Cache { offset, length } => export.cache(offset, u64::from(length)),
         ValidRequest::Disconnect => unreachable!("the reader handles disconnect"),
     };
     simple_reply(ctx, cookie, outcome, head);
     0
+}
+
+/// The result a change ending with `result` is answered: with `fua` it promised
+/// durability, so the connection is told of a loss (see [`LossWatch`]).
+pub(crate) fn told(
+    export: &dyn Export,
+    watch: &LossWatch,
+    fua: bool,
+    result: std::io::Result<()>,
+) -> std::io::Result<()> {
+    if fua {
+        watch.check(export, result)
+    } else {
+        result
+    }
 }
 
 /// The reply to a request without data (all but reads and block status) that ended with

@@ -85,6 +85,12 @@ pub trait Export: Send + Sync + 'static {
         Start::Whole
     }
     fn flush(&self) -> io::Result<()>;
+    /// How many times writes this export had acknowledged were lost below it for good (see
+    /// [`LossWatch`](crate::LossWatch)): a count that only grows. Each connection fails its
+    /// next flush or FUA write once after it grew. The default: nothing is ever lost.
+    fn losses(&self) -> u64 {
+        0
+    }
     fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool, no_hole: bool) -> io::Result<()>;
     /// Prefetch hint.

@@ -74,6 +74,7 @@ mod net;
 mod ring;
 mod server;
 mod table;
+mod told;
 mod transport;
 mod unix_socket;
 
@@ -85,6 +86,7 @@ pub use nbd_proto::ValidRequest;
 pub use nbd_tls::ServerTls;
 pub use net::{peer_cred, tcp_exposure_warning, BindAddr, LocalAddr, TlsConfig};
 pub use server::{start, ServerHandle, ServerStats, StatsView};
+pub use told::LossWatch;
 pub use unix_socket::{
     bind_unix, check_unix_path, UnixSocketFile, UnixSocketPerms, SOCKET_MODE_DEFAULT,
 };

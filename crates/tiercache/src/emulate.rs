@@ -42,10 +42,7 @@ pub fn device(
 
 pub fn run(dev: Arc<dyn BlockDevice>, socket: &Path, name: &str) -> Result<()> {
     let registry = server::ExportRegistry::new();
-    registry.add(Arc::new(DeviceExport {
-        dev: dev.clone(),
-        name: name.to_string(),
-    }))?;
+    registry.add(Arc::new(DeviceExport::new(dev.clone(), name.to_string())))?;
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone())?;

@@ -329,6 +329,9 @@ impl server::Export for VolumeExport {
     fn flush(&self) -> io::Result<()> {
         self.timed(Op::Flush, 0, || self.vol.flush())
     }
+    fn losses(&self) -> u64 {
+        self.vol.losses()
+    }
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
         self.timed(Op::Trim, len, || self.vol.discard(offset, len))
     }
@@ -352,6 +355,27 @@ impl server::Export for VolumeExport {
 pub struct DeviceExport {
     pub dev: std::sync::Arc<dyn blockdev::BlockDevice>,
     pub name: String,
+    /// Failed flushes and FUA writes: each may have lost writes the device had acknowledged,
+    /// so every connection is told (`Export::losses`).
+    failed_flushes: std::sync::atomic::AtomicU64,
+}
+
+impl DeviceExport {
+    pub fn new(dev: std::sync::Arc<dyn blockdev::BlockDevice>, name: String) -> DeviceExport {
+        DeviceExport {
+            dev,
+            name,
+            failed_flushes: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Flushes the device, counting a failure as a loss every connection is told of.
+    fn flush_counted(&self) -> io::Result<()> {
+        self.dev.flush().inspect_err(|_| {
+            self.failed_flushes
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        })
+    }
 }
 
 impl server::Export for DeviceExport {
@@ -376,12 +400,16 @@ impl server::Export for DeviceExport {
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
         self.dev.write_at(data, offset)?;
         if fua {
-            self.dev.flush()?;
+            self.flush_counted()?;
         }
         Ok(())
     }
     fn flush(&self) -> io::Result<()> {
-        self.dev.flush()
+        self.flush_counted()
+    }
+    fn losses(&self) -> u64 {
+        self.failed_flushes
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
     fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
         self.dev.discard(offset, len)
@@ -389,7 +417,7 @@ impl server::Export for DeviceExport {
     fn write_zeroes(&self, offset: u64, len: u64, fua: bool, _no_hole: bool) -> io::Result<()> {
         self.dev.write_zeroes(offset, len)?;
         if fua {
-            self.dev.flush()?;
+            self.flush_counted()?;
         }
         Ok(())
     }

@@ -194,10 +194,7 @@ pub fn prepare(
             dev,
         };
         volumes.push(DirectVolume {
-            export: Arc::new(DeviceExport {
-                dev: Arc::new(area),
-                name: name.clone(),
-            }),
+            export: Arc::new(DeviceExport::new(Arc::new(area), name.clone())),
             spec,
             name,
             header,

@@ -34,7 +34,7 @@
 //! back different when writes were acknowledged before they were durable.
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
-use server::Export;
+use server::{Export, LossWatch};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -458,6 +458,8 @@ impl Device {
         let file = Arc::new(file);
         self.chardev = Some(file.clone());
         let (ready_tx, ready_rx) = mpsc::channel();
+        // One device, one client: told of a loss below the export once, on any queue.
+        let watch = Arc::new(LossWatch::new(&*export));
         for q in 0..info.nr_hw_queues {
             let queue = Queue {
                 q_id: q,
@@ -465,6 +467,7 @@ impl Device {
                 buf_bytes: info.max_io_buf_bytes as usize,
                 chardev: file.clone(),
                 export: export.clone(),
+                watch: watch.clone(),
                 stop: self.stop.clone(),
             };
             let tx = ready_tx.clone();
@@ -553,6 +556,8 @@ struct Queue {
     buf_bytes: usize,
     chardev: Arc<File>,
     export: Arc<dyn Export>,
+    /// What the device was told of losses below the export (`server::LossWatch`).
+    watch: Arc<LossWatch>,
     stop: Arc<AtomicBool>,
 }
 
@@ -683,6 +688,7 @@ impl Queue {
             self.q_id,
             usize::from(depth).min(WORKERS_PER_QUEUE),
             &self.export,
+            &self.watch,
             &wake,
             &self.stop,
         )?;
@@ -762,7 +768,7 @@ impl Queue {
                 let buf = &bufs[usize::from(tag)];
                 // SAFETY: see `Job`: the request is with this thread, the buffer's only user.
                 let data = unsafe { std::slice::from_raw_parts_mut(buf.ptr, buf.layout.size()) };
-                let result = execute(&*self.export, descs.get(tag), data);
+                let result = execute(&*self.export, &self.watch, descs.get(tag), data);
                 self.commit(ring, tag, result, buf)?;
             } else {
                 for &tag in &arrived {
@@ -846,6 +852,7 @@ impl Workers {
         q_id: u16,
         n: usize,
         export: &Arc<dyn Export>,
+        watch: &Arc<LossWatch>,
         wake: &Arc<EventFd>,
         stop: &Arc<AtomicBool>,
     ) -> io::Result<Workers> {
@@ -860,6 +867,7 @@ impl Workers {
         for w in 0..n {
             let (job_rx, result_tx) = (job_rx.clone(), result_tx.clone());
             let (export, stop, wake) = (export.clone(), stop.clone(), wake.clone());
+            let watch = watch.clone();
             let t = std::thread::Builder::new()
                 .name(format!("ublkq{q_id}w{w}"))
                 .spawn(move || loop {
@@ -873,7 +881,7 @@ impl Workers {
                     // SAFETY: see `Job`: this worker is the buffer's only user until it sends
                     // the result.
                     let buf = unsafe { std::slice::from_raw_parts_mut(job.buf, job.cap) };
-                    let result = execute(&*export, job.desc, buf);
+                    let result = execute(&*export, &watch, job.desc, buf);
                     if result_tx.send((job.tag, result)).is_err() {
                         return;
                     }
@@ -908,7 +916,7 @@ impl Workers {
 }
 
 /// Executes one request on the export; the result for the driver: bytes done, or -errno.
-fn execute(export: &dyn Export, d: IoDesc, buf: &mut [u8]) -> i32 {
+fn execute(export: &dyn Export, watch: &LossWatch, d: IoDesc, buf: &mut [u8]) -> i32 {
     let op = d.op_flags & 0xff;
     let flags = d.op_flags;
     let offset = d.start_sector << 9;
@@ -918,12 +926,14 @@ fn execute(export: &dyn Export, d: IoDesc, buf: &mut [u8]) -> i32 {
     let r = match op {
         IO_OP_READ => export.read(offset, &mut buf[..data]),
         // Durable before acknowledged, FUA or not (see the module comment).
-        IO_OP_WRITE => export.write(offset, &buf[..data], true),
-        IO_OP_FLUSH => export.flush(),
+        // A durable write is told of a loss below the export, as a flush is.
+        IO_OP_WRITE => watch.check(export, export.write(offset, &buf[..data], true)),
+        IO_OP_FLUSH => watch.check(export, export.flush()),
         IO_OP_DISCARD => export.trim(offset, len as u64),
-        IO_OP_WRITE_ZEROES => {
-            export.write_zeroes(offset, len as u64, true, flags & IO_F_NOUNMAP != 0)
-        }
+        IO_OP_WRITE_ZEROES => watch.check(
+            export,
+            export.write_zeroes(offset, len as u64, true, flags & IO_F_NOUNMAP != 0),
+        ),
         _ => Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)),
     };
     match r {

@@ -379,6 +379,8 @@ pub struct AroundWrite {
     via: super::plan::Via,
     piece: [Piece; 1],
     range: Option<(DevId, BackingBlock, BackingBlock)>,
+    /// The change recorded as unflushed until the write completes (`unflushed`).
+    change: Option<u64>,
     /// When the write was issued (`Backing::io_issued`).
     issued: crate::state::IoUnderWay,
     /// Held until the write is done, as by every write (see `CacheUse`).
@@ -433,6 +435,7 @@ impl Volume {
             st.collide(dev, b0, b1);
         }
         Counters::add(&backing.counters.backing_written_bytes, slow.len);
+        let change = backing.unflushed.lock().begin(b0, b1);
         backing
             .client_backing_ns
             .store(inner.now_ns(), std::sync::atomic::Ordering::Relaxed);
@@ -454,6 +457,7 @@ impl Volume {
                 len: len as usize,
             }],
             range: Some((dev, b0, b1)),
+            change: Some(change),
             issued: backing.io_start(),
             cache_use: _use,
         })
@@ -505,6 +509,9 @@ impl AroundWrite {
         let (offset, len) = (self.offset, p.len as u64);
         backing.readahead.lock().invalidate(offset, offset + len);
         backing.backing_written.store(true, Ordering::SeqCst);
+        if let Some(change) = self.change.take() {
+            backing.unflushed.lock().end(change, io.is_ok());
+        }
         io.ctx(|| format!("writing backing device at {offset}"))?;
         if let Some((dev, b0, b1)) = self.range {
             let now = inner.now_ns();
@@ -521,6 +528,10 @@ impl AroundWrite {
     }
 
     fn release(&mut self) {
+        if let Some(change) = self.change.take() {
+            // Dropped unfinished: the write may have reached the device.
+            self.vol.backing.unflushed.lock().end(change, true);
+        }
         if let Some(range) = self.range.take() {
             self.vol.inner.ranges.unlock(range);
         }

@@ -17,6 +17,7 @@
 
 mod absorb;
 mod around;
+mod lost;
 mod plan;
 mod read;
 mod write;
@@ -421,7 +422,10 @@ impl Volume {
         len: u64,
         io: impl FnOnce(&dyn BlockDevice, u64) -> std::io::Result<()>,
     ) -> std::io::Result<()> {
+        let (b0, b1) = BackingBlock::touched_by(offset, len, self.inner.block_size());
+        let token = self.backing.unflushed.lock().begin(b0, b1);
         let r = self.on_backing(|d| io(d, self.backing.data_offset() + offset));
+        self.backing.unflushed.lock().end(token, r.is_ok());
         self.backing
             .readahead
             .lock()
@@ -474,6 +478,23 @@ impl Volume {
         if let Some(why) = self.backing.taken_over() {
             return Err(Error::State(why));
         }
+        // A failed flush of the backing device (this one's, another client's, writeback's)
+        // may have lost writes acknowledged before it: they are written again from the cache
+        // and the flush sent again, a few times at most (see `lost`).
+        let mut tries = 0;
+        loop {
+            self.repair_losses();
+            let failures = self.backing.flush_failures.load(Ordering::SeqCst);
+            let r = self.flush_once();
+            let failed_meanwhile = self.backing.flush_failures.load(Ordering::SeqCst) != failures;
+            tries += 1;
+            if !failed_meanwhile || tries == lost::FLUSH_TRIES {
+                return r;
+            }
+        }
+    }
+
+    fn flush_once(&self) -> Result<()> {
         if self.inner.is_degraded() {
             return self.degraded_flush();
         }
@@ -518,11 +539,9 @@ impl Volume {
             BackingBlock::ceil_of_offset(offset, bs),
             BackingBlock::of_offset(offset + len, bs),
         );
-        let now = inner.now_ns();
-        let mut st = inner.state.lock();
-        st.collide(self.backing.id, b0, b1);
+        inner.state.lock().collide(self.backing.id, b0, b1);
         if f1 > f0 {
-            st.invalidate(self.backing.id, f0, f1, now);
+            self.drop_superseded(f0, f1)?;
         }
         Ok(())
     }

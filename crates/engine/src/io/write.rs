@@ -270,9 +270,7 @@ impl Volume {
             (None, _) => {
                 // Zeroes always go down as a zeroing command, never through the cache.
                 self.backing_zero(from, len)?;
-                let now = inner.now_ns();
-                inner.state.lock().invalidate(dev, block, block + n, now);
-                return Ok(());
+                return self.drop_superseded(block, block + n);
             }
             (Some(d), _) => d,
         };
@@ -312,11 +310,7 @@ impl Volume {
             if route == Route::Back {
                 self.backing_write(rest, from + stored * bs)?;
             }
-            let now = inner.now_ns();
-            inner
-                .state
-                .lock()
-                .invalidate(dev, block + stored, block + n, now);
+            self.drop_superseded(block + stored, block + n)?;
         }
         Ok(())
     }

@@ -405,7 +405,7 @@ impl Conn {
                 let started = catch_unwind(AssertUnwindSafe(|| {
                     export.start_write(offset, length as usize, fua)
                 }));
-                (Answer::Write { length }, started)
+                (Answer::Write { length, fua }, started)
             }
             other => {
                 self.send_to_pool(
@@ -436,7 +436,13 @@ impl Conn {
             Start::Whole => Work::Execute(request),
             Start::Failed(err) => {
                 let mut head = spares.head();
-                let n = answer.reply(&self.a.ctx, cookie, Err(err), &mut head);
+                let n = answer.reply(
+                    (&*self.a.export, &self.a.watch),
+                    &self.a.ctx,
+                    cookie,
+                    Err(err),
+                    &mut head,
+                );
                 self.reply(head, buf, n, Some(permit), Some(in_flight));
                 return;
             }
@@ -480,9 +486,13 @@ impl Conn {
             conn: key,
             req,
             export: Arc::clone(&self.a.export),
+            watch: Arc::clone(&self.a.watch),
             ctx: self.a.ctx,
             cookie,
-            answer: answer.unwrap_or(Answer::Write { length: 0 }),
+            answer: answer.unwrap_or(Answer::Write {
+                length: 0,
+                fua: false,
+            }),
             work,
             buf,
         };
@@ -705,7 +715,13 @@ impl Conn {
             ReadFinished::Done(result) => {
                 let r = self.reqs.remove(req);
                 let mut head = spares.head();
-                let n = answer.reply(&self.a.ctx, cookie, result, &mut head);
+                let n = answer.reply(
+                    (&*self.a.export, &self.a.watch),
+                    &self.a.ctx,
+                    cookie,
+                    result,
+                    &mut head,
+                );
                 self.reply(head, r.buf, n, Some(r.permit), Some(r.in_flight));
             }
             ReadFinished::Again(rest) => {
@@ -715,6 +731,7 @@ impl Conn {
                     conn: key,
                     req,
                     export: Arc::clone(&self.a.export),
+                    watch: Arc::clone(&self.a.watch),
                     ctx: self.a.ctx,
                     cookie,
                     answer,

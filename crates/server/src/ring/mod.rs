@@ -66,6 +66,8 @@ pub(crate) struct Adopted {
     pub(crate) export: Arc<dyn Export>,
     /// Set once the export is removed (see `execute::admit`).
     pub(crate) removed: Arc<std::sync::atomic::AtomicBool>,
+    /// What this connection was told of losses below the export.
+    pub(crate) watch: Arc<crate::LossWatch>,
     pub(crate) ctx: TransmissionContext,
     pub(crate) activity: Arc<Activity>,
     pub(crate) shared: Arc<Shared>,

@@ -10,7 +10,7 @@
 use super::{Handle, Msg};
 use crate::execute::{error_reply, execute, read_reply, simple_reply};
 use crate::iobuf::IoBuf;
-use crate::{DirectIo, Export, Finished as DirectFinished, Rest};
+use crate::{DirectIo, Export, Finished as DirectFinished, LossWatch, Rest};
 use nbd_proto::{NbdErrno, TransmissionContext, ValidRequest};
 use std::collections::VecDeque;
 use std::io;
@@ -34,20 +34,22 @@ pub(crate) enum Work {
 pub(crate) enum Answer {
     /// A read of `length` bytes at `offset`: the data reply.
     Read { offset: u64, length: u32 },
-    /// A write of `length` bytes: a simple reply.
-    Write { length: u32 },
+    /// A write of `length` bytes: a simple reply (with `fua`, after the loss check: see
+    /// `LossWatch`).
+    Write { length: u32, fua: bool },
 }
 
 impl Answer {
     pub(crate) fn len(self) -> usize {
         match self {
-            Answer::Read { length, .. } | Answer::Write { length } => length as usize,
+            Answer::Read { length, .. } | Answer::Write { length, .. } => length as usize,
         }
     }
 
     /// The reply to the request ending with `result`; returns the data bytes after `head`.
     pub(crate) fn reply(
         self,
+        told: (&dyn Export, &LossWatch),
         ctx: &TransmissionContext,
         cookie: u64,
         result: io::Result<()>,
@@ -57,7 +59,8 @@ impl Answer {
             Answer::Read { offset, length } => {
                 read_reply(ctx, cookie, offset, length, result, head)
             }
-            Answer::Write { .. } => {
+            Answer::Write { fua, .. } => {
+                let result = crate::execute::told(told.0, told.1, fua, result);
                 simple_reply(ctx, cookie, result, head);
                 0
             }
@@ -71,6 +74,7 @@ pub(crate) struct Job {
     pub(crate) conn: usize,
     pub(crate) req: usize,
     pub(crate) export: Arc<dyn Export>,
+    pub(crate) watch: Arc<LossWatch>,
     pub(crate) ctx: TransmissionContext,
     pub(crate) cookie: u64,
     /// How a started request (`Rest`, `Direct`) is answered (`Execute` answers itself).
@@ -201,6 +205,7 @@ fn run(job: Job) {
         conn,
         req,
         export,
+        watch,
         ctx,
         cookie,
         answer,
@@ -209,10 +214,12 @@ fn run(job: Job) {
     } = job;
     let mut head = Vec::with_capacity(64);
     let outcome = catch_unwind(AssertUnwindSafe(|| match work {
-        Work::Execute(request) => execute(&*export, &ctx, cookie, request, &mut buf, &mut head),
+        Work::Execute(request) => {
+            execute(&*export, &watch, &ctx, cookie, request, &mut buf, &mut head)
+        }
         Work::Rest(rest) => {
             let result = rest(buf.data_mut(answer.len()));
-            answer.reply(&ctx, cookie, result, &mut head)
+            answer.reply((&*export, &watch), &ctx, cookie, result, &mut head)
         }
         Work::Direct(direct) => {
             let data = buf.data_mut(answer.len());
@@ -229,7 +236,7 @@ fn run(job: Job) {
                 DirectFinished::Done(r) => r,
                 DirectFinished::Again(rest) => rest(data),
             };
-            answer.reply(&ctx, cookie, result, &mut head)
+            answer.reply((&*export, &watch), &ctx, cookie, result, &mut head)
         }
     }));
     let data_len = outcome.unwrap_or_else(|_| {
