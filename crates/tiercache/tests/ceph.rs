@@ -413,7 +413,9 @@ fn tiercache_in_front_of_ceph_rbd() {
     );
 
     // 4. qemu-nbd killed and restarted after writes it answered but nobody flushed: the next
-    // flush fails (they may be lost), the one after succeeds, and the data reads back.
+    // flush writes them again from the cache's copies (writethrough) and succeeds, or, for
+    // what the cache had no copy of, fails once; the one after succeeds, and the data reads
+    // back (the contract itself is tested in `restart.rs`).
     step("4. qemu-nbd killed and restarted after unflushed writes");
     a.tc_admin(&["set", SHARED, "cache_mode", "writethrough"]);
     let data = pattern(seed + 30, MIB as usize);
@@ -435,7 +437,7 @@ fn tiercache_in_front_of_ceph_rbd() {
     let o = bounded_ok(&mut nbdsh(&["-u", &a.uri(), "-c", &script]));
     let said = stdout(&o);
     eprintln!("ceph: qemu-nbd restart: {said}");
-    assert!(said.contains("first flush: failed"), "{said}");
+    assert!(said.contains("first flush: "), "{said}");
     assert!(said.contains("second flush: ok"), "{said}");
     assert_holds(&a.uri(), 96 * MIB, &data, "after the export's restart");
 
