@@ -62,8 +62,10 @@ impl Unflushed {
             self.changes.remove(&token);
             return;
         }
+        // In-flight changes are never merged nor taken, so the token is there.
         let Some(c) = self.changes.get_mut(&token) else {
-            return; // merged away or taken by a repair meanwhile
+            debug_assert!(false, "change {token} ended twice");
+            return;
         };
         c.done = Some(self.next_done);
         self.next_done += 1;

@@ -71,10 +71,9 @@ pub(crate) fn execute(
             offset,
             length,
             fua,
-        } => told(
-            export,
-            watch,
+        } => watch.check_if(
             fua,
+            export,
             export.write(offset, buf.data(length as usize), fua),
         ),
         ValidRequest::Flush => watch.check(export, export.flush()),
@@ -93,7 +92,7 @@ pub(crate) fn execute(
                         Ok(())
                     }
                 });
-                told(export, watch, fua, r)
+                watch.check_if(fua, export, r)
             }
         }
         ValidRequest::WriteZeroes {
@@ -102,10 +101,9 @@ pub(crate) fn execute(
             fua,
             no_hole,
             ..
-        } => told(
-            export,
-            watch,
+        } => watch.check_if(
             fua,
+            export,
             export.write_zeroes(offset, u64::from(length), fua, no_hole),
         ),
         ValidRequest::Cache { offset, length } => export.cache(offset, u64::from(length)),
@@ -113,21 +111,6 @@ pub(crate) fn execute(
     };
     simple_reply(ctx, cookie, outcome, head);
     0
-}
-
-/// The result a change ending with `result` is answered: with `fua` it promised
-/// durability, so the connection is told of a loss (see [`LossWatch`]).
-pub(crate) fn told(
-    export: &dyn Export,
-    watch: &LossWatch,
-    fua: bool,
-    result: std::io::Result<()>,
-) -> std::io::Result<()> {
-    if fua {
-        watch.check(export, result)
-    } else {
-        result
-    }
 }
 
 /// The reply to a request without data (all but reads and block status) that ended with

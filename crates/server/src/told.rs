@@ -46,6 +46,21 @@ impl LossWatch {
              cache held no copy to write again",
         )))
     }
+
+    /// `check` for a request that promised durability (`durable`: a FUA write or trim),
+    /// else `result` as it is.
+    pub fn check_if(
+        &self,
+        durable: bool,
+        export: &dyn Export,
+        result: io::Result<()>,
+    ) -> io::Result<()> {
+        if durable {
+            self.check(export, result)
+        } else {
+            result
+        }
+    }
 }
 
 #[cfg(test)]

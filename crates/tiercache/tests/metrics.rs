@@ -891,28 +891,7 @@ fn hits_are_read_by_the_data_path_asked_for() {
 /// `direct_reads` and `direct_writes` count them and fio's verify finds its data; a remote
 /// device that stops answering fails such a read within its timeout, and one that answers
 /// again serves the next.
-/// `nbdkit [FILTERS] file slow.img [PARAMS]` on `kit.sock` in the fixture's directory (the
-/// fixture's backing device, served remote), started and accepting connections.
-fn nbdkit_on_backing(f: &Fixture, filters: &[&str], params: &[&str]) -> Child {
-    let pidfile = f.path("kit.pid");
-    let _ = std::fs::remove_file(&pidfile);
-    let _ = std::fs::remove_file(f.path("kit.sock"));
-    let kit = Command::new("nbdkit")
-        .args(["-f", "--exit-with-parent", "-P"])
-        .arg(&pidfile)
-        .arg("-U")
-        .arg(f.path("kit.sock"))
-        .args(filters)
-        .arg("file")
-        .arg(f.path("slow.img"))
-        .args(params)
-        .spawn()
-        .unwrap();
-    wait_for_nbdkit(&pidfile);
-    kit
-}
-
-/// `serve` with the nbdkit export of `nbdkit_on_backing` as its backing device (URI query
+/// `serve` with the nbdkit export of `Fixture::nbdkit_on_backing` as its backing device (URI query
 /// `query`) and metrics on a free port, in `cache_mode none`; its log (warnings, and the NBD
 /// client's news) goes to `serve.log`.
 fn serve_on_nbdkit(f: &mut Fixture, query: &str) {
@@ -936,7 +915,7 @@ fn serve_on_nbdkit(f: &mut Fixture, query: &str) {
 /// `serve` in front of a fresh `nbdkit file` (see [`serve_on_nbdkit`]), and that nbdkit.
 fn served_on_nbdkit(query: &str) -> (Fixture, Child) {
     let mut f = Fixture::new(64, 32, false);
-    let kit = nbdkit_on_backing(&f, &[], &[]);
+    let kit = f.nbdkit_on_backing(&[], &[]);
     serve_on_nbdkit(&mut f, query);
     (f, kit)
 }
@@ -1094,7 +1073,7 @@ fn a_remote_server_that_shuts_down_is_left_and_its_successor_serves() {
     assert_eq!(unsafe { libc::kill(kit.id() as i32, libc::SIGTERM) }, 0);
     let mut old = kit;
     let _ = std::fs::remove_file(f.path("kit.sock"));
-    kit = nbdkit_on_backing(&f, &[], &[]);
+    kit = f.nbdkit_on_backing(&[], &[]);
     // Reads until every connection to the old server has learnt of its shutdown (nbdkit
     // answers normally until its signal handler ran) and it has exited; each one succeeds:
     // nothing was unflushed, so a read the old server refused is sent again.
@@ -1131,7 +1110,7 @@ fn a_remote_read_on_the_ring_survives_a_server_restart() {
         return;
     }
     let mut f = Fixture::new(64, 32, false);
-    let delayed = |f: &Fixture| nbdkit_on_backing(f, &["--filter=delay"], &["rdelay=1"]);
+    let delayed = |f: &Fixture| f.nbdkit_on_backing(&["--filter=delay"], &["rdelay=1"]);
     let mut kit = delayed(&f);
     serve_on_nbdkit(&mut f, "timeout=20");
     let addr = metrics_address(&f);

@@ -60,7 +60,7 @@ impl Answer {
                 read_reply(ctx, cookie, offset, length, result, head)
             }
             Answer::Write { fua, .. } => {
-                let result = crate::execute::told(told.0, told.1, fua, result);
+                let result = told.1.check_if(fua, told.0, result);
                 simple_reply(ctx, cookie, result, head);
                 0
             }

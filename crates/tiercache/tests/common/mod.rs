@@ -170,6 +170,27 @@ impl Fixture {
         assert!(status.success(), "server exited with {status}");
     }
 
+    /// `nbdkit [FILTERS] file slow.img [PARAMS]` on `kit.sock` in the fixture's directory (the
+    /// fixture's backing device, served remote), started and accepting connections.
+    pub fn nbdkit_on_backing(&self, filters: &[&str], params: &[&str]) -> Child {
+        let pidfile = self.path("kit.pid");
+        let _ = std::fs::remove_file(&pidfile);
+        let _ = std::fs::remove_file(self.path("kit.sock"));
+        let kit = Command::new("nbdkit")
+            .args(["-f", "--exit-with-parent", "-P"])
+            .arg(&pidfile)
+            .arg("-U")
+            .arg(self.path("kit.sock"))
+            .args(filters)
+            .arg("file")
+            .arg(self.path("slow.img"))
+            .args(params)
+            .spawn()
+            .unwrap();
+        wait_for_nbdkit(&pidfile);
+        kit
+    }
+
     pub fn kill9(&mut self) {
         let mut c = self.server.take().unwrap();
         c.kill().unwrap();
