@@ -569,6 +569,44 @@ fn writeback_marks_nothing_clean_after_a_failed_backing_flush() {
     assert!(vol.status().writeback_error.is_none());
 }
 
+/// A backing device whose flushes keep failing: a client's flush writes what the failures
+/// may have lost again from the cache and flushes again a bounded number of times, then fails
+/// (it never loops or hangs); once the device flushes again, the next flush succeeds and the
+/// device holds the data.
+#[test]
+fn a_backing_device_that_keeps_failing_flushes_fails_the_flush_after_bounded_tries() {
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    let backing = Arc::new(Hooked {
+        inner: blockdev::MemDevice::new(4 << 20),
+        fail_flushes: std::sync::atomic::AtomicU32::new(0),
+        on_write: std::sync::Mutex::new(None),
+    });
+    let (_set, vol) = format_and_open(
+        Arc::new(blockdev::MemDevice::new(4 << 20)),
+        backing.clone(),
+        CacheMode::Writethrough,
+        no_threads(),
+    );
+    let d = data(7, 0, 16384);
+    vol.write(0, &d, false).unwrap();
+    backing.fail_flushes.store(100, Ordering::SeqCst);
+    assert!(vol.flush().is_err(), "a device that fails every flush");
+    let tried = 100 - backing.fail_flushes.load(Ordering::SeqCst);
+    assert!(
+        (1..=3).contains(&tried),
+        "{tried} flushes sent for one client flush"
+    );
+    backing.fail_flushes.store(0, Ordering::SeqCst);
+    vol.flush().expect("the device flushes again");
+    assert_eq!(vol.losses(), 0, "the cache held the data: nothing lost");
+    let mut on_disk = vec![0u8; d.len()];
+    backing
+        .read_at(&mut on_disk, engine::format::BACKING_DATA_OFFSET)
+        .unwrap();
+    assert!(on_disk == d, "the device holds the data after the flush");
+}
+
 // ----- hung and slow cache devices -----
 
 /// A set on a cache device with its own fault controller (latency there slows the cache

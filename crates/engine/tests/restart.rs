@@ -7,7 +7,9 @@
 //! property, after every round: a write whose writer later got a successful flush that told
 //! it of no loss reads back (unless a later write to the same sector replaced it), through
 //! the volume and, in modes that keep no dirty data, straight from the backing device's
-//! durable image. Seeded: `TIERCACHE_SEED=N` replays a run.
+//! durable image. Now and then the host crashes too (both devices keep what a power loss may
+//! keep) and the set is opened again: what was promised survives that as well. Seeded:
+//! `TIERCACHE_SEED=N` replays a run.
 
 mod common;
 
@@ -87,6 +89,7 @@ struct Run {
     rounds: u64,
     restarts: u64,
     lost_restarts: u64,
+    crashes: u64,
     writes: u64,
     told: u64,
 }
@@ -94,10 +97,11 @@ struct Run {
 fn run(seed: u64, mode: CacheMode) -> Result<Run, String> {
     let trace = std::env::var("TIERCACHE_TRACE").is_ok();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let rig = Rig::new(seed, Geometry::default(), mode);
+    let mut rig = Rig::new(seed, Geometry::default(), mode);
     rig.backing.set_restartable(true);
     if rng.gen_bool(0.5) {
         // Streams past a short cutoff go around the cache: writes the cache has no copy of.
+        rig.seq_cutoff = Some(16 << 10);
         rig.vol().set_sequential_cutoff(16 << 10).unwrap();
     }
     let sectors = (rig.vol().size_bytes() / SECTOR) as usize;
@@ -114,6 +118,7 @@ fn run(seed: u64, mode: CacheMode) -> Result<Run, String> {
         rounds: 6,
         restarts: 0,
         lost_restarts: 0,
+        crashes: 0,
         writes: 0,
         told: 0,
     };
@@ -173,7 +178,17 @@ fn run(seed: u64, mode: CacheMode) -> Result<Run, String> {
                     op += 1;
                     clients[c].flushes.push((op, r.is_ok() && !told));
                 }
-                85..=94 => {
+                85..=87 => {
+                    // The host crashes (power loss: both devices keep what a crash may keep):
+                    // now, or at one of the next few I/Os, inside whatever request, flush,
+                    // repair or writeback is then under way.
+                    let at = rig.ctrl.io_count() + rng.gen_range(0..40);
+                    if trace {
+                        println!("op {op}: crash at I/O {at}");
+                    }
+                    rig.ctrl.set_crash_at(Some(at));
+                }
+                88..=96 => {
                     // The remote server restarts: unflushed writes are gone.
                     out.restarts += 1;
                     let lost = rig.backing.restart();
@@ -187,7 +202,13 @@ fn run(seed: u64, mode: CacheMode) -> Result<Run, String> {
                     let _ = rig.set().writeback_step(true);
                 }
             }
+            if rig.ctrl.is_crashed() {
+                recover(&mut rig, &mut clients, &mut op)
+                    .map_err(|e| format!("round {round}: reopen after a crash: {e}"))?;
+                out.crashes += 1;
+            }
         }
+        rig.ctrl.set_crash_at(None);
         // The round's end: each client flushes (and is told, or not), then everything is read.
         for c in &mut clients {
             op += 1;
@@ -219,6 +240,19 @@ fn run(seed: u64, mode: CacheMode) -> Result<Run, String> {
         }
     }
     Ok(out)
+}
+
+/// After the crash point: the set is opened again on what the devices kept, and the clients
+/// connect again. Their connections broke, so a client's flush on its new connection
+/// promises nothing of what it wrote before (recorded as a flush that told it of a loss).
+fn recover(rig: &mut Rig, clients: &mut [Client], op: &mut u64) -> Result<(), String> {
+    rig.crash_and_reopen().map_err(|e| e.to_string())?;
+    *op += 1;
+    for c in clients {
+        c.seen = rig.vol().losses();
+        c.flushes.push((*op, false));
+    }
+    Ok(())
 }
 
 /// Whether the client is told of a loss now (see `server::LossWatch`).
@@ -256,6 +290,7 @@ fn a_restart_of_the_backing_device_loses_nothing_a_client_flushed() {
         rounds: 0,
         restarts: 0,
         lost_restarts: 0,
+        crashes: 0,
         writes: 0,
         told: 0,
     };
@@ -267,6 +302,7 @@ fn a_restart_of_the_backing_device_loses_nothing_a_client_flushed() {
                 total.rounds += r.rounds;
                 total.restarts += r.restarts;
                 total.lost_restarts += r.lost_restarts;
+                total.crashes += r.crashes;
                 total.writes += r.writes;
                 total.told += r.told;
             }
@@ -275,8 +311,9 @@ fn a_restart_of_the_backing_device_loses_nothing_a_client_flushed() {
     }
     println!(
         "restart: {seeds} runs, 3 writers each, {} rounds, {} restarts ({} lost unflushed \
-         writes), {} writes acknowledged, {} flushes told of a loss, 0 flushed writes lost",
-        total.rounds, total.restarts, total.lost_restarts, total.writes, total.told
+         writes), {} crashes of the host, {} writes acknowledged, {} flushes told of a loss, \
+         0 flushed writes lost",
+        total.rounds, total.restarts, total.lost_restarts, total.crashes, total.writes, total.told
     );
     assert!(
         total.lost_restarts > 0,
