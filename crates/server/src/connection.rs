@@ -261,7 +261,7 @@ fn serve_inner(
             leftover: negotiated.leftover,
             export: Arc::clone(lease.export()),
             removed: Arc::clone(lease.removed()),
-            watch: Arc::new(LossWatch::new(&**lease.export())),
+            watch: Arc::new(LossWatch::new(Arc::clone(lease.export()))),
             ctx,
             activity: Arc::clone(activity),
             shared: Arc::clone(shared),
@@ -312,7 +312,7 @@ fn transmission(
         shared,
         ctx,
         export: lease.export().as_ref(),
-        watch: LossWatch::new(lease.export().as_ref()),
+        watch: LossWatch::new(Arc::clone(lease.export())),
         removed: lease.removed(),
     };
     // The scope returns once every worker has exited, i.e. reading has ended and every request

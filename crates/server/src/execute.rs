@@ -71,12 +71,8 @@ pub(crate) fn execute(
             offset,
             length,
             fua,
-        } => watch.check_if(
-            fua,
-            export,
-            export.write(offset, buf.data(length as usize), fua),
-        ),
-        ValidRequest::Flush => watch.check(export, export.flush()),
+        } => watch.check_if(fua, export.write(offset, buf.data(length as usize), fua)),
+        ValidRequest::Flush => watch.check(export.flush()),
         ValidRequest::Trim {
             offset,
             length,
@@ -92,7 +88,7 @@ pub(crate) fn execute(
                         Ok(())
                     }
                 });
-                watch.check_if(fua, export, r)
+                watch.check_if(fua, r)
             }
         }
         ValidRequest::WriteZeroes {
@@ -103,7 +99,6 @@ pub(crate) fn execute(
             ..
         } => watch.check_if(
             fua,
-            export,
             export.write_zeroes(offset, u64::from(length), fua, no_hole),
         ),
         ValidRequest::Cache { offset, length } => export.cache(offset, u64::from(length)),

@@ -17,25 +17,25 @@
 use crate::Export;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-/// What one connection has been told (see the module).
-#[derive(Debug)]
+/// What one connection has been told of its export's losses (see the module).
 pub struct LossWatch {
+    export: Arc<dyn Export>,
     seen: AtomicU64,
 }
 
 impl LossWatch {
     /// A connection (or block device) starting to use `export` now.
-    pub fn new(export: &dyn Export) -> LossWatch {
-        LossWatch {
-            seen: AtomicU64::new(export.losses()),
-        }
+    pub fn new(export: Arc<dyn Export>) -> LossWatch {
+        let seen = AtomicU64::new(export.losses());
+        LossWatch { export, seen }
     }
 
     /// The result to answer a flush or FUA write that ended with `result`: an error if the
     /// export lost acknowledged writes since this connection was last told.
-    pub fn check(&self, export: &dyn Export, result: io::Result<()>) -> io::Result<()> {
-        let now = export.losses();
+    pub fn check(&self, result: io::Result<()>) -> io::Result<()> {
+        let now = self.export.losses();
         let before = self.seen.fetch_max(now, Ordering::SeqCst);
         if now <= before {
             return result;
@@ -49,14 +49,9 @@ impl LossWatch {
 
     /// `check` for a request that promised durability (`durable`: a FUA write or trim),
     /// else `result` as it is.
-    pub fn check_if(
-        &self,
-        durable: bool,
-        export: &dyn Export,
-        result: io::Result<()>,
-    ) -> io::Result<()> {
+    pub fn check_if(&self, durable: bool, result: io::Result<()>) -> io::Result<()> {
         if durable {
-            self.check(export, result)
+            self.check(result)
         } else {
             result
         }
@@ -121,21 +116,24 @@ mod tests {
 
     #[test]
     fn each_connection_is_told_once_and_a_new_one_not_at_all() {
-        let export = Counting::default();
-        let (a, b) = (LossWatch::new(&export), LossWatch::new(&export));
-        assert!(a.check(&export, Ok(())).is_ok());
+        let export = Arc::new(Counting::default());
+        let (a, b) = (
+            LossWatch::new(export.clone()),
+            LossWatch::new(export.clone()),
+        );
+        assert!(a.check(Ok(())).is_ok());
         export.lose();
-        let c = LossWatch::new(&export);
-        assert!(a.check(&export, Ok(())).is_err(), "a is told");
-        assert!(a.check(&export, Ok(())).is_ok(), "once");
-        assert!(b.check(&export, Ok(())).is_err(), "b is told too");
-        assert!(c.check(&export, Ok(())).is_ok(), "c opened after the loss");
+        let c = LossWatch::new(export.clone());
+        assert!(a.check(Ok(())).is_err(), "a is told");
+        assert!(a.check(Ok(())).is_ok(), "once");
+        assert!(b.check(Ok(())).is_err(), "b is told too");
+        assert!(c.check(Ok(())).is_ok(), "c opened after the loss");
         export.lose();
         export.lose();
-        assert!(c.check(&export, Ok(())).is_err());
-        assert!(c.check(&export, Ok(())).is_ok(), "two losses, told once");
-        let failed = a.check(&export, Err(io::Error::other("flush failed")));
+        assert!(c.check(Ok(())).is_err());
+        assert!(c.check(Ok(())).is_ok(), "two losses, told once");
+        let failed = a.check(Err(io::Error::other("flush failed")));
         assert_eq!(failed.unwrap_err().to_string(), "flush failed");
-        assert!(a.check(&export, Ok(())).is_ok(), "a failed flush told it");
+        assert!(a.check(Ok(())).is_ok(), "a failed flush told it");
     }
 }

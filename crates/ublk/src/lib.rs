@@ -459,7 +459,7 @@ impl Device {
         self.chardev = Some(file.clone());
         let (ready_tx, ready_rx) = mpsc::channel();
         // One device, one client: told of a loss below the export once, on any queue.
-        let watch = Arc::new(LossWatch::new(&*export));
+        let watch = Arc::new(LossWatch::new(export.clone()));
         for q in 0..info.nr_hw_queues {
             let queue = Queue {
                 q_id: q,
@@ -927,13 +927,12 @@ fn execute(export: &dyn Export, watch: &LossWatch, d: IoDesc, buf: &mut [u8]) ->
         IO_OP_READ => export.read(offset, &mut buf[..data]),
         // Durable before acknowledged, FUA or not (see the module comment).
         // A durable write is told of a loss below the export, as a flush is.
-        IO_OP_WRITE => watch.check(export, export.write(offset, &buf[..data], true)),
-        IO_OP_FLUSH => watch.check(export, export.flush()),
+        IO_OP_WRITE => watch.check(export.write(offset, &buf[..data], true)),
+        IO_OP_FLUSH => watch.check(export.flush()),
         IO_OP_DISCARD => export.trim(offset, len as u64),
-        IO_OP_WRITE_ZEROES => watch.check(
-            export,
-            export.write_zeroes(offset, len as u64, true, flags & IO_F_NOUNMAP != 0),
-        ),
+        IO_OP_WRITE_ZEROES => {
+            watch.check(export.write_zeroes(offset, len as u64, true, flags & IO_F_NOUNMAP != 0))
+        }
         _ => Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)),
     };
     match r {

@@ -436,13 +436,7 @@ impl Conn {
             Start::Whole => Work::Execute(request),
             Start::Failed(err) => {
                 let mut head = spares.head();
-                let n = answer.reply(
-                    (&*self.a.export, &self.a.watch),
-                    &self.a.ctx,
-                    cookie,
-                    Err(err),
-                    &mut head,
-                );
+                let n = answer.reply(&self.a.watch, &self.a.ctx, cookie, Err(err), &mut head);
                 self.reply(head, buf, n, Some(permit), Some(in_flight));
                 return;
             }
@@ -715,13 +709,7 @@ impl Conn {
             ReadFinished::Done(result) => {
                 let r = self.reqs.remove(req);
                 let mut head = spares.head();
-                let n = answer.reply(
-                    (&*self.a.export, &self.a.watch),
-                    &self.a.ctx,
-                    cookie,
-                    result,
-                    &mut head,
-                );
+                let n = answer.reply(&self.a.watch, &self.a.ctx, cookie, result, &mut head);
                 self.reply(head, r.buf, n, Some(r.permit), Some(r.in_flight));
             }
             ReadFinished::Again(rest) => {

@@ -49,7 +49,7 @@ impl Answer {
     /// The reply to the request ending with `result`; returns the data bytes after `head`.
     pub(crate) fn reply(
         self,
-        told: (&dyn Export, &LossWatch),
+        watch: &LossWatch,
         ctx: &TransmissionContext,
         cookie: u64,
         result: io::Result<()>,
@@ -60,7 +60,7 @@ impl Answer {
                 read_reply(ctx, cookie, offset, length, result, head)
             }
             Answer::Write { fua, .. } => {
-                let result = told.1.check_if(fua, told.0, result);
+                let result = watch.check_if(fua, result);
                 simple_reply(ctx, cookie, result, head);
                 0
             }
@@ -219,7 +219,7 @@ fn run(job: Job) {
         }
         Work::Rest(rest) => {
             let result = rest(buf.data_mut(answer.len()));
-            answer.reply((&*export, &watch), &ctx, cookie, result, &mut head)
+            answer.reply(&watch, &ctx, cookie, result, &mut head)
         }
         Work::Direct(direct) => {
             let data = buf.data_mut(answer.len());
@@ -236,7 +236,7 @@ fn run(job: Job) {
                 DirectFinished::Done(r) => r,
                 DirectFinished::Again(rest) => rest(data),
             };
-            answer.reply((&*export, &watch), &ctx, cookie, result, &mut head)
+            answer.reply(&watch, &ctx, cookie, result, &mut head)
         }
     }));
     let data_len = outcome.unwrap_or_else(|_| {
