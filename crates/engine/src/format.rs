@@ -78,14 +78,49 @@ impl Layout {
                 "bucket size {bucket_size} must be a power of two, at least two blocks and 8 KiB, at most 64 MiB"
             )));
         }
-        let device_size = device_size / META_BLOCK * META_BLOCK;
-        let too_small = || {
-            Error::Invalid(format!(
-                "cache device of {device_size} bytes is too small for {MIN_BUCKETS} buckets of {bucket_size} bytes plus metadata"
-            ))
+        let rounded = device_size / META_BLOCK * META_BLOCK;
+        if let Some(layout) = Self::fit(rounded, block_size, bucket_size)? {
+            return Ok(layout);
+        }
+        let bucket = u64::from(bucket_size);
+        Err(Error::Invalid(format!(
+            "cache device of {} is too small: {MIN_BUCKETS} buckets of {} with {block_size}-byte \
+             blocks plus metadata need at least {} ({} bytes); give a bigger device or a \
+             smaller --bucket-size",
+            crate::units::human(device_size),
+            crate::units::human(bucket),
+            crate::units::human(Self::min_device_size(block_size, bucket_size)),
+            Self::min_device_size(block_size, bucket_size),
+        )))
+    }
+
+    /// The smallest device (a multiple of the metadata block) a layout of `block_size` and
+    /// `bucket_size` fits on; both already checked.
+    fn min_device_size(block_size: u32, bucket_size: u32) -> u64 {
+        let fits = |blocks: u64| {
+            Self::fit(blocks * META_BLOCK, block_size, bucket_size).is_ok_and(|l| l.is_some())
         };
+        let mut hi = 16u64;
+        while !fits(hi) {
+            hi *= 2;
+        }
+        let mut lo = hi / 2; // does not fit (or is below the floor)
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if fits(mid) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        hi * META_BLOCK
+    }
+
+    /// The layout on a device of `device_size` bytes (a multiple of the metadata block), or
+    /// `None` if it is too small for `MIN_BUCKETS` buckets and the metadata.
+    fn fit(device_size: u64, block_size: u32, bucket_size: u32) -> Result<Option<Layout>> {
         if device_size < 16 * META_BLOCK {
-            return Err(too_small());
+            return Ok(None);
         }
         let sb_last = device_size - META_BLOCK;
         // A multiple of 8 KiB (as when the region was split into two mirror halves).
@@ -94,7 +129,7 @@ impl Layout {
         let mut nbuckets = (device_size / u64::from(bucket_size)) as u32;
         loop {
             if nbuckets < MIN_BUCKETS {
-                return Err(too_small());
+                return Ok(None);
             }
             let ckpt_len = Self::ckpt_len_for(nbuckets, bpb);
             let ckpt0 = 2 * META_BLOCK;
@@ -119,11 +154,12 @@ impl Layout {
                     data_off,
                 };
                 layout.validate()?;
-                return Ok(layout);
+                return Ok(Some(layout));
             }
             // Shrink by the overshoot (at least one bucket) and try again.
             let over = data_end - sb_last;
-            nbuckets -= (over.div_ceil(u64::from(bucket_size)) as u32).max(1);
+            let shrink = over.div_ceil(u64::from(bucket_size)).max(1);
+            nbuckets = nbuckets.saturating_sub(u32::try_from(shrink).unwrap_or(u32::MAX));
         }
     }
 

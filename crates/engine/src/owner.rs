@@ -27,6 +27,7 @@
 use crate::format::{BackingHeader, BackingState};
 use crate::state::{Backing, Inner};
 use crate::types::{Error, Result};
+use crate::units::human;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -41,17 +42,6 @@ pub(crate) struct DirtyWriter(Arc<Backing>);
 impl Drop for DirtyWriter {
     fn drop(&mut self) {
         self.0.dirty_writers.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// Sizes in messages: bytes, and MiB or GiB beside them when that is shorter to read.
-pub(crate) fn human(bytes: u64) -> String {
-    const MIB: f64 = (1u64 << 20) as f64;
-    match bytes {
-        b if b >= 1 << 30 => format!("{:.1} GiB", b as f64 / (MIB * 1024.0)),
-        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / MIB),
-        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
-        b => format!("{b} bytes"),
     }
 }
 
@@ -235,17 +225,4 @@ pub(crate) fn sync_dirty_mark(inner: &Inner, b: &Backing) -> Result<()> {
         b.amount_written_ns.store(now, Ordering::Relaxed);
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_read_as_people_write_them() {
-        assert_eq!(human(512), "512 bytes");
-        assert_eq!(human(4096), "4.0 KiB");
-        assert_eq!(human(12 << 20), "12.0 MiB");
-        assert_eq!(human(3 << 30), "3.0 GiB");
-    }
 }

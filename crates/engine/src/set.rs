@@ -192,7 +192,8 @@ fn refuse_if_signed(dev: &dyn BlockDevice, force: bool) -> Result<()> {
     }
 }
 
-/// A backing device the set knows but has not attached ([`CacheSet::missing`]).
+/// A backing device the set knows but has not attached ([`CacheSet::missing`]), or, for
+/// [`CacheSet::open_checked`], one it holds data of.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MissingVolume {
     pub uuid: Uuid,
@@ -272,7 +273,31 @@ impl CacheSet {
 
     /// Opens a formatted cache device, recovering its state from checkpoint and journal.
     pub fn open(cache: Arc<dyn BlockDevice>, config: Config) -> Result<(CacheSet, RecoveryReport)> {
+        CacheSet::open_checked(cache, config, |_| Ok(()))
+    }
+
+    /// Like `open`, with `check` first: it sees every backing device the set holds data of
+    /// (its uuid, bytes cached and dirty), read from the device without writing anything,
+    /// and an error from it refuses the open before recovery writes to the cache device (a
+    /// refused start changes nothing).
+    pub fn open_checked(
+        cache: Arc<dyn BlockDevice>,
+        config: Config,
+        check: impl FnOnce(&[MissingVolume]) -> Result<()>,
+    ) -> Result<(CacheSet, RecoveryReport)> {
         let started = Instant::now();
+        let loaded = checkpoint::load(&*cache)?;
+        let bs = u64::from(loaded.sb.layout.block_size);
+        let known: Vec<MissingVolume> = loaded
+            .devs
+            .iter()
+            .map(|(d, uuid)| MissingVolume {
+                uuid: *uuid,
+                cached_bytes: loaded.index.dev_live_blocks(*d) * bs,
+                dirty_bytes: loaded.index.dev_dirty_blocks(*d) * bs,
+            })
+            .collect();
+        check(&known)?;
         let Loaded {
             sb,
             index,
@@ -283,7 +308,7 @@ impl CacheSet {
             records_replayed,
             entries_replayed,
             dropped_record,
-        } = checkpoint::load(&*cache)?;
+        } = loaded;
         let mut notes = notes;
         if let Some(d) = &dropped_record {
             notes.push(d.what());
@@ -425,6 +450,16 @@ impl CacheSet {
         self.plan_attach(dev, opts).map(|_| ())
     }
 
+    /// Whether `dev` is a device this set served that another set has taken over since (its
+    /// header names that set): this set's copies of it are stale.
+    pub fn taken_from_us(&self, dev: &dyn BlockDevice) -> bool {
+        let Ok((header, _)) = BackingHeader::read(dev) else {
+            return false;
+        };
+        let known = (self.inner.state.lock().devs.values()).any(|u| *u == header.dev_uuid);
+        known && !header.set_uuid.is_nil() && header.set_uuid != self.set_uuid()
+    }
+
     /// Reads the header and decides what attaching means (see `check_attach`).
     fn plan_attach(&self, dev: &dyn BlockDevice, opts: AttachOptions) -> Result<Plan> {
         let inner = &self.inner;
@@ -467,6 +502,14 @@ impl CacheSet {
             }
             if !header.set_uuid.is_nil() && header.set_uuid != set_uuid {
                 let owner = crate::owner::owner_name(&header);
+                if !opts.take_over && known.is_some() {
+                    // This set served it before: the other set took it over, and what this
+                    // one holds of it is stale.
+                    return Err(Error::State(format!(
+                        "backing device {} was taken over by {owner}: what this cache set holds of it is stale and is never written to it; leave it out of --backing (--allow-missing serves the others meanwhile)",
+                        header.dev_uuid
+                    )));
+                }
                 if !opts.take_over {
                     return Err(Error::State(format!(
                         "backing device {} belongs to {owner}; detach it there first (if that host is gone for good, --take-over takes it: see docs/deploy.md)",

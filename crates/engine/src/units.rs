@@ -9,7 +9,8 @@
 //! - [`BackingBlock`]: a block of a backing device's data area (block-size units, the same
 //!   block size as the cache), below `index::BLOCK_LIMIT`; byte offsets stay `u64` and convert
 //!   only through [`BackingBlock::of_offset`], [`BackingBlock::ceil_of_offset`] and
-//!   [`BackingBlock::offset`].
+//!   [`BackingBlock::offset`];
+//! - [`human`]: byte counts as messages show them.
 //!
 //! Invariants:
 //! - the integer inside is private: a number becomes a unit only through `new` (a decoded
@@ -231,6 +232,17 @@ macro_rules! display_inner {
 }
 display_inner!(Bucket, CacheBlock, Gen, BackingBlock);
 
+/// Sizes in messages: bytes, and MiB or GiB beside them when that is shorter to read.
+pub(crate) fn human(bytes: u64) -> String {
+    const MIB: f64 = (1u64 << 20) as f64;
+    match bytes {
+        b if b >= 1 << 30 => format!("{:.1} GiB", b as f64 / (MIB * 1024.0)),
+        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / MIB),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{b} bytes"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -271,5 +283,13 @@ mod tests {
         );
         let b = BackingBlock::new(1 << 40);
         assert_eq!(BackingBlock::new(b.get()), b);
+    }
+
+    #[test]
+    fn sizes_read_as_people_write_them() {
+        assert_eq!(human(512), "512 bytes");
+        assert_eq!(human(4096), "4.0 KiB");
+        assert_eq!(human(12 << 20), "12.0 MiB");
+        assert_eq!(human(3 << 30), "3.0 GiB");
     }
 }

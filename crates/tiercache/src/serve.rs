@@ -868,7 +868,9 @@ pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> 
         }
     }
     let (backings, pending) = open_backings(cfg, &metrics)?;
-    match cache.and_then(|c| open_set(c, cfg.engine_config()?)) {
+    let check =
+        |known: &[engine::MissingVolume]| refuse_missing_dirty(cfg, known, &backings, &pending);
+    match cache.and_then(|c| open_set(c, cfg.engine_config()?, check)) {
         Ok(set) => run(
             cfg,
             with_set(cfg, set, backings, pending, metrics)?,
@@ -1036,10 +1038,11 @@ pub fn serve_devices(
 ) -> Result<()> {
     let metrics = Arc::new(Metrics::default());
     let cache = metrics.wrap_cache(cache, &cfg.cache.to_string_lossy());
-    let backings = (backings.into_iter().zip(&cfg.backing))
+    let backings: Vec<Named> = (backings.into_iter().zip(&cfg.backing))
         .map(|(d, name)| (name.clone(), metrics.wrap_backing(d, name)))
         .collect();
-    let set = open_set(cache, cfg.engine_config()?)?;
+    let check = |known: &[engine::MissingVolume]| refuse_missing_dirty(cfg, known, &backings, &[]);
+    let set = open_set(cache, cfg.engine_config()?, check)?;
     run(
         cfg,
         with_set(cfg, set, backings, Vec::new(), metrics)?,
@@ -1047,9 +1050,25 @@ pub fn serve_devices(
     )
 }
 
-/// Opens (recovers) the cache set on its device.
-fn open_set(cache: Arc<dyn BlockDevice>, config: Config) -> Result<CacheSet> {
-    let (set, report) = CacheSet::open(cache, config).context("opening the cache set")?;
+/// Opens (recovers) the cache set on its device, unless `check` refuses it first (before
+/// anything is written: see `CacheSet::open_checked`).
+fn open_set(
+    cache: Arc<dyn BlockDevice>,
+    config: Config,
+    check: impl FnOnce(&[engine::MissingVolume]) -> Result<()>,
+) -> Result<CacheSet> {
+    let mut refused = None;
+    let opened = CacheSet::open_checked(cache, config, |known| {
+        check(known).map_err(|e| {
+            let why = format!("{e:#}");
+            refused = Some(e);
+            engine::Error::State(why)
+        })
+    });
+    if let Some(e) = refused {
+        return Err(e);
+    }
+    let (set, report) = opened.context("opening the cache set")?;
     for n in &report.notes {
         log::warn!("{n}");
     }
@@ -1096,12 +1115,21 @@ fn with_set(
     let opts = cfg.attach_options();
     let attached = (|| {
         // Every device is checked before any is attached: a start refused for one device
-        // (another set's, say) has taken none over.
-        for (spec, b) in &backings {
-            set.check_attach(&**b, opts)
-                .with_context(|| format!("attaching backing device {spec}"))?;
-        }
+        // (another set's, say) has taken none over. With --allow-missing, a device another
+        // set took over from this one is left out (listed as missing) instead.
+        let mut given = Vec::with_capacity(backings.len());
         for (spec, b) in backings {
+            match set.check_attach(&*b, opts) {
+                Ok(()) => given.push((spec, b)),
+                Err(e) if cfg.allow_missing && set.taken_from_us(&*b) => {
+                    log::error!("leaving backing device {spec} out (--allow-missing): {e}");
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| format!("attaching backing device {spec}"))
+                }
+            }
+        }
+        for (spec, b) in given {
             let v = set
                 .attach_with(b, opts)
                 .with_context(|| format!("attaching backing device {spec}"))?;
@@ -1125,25 +1153,59 @@ fn with_set(
     Ok(running(Source::Set(Arc::new(set)), metrics, pending, opts))
 }
 
+/// Refuses, before the set is opened (so a refused start writes nothing), a start without a
+/// device the set holds dirty data of: `known` is every device it holds data of, and those
+/// `backings` are not (by the uuid in their headers) are missing. See `refuse_dirty`.
+fn refuse_missing_dirty(
+    cfg: &ServeConfig,
+    known: &[engine::MissingVolume],
+    backings: &[Named],
+    pending: &[Pending],
+) -> Result<()> {
+    let given: Vec<uuid::Uuid> = backings
+        .iter()
+        .filter_map(|(_, b)| engine::format::BackingHeader::read(&**b).ok())
+        .map(|(h, _)| h.dev_uuid)
+        .collect();
+    let missing: Vec<engine::MissingVolume> = known
+        .iter()
+        .filter(|m| !given.contains(&m.uuid))
+        .cloned()
+        .collect();
+    refuse_dirty(cfg, &missing, pending)
+}
+
+/// The refusal of a start without a device whose newest data is only in the cache (dirty
+/// data among `missing`), unless `allow_missing`, or a named device that has not answered
+/// yet may be it.
+fn refuse_dirty(
+    cfg: &ServeConfig,
+    missing: &[engine::MissingVolume],
+    pending: &[Pending],
+) -> Result<()> {
+    let dirty: Vec<_> = missing.iter().filter(|m| m.dirty_bytes > 0).collect();
+    if dirty.is_empty() || !pending.is_empty() || cfg.allow_missing {
+        return Ok(());
+    }
+    let list: Vec<String> = dirty
+        .iter()
+        .map(|m| format!("{} ({} dirty)", m.uuid, crate::units::human(m.dirty_bytes)))
+        .collect();
+    anyhow::bail!(
+        "the cache set holds dirty data of backing device(s) not given with --backing: {}; \
+         their newest data is only in this cache. Name them with --backing (or in the \
+         config's backing list), or start with --allow-missing (allow_missing = true) to \
+         serve the others meanwhile (`tiercache attach` brings them back)",
+        list.join(", ")
+    )
+}
+
 /// Says loudly which backing devices the set knows but does not have, and refuses to start
 /// without one that holds dirty data (its newest data is only in the cache) unless
 /// `allow_missing` — or unless a named device that has not answered yet may be it.
 fn check_missing(cfg: &ServeConfig, set: &CacheSet, pending: &[Pending]) -> Result<()> {
     let missing = set.missing();
-    let dirty: Vec<_> = missing.iter().filter(|m| m.dirty_bytes > 0).collect();
-    if !dirty.is_empty() && pending.is_empty() && !cfg.allow_missing {
-        let list: Vec<String> = dirty
-            .iter()
-            .map(|m| format!("{} ({} dirty)", m.uuid, crate::units::human(m.dirty_bytes)))
-            .collect();
-        anyhow::bail!(
-            "the cache set holds dirty data of backing device(s) not given with --backing: {}; \
-             their newest data is only in this cache. Name them with --backing (or in the \
-             config's backing list), or start with --allow-missing (allow_missing = true) to \
-             serve the others meanwhile (`tiercache attach` brings them back)",
-            list.join(", ")
-        );
-    }
+    refuse_dirty(cfg, &missing, pending)?;
     for m in &missing {
         let why = if pending.is_empty() {
             "not given with --backing"

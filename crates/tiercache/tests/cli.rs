@@ -131,6 +131,26 @@ fn bad_input_gets_one_line_errors() {
         &tc(&["make", "--backing", &slow, "--cache", &tiny]),
         "too small",
     );
+    // The size as given (not rounded to nothing), and the minimum for the geometry asked.
+    let sector = file(dir.path(), "sector.img", 512);
+    assert_clean_failure(
+        &tc(&["make", "--backing", &slow, "--cache", &sector]),
+        "cache device of 512 bytes is too small",
+    );
+    let o = tc(&[
+        "make",
+        "--backing",
+        &slow,
+        "--cache",
+        &sector,
+        "--bucket-size",
+        "64k",
+    ]);
+    let err = stderr(&o);
+    assert!(
+        err.contains("64.0 KiB with 4096-byte blocks") && err.contains(" MiB ("),
+        "{err}"
+    );
     assert_clean_failure(
         &tc(&[
             "make",

@@ -185,13 +185,30 @@ fn dirty_data_of_a_gone_host_is_refused_until_given_up() {
     let h = header(&disk.uri());
     assert_eq!(h["cset_uuid"], b.set_uuid().as_str(), "{h}");
     b.stop();
-    // A comes back: the disk is B's now, and A's stale dirty data never reaches it.
+    // A comes back: the disk is B's now, and A's stale dirty data never reaches it. A's
+    // start with the disk still in its list is refused, saying its copy is the stale one
+    // (not suggesting a take-over); with --allow-missing it serves the rest and lists the
+    // disk as missing.
     let said = a.start_refused(true, &[]);
     assert!(
-        said.contains(&format!("belongs to cache set {}", b.set_uuid())),
+        said.contains(&format!("taken over by cache set {}", b.set_uuid()))
+            && said.contains("stale")
+            && !said.contains("--take-over"),
         "{said}"
     );
-    a.start(false, &["--allow-missing"]);
+    a.start(true, &["--allow-missing"]);
+    let status: serde_json::Value =
+        serde_json::from_slice(&a.tc_admin(&["status", "--json"]).stdout).unwrap();
+    assert_eq!(
+        status["missing"].as_array().map(Vec::len),
+        Some(1),
+        "{status}"
+    );
+    assert_eq!(
+        status["devices"].as_array().map(Vec::len),
+        Some(1),
+        "{status}"
+    );
     std::thread::sleep(Duration::from_secs(2));
     a.stop();
     b.start(true, &[]);

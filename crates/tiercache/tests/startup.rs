@@ -217,8 +217,13 @@ fn a_backing_device_left_out_with_dirty_data_is_never_silent() {
     s.admin("set", &["data-1", "writeback_running", "false"]);
     d.qemu_io("data-1", "write -P 0xab 0 4M");
     s.stop();
-    // Left out: refused, naming the device and its dirty data.
+    // Left out: refused, naming the device and its dirty data, before anything is written:
+    // the cache device and both backing devices are byte for byte as they were.
+    let images =
+        || ["fast.img", "slow.img", "other.img"].map(|f| std::fs::read(d.path(f)).unwrap());
+    let before = images();
     let err = refused(&mut d.serve(&["slow.img"], &[]));
+    assert!(images() == before, "a refused start changed a device");
     assert!(
         err.contains("dirty") && err.contains("--allow-missing") && err.contains("4.0 MiB"),
         "{err}"

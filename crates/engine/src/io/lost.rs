@@ -60,8 +60,8 @@ impl Volume {
                      acknowledged may be lost; {} of them written again from the cache, {} \
                      that the cache holds no copy of reported to every client's next flush",
                     self.name(),
-                    crate::owner::human(again * bs),
-                    crate::owner::human(lost * bs),
+                    crate::units::human(again * bs),
+                    crate::units::human(lost * bs),
                 ),
             );
         } else if again > 0 {
@@ -71,7 +71,7 @@ impl Volume {
                     "volume {}: a flush of the backing device failed; the {} of writes it may \
                      have lost were written again from the cache",
                     self.name(),
-                    crate::owner::human(again * bs),
+                    crate::units::human(again * bs),
                 ),
             );
         }

@@ -88,6 +88,16 @@ impl crate::policy::RouteFacts for RouteAnswers<'_> {
     fn dirty_blocks(&mut self) -> u64 {
         self.vol.inner.state.lock().index.dirty_blocks
     }
+    fn replaces_dirty(&mut self, offset: u64, len: u64) -> bool {
+        let vol = self.vol;
+        if !vol.backing.dev.restarts_alone() {
+            return false;
+        }
+        let (b0, b1) = BackingBlock::touched_by(offset, len, vol.inner.block_size());
+        let st = vol.inner.state.lock();
+        st.index
+            .any_overlapping(vol.backing.id, b0, b1, |e| e.dirty)
+    }
 }
 
 impl Volume {
