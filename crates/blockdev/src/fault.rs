@@ -209,8 +209,6 @@ pub struct SimDevice {
     ctrl: Arc<FaultController>,
     img: Mutex<Images>,
     rotational: AtomicBool,
-    /// Modelled as a remote server that can restart alone (see `restart`).
-    restartable: AtomicBool,
 }
 
 impl SimDevice {
@@ -235,7 +233,6 @@ impl SimDevice {
                 lost: false,
             }),
             rotational: AtomicBool::new(false),
-            restartable: AtomicBool::new(false),
         }
     }
 
@@ -245,12 +242,6 @@ impl SimDevice {
 
     pub fn set_rotational(&self, on: bool) {
         self.rotational.store(on, Ordering::Relaxed);
-    }
-
-    /// Models a remote server that may `restart` while its users run on
-    /// (`BlockDevice::restarts_alone`).
-    pub fn set_restartable(&self, on: bool) {
-        self.restartable.store(on, Ordering::Relaxed);
     }
 
     pub fn live_image(&self) -> Vec<u8> {
@@ -316,10 +307,6 @@ impl SimDevice {
     /// the NBD client reports a lost connection with unflushed writes. Returns whether
     /// unflushed writes were dropped.
     pub fn restart(&self) -> bool {
-        assert!(
-            self.restartable.load(Ordering::Relaxed),
-            "set_restartable first: its users must know it can restart"
-        );
         let mut img = self.img.lock();
         let img = &mut *img;
         let lost = !img.pending.is_empty();
@@ -408,10 +395,6 @@ impl BlockDevice for SimDevice {
 
     fn is_rotational(&self) -> bool {
         self.rotational.load(Ordering::Relaxed)
-    }
-
-    fn restarts_alone(&self) -> bool {
-        self.restartable.load(Ordering::Relaxed)
     }
 
     fn describe(&self) -> String {

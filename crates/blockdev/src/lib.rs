@@ -114,14 +114,6 @@ pub trait BlockDevice: Send + Sync + Debug {
         None
     }
 
-    /// Whether the device can lose writes it acknowledged while this host runs on (a remote
-    /// server that restarts drops what it had not flushed; the next flush reports it): a
-    /// cache then flushes it before dropping the only other copy of older data. A local
-    /// disk loses its volatile cache only with the host. A wrapper forwards it.
-    fn restarts_alone(&self) -> bool {
-        false
-    }
-
     /// A read (`write` false) or write of `len` bytes at `offset` that the caller made itself
     /// through [`direct_fd`](Self::direct_fd) or [`direct_nbd`](Self::direct_nbd) has ended after `took` (`ok`: whole and without
     /// error). Wrappers that count or time I/O account it here as if it had gone through
@@ -193,9 +185,6 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn nbd_links(&self) -> Option<NbdLinks> {
         (**self).nbd_links()
-    }
-    fn restarts_alone(&self) -> bool {
-        (**self).restarts_alone()
     }
     fn direct_done(
         &self,

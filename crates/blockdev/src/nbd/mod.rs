@@ -623,8 +623,4 @@ impl BlockDevice for NbdDevice {
     fn nbd_links(&self) -> Option<NbdLinks> {
         Some(self.links())
     }
-
-    fn restarts_alone(&self) -> bool {
-        true
-    }
 }

@@ -21,7 +21,6 @@
 
 use super::Volume;
 use crate::guard::Throttled;
-use crate::types::{Error, Result};
 use crate::units::BackingBlock;
 use std::sync::atomic::Ordering;
 
@@ -75,46 +74,6 @@ impl Volume {
                 ),
             );
         }
-    }
-
-    /// Drops the cache's copies of `[b0, b1)`, which a change the backing device was just
-    /// sent replaced (a write around the cache, zeroes, a discard). Dirty ones are the only
-    /// copy of data the device lacks: on a device that can lose acknowledged writes while
-    /// the cache runs on (`restarts_alone`: a remote server), the device is flushed first, so
-    /// a restart cannot lose the change after the copy is gone and leave the blocks older
-    /// than data that was durable (elsewhere the journal's record of the drop waits for the
-    /// device's flush, and a crash of the host keeps the copy). If that flush fails, or
-    /// another failed meanwhile, the change may be lost: the request fails, and the dirty
-    /// copies stay (the blocks then read as before the failed change, which a failed write
-    /// may leave); clean ones are dropped, as they may be older than the device now.
-    pub(super) fn drop_superseded(&self, b0: BackingBlock, b1: BackingBlock) -> Result<()> {
-        let (inner, dev) = (&*self.inner, self.backing.id);
-        let dirty = inner
-            .state
-            .lock()
-            .index
-            .any_overlapping(dev, b0, b1, |e| e.dirty);
-        let now = inner.now_ns();
-        if !(dirty && self.backing.dev.restarts_alone()) {
-            inner.state.lock().invalidate(dev, b0, b1, now);
-            return Ok(());
-        }
-        let failures = self.backing.flush_failures.load(Ordering::SeqCst);
-        let flushed = self.backing.flush_now();
-        if flushed.is_ok() && self.backing.flush_failures.load(Ordering::SeqCst) == failures {
-            inner.state.lock().invalidate(dev, b0, b1, now);
-            return Ok(());
-        }
-        let mut st = inner.state.lock();
-        for seg in st.index.lookup(dev, b0, b1) {
-            if seg.ext.is_some_and(|e| !e.dirty) {
-                st.invalidate(dev, seg.block, seg.block + seg.len, now);
-            }
-        }
-        Err(Error::State(format!(
-            "a flush of backing device {dev} failed while a write replaced dirty data there: \
-             the write may be lost, and the dirty data is kept"
-        )))
     }
 
     /// Writes the cache's clean copies of `[b0, b1)` to the backing device again. Returns

@@ -88,16 +88,6 @@ impl crate::policy::RouteFacts for RouteAnswers<'_> {
     fn dirty_blocks(&mut self) -> u64 {
         self.vol.inner.state.lock().index.dirty_blocks
     }
-    fn replaces_dirty(&mut self, offset: u64, len: u64) -> bool {
-        let vol = self.vol;
-        if !vol.backing.dev.restarts_alone() {
-            return false;
-        }
-        let (b0, b1) = BackingBlock::touched_by(offset, len, vol.inner.block_size());
-        let st = vol.inner.state.lock();
-        st.index
-            .any_overlapping(vol.backing.id, b0, b1, |e| e.dirty)
-    }
 }
 
 impl Volume {
@@ -549,9 +539,11 @@ impl Volume {
             BackingBlock::ceil_of_offset(offset, bs),
             BackingBlock::of_offset(offset + len, bs),
         );
-        inner.state.lock().collide(self.backing.id, b0, b1);
+        let now = inner.now_ns();
+        let mut st = inner.state.lock();
+        st.collide(self.backing.id, b0, b1);
         if f1 > f0 {
-            self.drop_superseded(f0, f1)?;
+            st.invalidate(self.backing.id, f0, f1, now);
         }
         Ok(())
     }

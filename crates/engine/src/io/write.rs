@@ -270,7 +270,9 @@ impl Volume {
             (None, _) => {
                 // Zeroes always go down as a zeroing command, never through the cache.
                 self.backing_zero(from, len)?;
-                return self.drop_superseded(block, block + n);
+                let now = inner.now_ns();
+                inner.state.lock().invalidate(dev, block, block + n, now);
+                return Ok(());
             }
             (Some(d), _) => d,
         };
@@ -310,7 +312,11 @@ impl Volume {
             if route == Route::Back {
                 self.backing_write(rest, from + stored * bs)?;
             }
-            self.drop_superseded(block + stored, block + n)?;
+            let now = inner.now_ns();
+            inner
+                .state
+                .lock()
+                .invalidate(dev, block + stored, block + n, now);
         }
         Ok(())
     }

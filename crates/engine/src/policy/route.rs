@@ -66,9 +66,6 @@ pub struct WriteShape {
     /// Its stream reaches the disk out of order, and the disk is measured to pay positioning
     /// for requests a little off where the previous one ended (`near_requests_seek`).
     pub reordered: bool,
-    /// It covers dirty blocks that going around the cache would drop only after a flush of
-    /// the disk (a device that can restart alone: see `io::lost`), a flush per request.
-    pub replaces_dirty: bool,
 }
 
 /// The route of a write: around the cache while the device is being detached and in
@@ -77,7 +74,7 @@ pub struct WriteShape {
 /// a lock). A sequential stream past the cutoff goes around the cache when the disk serves it
 /// well: in writeback mode, a sequential write of one of several streams running at once
 /// (`interleaved`: one actuator seeks between them) or one the disk would make durable at the
-/// cost of a flush each (`sync`, or `replaces_dirty`) is absorbed by the cache under the same dirty limit as other
+/// cost of a flush each (`sync`) is absorbed by the cache under the same dirty limit as other
 /// writes (bcache absorbs sync writes only below 70 % in use, `cutoff_writeback_sync`;
 /// measured on W4's interleaved streams, that cut left them at 3.0× the disk against 4.3×).
 pub fn route_write(
@@ -95,7 +92,7 @@ pub fn route_write(
     match mode {
         CacheMode::Writearound | CacheMode::None => WriteRoute::Bypass(Bypass::Mode),
         CacheMode::Writeback if shape.sequential => {
-            if (shape.sync || shape.interleaved || shape.reordered || shape.replaces_dirty)
+            if (shape.sync || shape.interleaved || shape.reordered)
                 && under(dirty_max_pct, dirty_blocks())
             {
                 WriteRoute::Back
@@ -172,7 +169,6 @@ mod tests {
             interleaved,
             sync,
             reordered: false,
-            replaces_dirty: false,
         };
         // One stream the disk follows: around the cache, as bcache does.
         assert_eq!(
@@ -194,14 +190,6 @@ mod tests {
         };
         assert_eq!(wb(reordered, 89), WriteRoute::Back);
         assert_eq!(wb(reordered, 90), WriteRoute::Bypass(Bypass::Sequential));
-        // A stream over dirty data that going around would drop only after a flush of the
-        // disk each: the same.
-        let over_dirty = WriteShape {
-            replaces_dirty: true,
-            ..shape(false, false)
-        };
-        assert_eq!(wb(over_dirty, 89), WriteRoute::Back);
-        assert_eq!(wb(over_dirty, 90), WriteRoute::Bypass(Bypass::Sequential));
         // The dirty limit is the knob's.
         let low = route_write(
             CacheMode::Writeback,

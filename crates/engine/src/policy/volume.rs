@@ -96,10 +96,6 @@ pub trait RouteFacts {
     fn dirty_limit(&self) -> (u32, u64);
     /// Dirty blocks in the cache now (costs a lock).
     fn dirty_blocks(&mut self) -> u64;
-    /// Whether a write of `[offset, offset + len)` around the cache could drop the dirty
-    /// blocks it covers only after a flush of the backing device (see `WriteShape`; costs
-    /// an index lookup).
-    fn replaces_dirty(&mut self, offset: u64, len: u64) -> bool;
 }
 
 /// How a read treats the cache, as routed.
@@ -287,16 +283,9 @@ impl VolumePolicy {
                 && self.concurrent_streams(cutoff, now_ns, STREAM_OVERLAP_NS) > 1,
             sync: fua,
             reordered: sequential && seen.reordered && self.reordering_costs_seeks(),
-            replaces_dirty: false,
         };
         let (pct, total) = facts.dirty_limit();
         let mode = facts.mode();
-        let shape = WriteShape {
-            replaces_dirty: sequential
-                && mode == CacheMode::Writeback
-                && facts.replaces_dirty(offset, len),
-            ..shape
-        };
         let detaching = facts.detaching();
         let mut route = route_write(mode, detaching, shape, pct, total, || facts.dirty_blocks());
         if route == WriteRoute::Through && facts.cache_congested(true) {
@@ -487,10 +476,6 @@ mod tests {
         fn dirty_blocks(&mut self) -> u64 {
             self.asked.push("dirty");
             self.dirty
-        }
-        fn replaces_dirty(&mut self, _offset: u64, _len: u64) -> bool {
-            self.asked.push("replaces dirty");
-            false
         }
     }
 

@@ -327,7 +327,6 @@ impl Rig {
             let img = d.crash_image();
             let new = SimDevice::from_image(name, img, ctrl.clone());
             new.set_rotational(d.is_rotational());
-            new.set_restartable(d.restarts_alone());
             Arc::new(new)
         };
         let cache = SimDevice::from_image("cache", cache_img, self.ctrl.clone());

@@ -261,9 +261,6 @@ impl BlockDevice for TimedDevice {
     fn nbd_links(&self) -> Option<blockdev::NbdLinks> {
         self.inner.nbd_links()
     }
-    fn restarts_alone(&self) -> bool {
-        self.inner.restarts_alone()
-    }
     /// An I/O made by the caller through `direct_fd` or `direct_nbd` (the io_uring data path): timed, counted
     /// and tallied on the thread that finished it, like one through `read_at` or `write_at`
     /// (a failed write counts as written, as there).
