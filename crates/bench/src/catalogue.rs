@@ -6,9 +6,20 @@
 //! every write says so (`FLUSH_EVERY_WRITE`), so its result can be checked against fio's sync
 //! count.
 
-use crate::cli::Scale;
 use crate::procs::{CONFIGS, MEMLIMIT, MEMLIMIT_CONFIGS, NONROT, NONROT_CONFIGS};
 use crate::steady;
+
+/// How big and long a run is (`--scale`): the parameters of each are [`params`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scale {
+    /// Seconds per configuration (CI smoke).
+    Tiny,
+    /// About 11 minutes on 2 cores.
+    Quick,
+    /// Long runs on a bigger disk.
+    Full,
+}
 
 /// Sizes and durations of one scale.
 #[derive(Clone, Copy, Debug, serde::Serialize)]

@@ -1,19 +1,9 @@
-//! The command line of `tiercache bench`: how big a run is ([`Scale`]) and what it runs
-//! ([`BenchArgs`]).
+//! The command line of `tiercache bench`: what a run runs ([`BenchArgs`]; how big,
+//! [`Scale`], is the catalogue's).
 
+use crate::catalogue::Scale;
 use crate::scale;
 use std::path::PathBuf;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Scale {
-    /// Seconds per configuration (CI smoke).
-    Tiny,
-    /// About 11 minutes on 2 cores.
-    Quick,
-    /// Long runs on a bigger disk.
-    Full,
-}
 
 /// Options of `tiercache bench`.
 #[derive(clap::Args)]

@@ -14,7 +14,7 @@
 
 use super::fio::{self, Totals};
 use super::procs::Running;
-use super::report::{Phase, Row, Series};
+use super::results::{Phase, Row, Series};
 use super::{cache_columns, occupancy, PairOut, Step};
 use anyhow::{bail, Result};
 

@@ -198,3 +198,49 @@ fn serve_tells_systemd_when_it_is_ready_and_when_it_stops() {
     let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
     assert!(msg.lines().any(|l| l == "STOPPING=1"), "{msg:?}");
 }
+
+/// Every crate states the minimum Rust the workspace declares (clippy's `incompatible_msrv`,
+/// denied in CI, checks the standard library's use against it only where it is declared), and
+/// the README says it.
+#[test]
+fn every_crate_declares_the_workspace_minimum_rust() {
+    let root = std::fs::read_to_string(repo_file("Cargo.toml")).unwrap();
+    let msrv = root
+        .lines()
+        .find_map(|l| l.strip_prefix("rust-version = "))
+        .expect("the workspace declares rust-version")
+        .trim_matches('"')
+        .to_string();
+    let mut manifests: Vec<PathBuf> = std::fs::read_dir(repo_file("crates"))
+        .unwrap()
+        .map(|e| e.unwrap().path().join("Cargo.toml"))
+        .filter(|p| p.exists())
+        .collect();
+    manifests.sort();
+    assert!(manifests.len() > 5, "crates not found: {manifests:?}");
+    for m in &manifests {
+        let text = std::fs::read_to_string(m).unwrap();
+        assert!(
+            text.lines().any(|l| l == "rust-version.workspace = true"),
+            "{} does not inherit the workspace's rust-version",
+            m.display()
+        );
+    }
+    // fuzz/ is a workspace of its own: it must name the same version.
+    let fuzz = std::fs::read_to_string(repo_file("fuzz/Cargo.toml")).unwrap();
+    assert!(
+        fuzz.lines()
+            .any(|l| l == format!("rust-version = \"{msrv}\"")),
+        "fuzz/Cargo.toml does not declare rust-version = \"{msrv}\""
+    );
+    let readme = std::fs::read_to_string(repo_file("README.md")).unwrap();
+    assert!(
+        readme.contains(&format!("Rust {msrv} or newer")),
+        "the README does not state the minimum version (\"Rust {msrv} or newer\")"
+    );
+    let ci = std::fs::read_to_string(repo_file(".ci/run")).unwrap();
+    assert!(
+        ci.contains("-D clippy::incompatible_msrv"),
+        ".ci/run does not deny clippy::incompatible_msrv"
+    );
+}

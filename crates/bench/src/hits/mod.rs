@@ -50,6 +50,7 @@
 //! the end, also on error. A missing nbdkit or qemu-nbd leaves its columns and rows n/a with
 //! a notice (an error under `CI=true`); any other failure fails the workload.
 
+mod rows;
 mod table;
 
 use super::fio::{self, Target};
@@ -57,7 +58,11 @@ use super::procs::{self, Proc, Tiercache};
 use super::scale::{self, Devices};
 use super::Scale;
 use anyhow::{bail, Context, Result};
-use serde::Serialize;
+use rows::{
+    params, Column, Cpus, Measured, Params, PassRow, PeerRow, Place, Point, ReadRow, Shape,
+    WriteRow, BUCKET, KIT_FILE, KIT_MEM, PASS_READ, PASS_WRITE, QD32, QEMU, RAW, READ_ROWS, TC,
+    TC_THREADS, WRITE_ROW,
+};
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::path::Path;
@@ -67,152 +72,6 @@ use tiercache_units::human;
 
 /// Time limit of `make` and of the server's start.
 const LIMIT: Duration = Duration::from_secs(120);
-/// Bucket size of the cache (`make`'s default).
-const BUCKET: u64 = 512 << 10;
-
-/// Sizes and step length of one scale.
-#[derive(Clone, Copy, Debug, Serialize)]
-struct Params {
-    /// The cached region of the export (reads), and the region read and written around the
-    /// cache (passthrough).
-    region_bytes: u64,
-    /// The region written in writeback (once per tiercache column), a quarter of the other.
-    write_bytes: u64,
-    /// The cache file: the region, room for two passes of writeback writes, and 16 MiB, so
-    /// nothing is evicted.
-    cache_bytes: u64,
-    /// The backing file: two regions (read, passthrough), the written one, and 1 MiB for
-    /// tiercache's header.
-    backing_bytes: u64,
-    /// The cache file of the tiercache in front of the NBD export (passthrough only).
-    remote_cache_bytes: u64,
-    step_ms: u64,
-}
-
-fn params(scale: Scale) -> Params {
-    let (region, step_ms) = match scale {
-        Scale::Tiny => (16 << 20, 500),
-        Scale::Quick => (256 << 20, 5000),
-        Scale::Full => (1 << 30, 30_000),
-    };
-    let write = region / 4;
-    Params {
-        region_bytes: region,
-        write_bytes: write,
-        cache_bytes: region + 2 * write + (16 << 20),
-        backing_bytes: 2 * region + write + (1 << 20),
-        remote_cache_bytes: 32 << 20,
-        step_ms,
-    }
-}
-
-/// Where the server and fio run during a row.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-enum Place {
-    /// Wherever the kernel's scheduler puts them (a sync wake-up of one by the other tends
-    /// to pull both onto one CPU).
-    Scheduler,
-    /// The server's threads on one CPU, fio on another (a client in a VM on its own cores).
-    Apart,
-    /// Both on one CPU.
-    Together,
-}
-
-/// The shape of one fio run: a row of a table.
-#[derive(Clone, Copy, Debug, Serialize)]
-struct Shape {
-    row: &'static str,
-    rw: &'static str,
-    bs: &'static str,
-    /// fio jobs: with the nbd engine, each its own connection.
-    numjobs: u32,
-    /// Queue depth per job.
-    iodepth: u32,
-    place: Place,
-}
-
-impl Shape {
-    const fn new(
-        row: &'static str,
-        rw: &'static str,
-        bs: &'static str,
-        jobs: u32,
-        qd: u32,
-    ) -> Self {
-        Shape {
-            row,
-            rw,
-            bs,
-            numjobs: jobs,
-            iodepth: qd,
-            place: Place::Scheduler,
-        }
-    }
-
-    const fn placed(self, row: &'static str, place: Place) -> Self {
-        Shape { row, place, ..self }
-    }
-
-    /// Reported in IOPS (4 KiB) rather than bandwidth.
-    fn small(&self) -> bool {
-        self.bs == "4k"
-    }
-}
-
-const QD32: Shape = Shape::new("QD32, 1 connection", "randread", "4k", 1, 32);
-/// The rows of the read table. QD32 on one connection is also run with the CPUs fixed: which
-/// CPUs the scheduler picks moves it by half (see `docs/benchmarks.md`).
-const READ_ROWS: [Shape; 6] = [
-    Shape::new("QD1, 1 connection", "randread", "4k", 1, 1),
-    QD32,
-    QD32.placed(
-        "QD32, 1 connection, server and fio on two CPUs",
-        Place::Apart,
-    ),
-    QD32.placed(
-        "QD32, 1 connection, server and fio on one CPU",
-        Place::Together,
-    ),
-    Shape::new("4 connections × QD8", "randread", "4k", 4, 8),
-    Shape::new(
-        "128 KiB sequential, QD8, 1 connection",
-        "read",
-        "128k",
-        1,
-        8,
-    ),
-];
-/// The writeback writes.
-const WRITE_ROW: Shape = Shape::new(
-    "4 KiB random writes, QD32, 1 connection",
-    "randwrite",
-    "4k",
-    1,
-    32,
-);
-/// The passthrough rows.
-const PASS_READ: Shape = Shape::new("4 KiB random reads, QD1", "randread", "4k", 1, 1);
-const PASS_WRITE: Shape = Shape::new("4 KiB random writes, QD1", "randwrite", "4k", 1, 1);
-
-/// Column keys (JSON) of the read and write tables.
-const TC: &str = "tiercache";
-const TC_THREADS: &str = "tiercache_threads";
-const KIT_FILE: &str = "nbdkit_file";
-const QEMU: &str = "qemu_nbd";
-const KIT_MEM: &str = "nbdkit_memory";
-const RAW: &str = "raw";
-
-/// One fio run, and the server's CPU time over it.
-#[derive(Clone, Debug, Serialize)]
-struct Point {
-    #[serde(flatten)]
-    fio: fio::Measured,
-    /// Server utime + stime over the run / I/Os (None: no server, i.e. fio on the file).
-    server_cpu_us_per_io: Option<f64>,
-    command: String,
-}
-
 /// A column: what fio reaches, and the server process behind it (None: fio on the file).
 struct Server {
     key: &'static str,
@@ -229,63 +88,6 @@ impl Server {
     fn measure(&self, args: &[String]) -> Result<Point> {
         measure(&self.target, self.proc_.as_ref(), args)
     }
-}
-
-/// A column of the read table, in order.
-#[derive(Clone, Debug, Serialize)]
-struct Column {
-    key: &'static str,
-    name: String,
-}
-
-/// One row of the read table.
-#[derive(Clone, Debug, Serialize)]
-struct ReadRow {
-    #[serde(flatten)]
-    shape: Shape,
-    /// fio's figures by column key, for the columns that ran.
-    points: BTreeMap<&'static str, Point>,
-    /// Per tiercache column: hits / (hits + misses) over its run, from its stats, and misses.
-    hit_pct: BTreeMap<&'static str, f64>,
-    misses: BTreeMap<&'static str, u64>,
-    /// tiercache's IOPS over each other column's (the bandwidth ratio too: same block size).
-    tiercache_over: BTreeMap<&'static str, f64>,
-}
-
-/// One server of the writeback write table.
-#[derive(Clone, Debug, Serialize)]
-struct WriteRow {
-    key: &'static str,
-    server: String,
-    point: Option<Point>,
-    /// This IOPS / raw IOPS.
-    over_raw: Option<f64>,
-    /// tiercache: its dirty bytes after the run, from its stats.
-    dirty_after_bytes: Option<u64>,
-}
-
-/// One row of the passthrough table: tiercache against its backing device alone.
-#[derive(Clone, Debug, Serialize)]
-struct PassRow {
-    backing: &'static str,
-    #[serde(flatten)]
-    shape: Shape,
-    tiercache_mode: &'static str,
-    /// fio on the backing device itself.
-    alone: Option<Point>,
-    tiercache: Option<Point>,
-    /// tiercache's mean and p50 latency minus the device's, µs.
-    added_mean_us: Option<f64>,
-    added_p50_us: Option<f64>,
-}
-
-/// One NBD file server against tiercache's local writearound write.
-#[derive(Clone, Debug, Serialize)]
-struct PeerRow {
-    server: String,
-    point: Point,
-    /// tiercache's mean latency minus this one's, µs.
-    tiercache_minus_us: f64,
 }
 
 /// The optional columns available in this run.
@@ -318,19 +120,6 @@ fn measure(target: &Target, server: Option<&Proc>, args: &[String]) -> Result<Po
         server_cpu_us_per_io: per_io,
         command: fio::command_line(target, args),
     })
-}
-
-/// The CPUs of the rows that fix them.
-#[derive(Clone, Debug, Serialize)]
-struct Cpus {
-    /// The server's, and raw fio's: of the first two CPUs this process may use, the one where
-    /// fio on the cache file alone (QD32 random reads) ran faster (the device's completions
-    /// are handled on one CPU; a thread that waits for them elsewhere pays a wake-up across).
-    server: usize,
-    /// fio's over NBD in the "two CPUs" rows (None: a machine with one CPU).
-    client: Option<usize>,
-    /// That probe: (CPU, raw IOPS).
-    probe: Vec<(usize, f64)>,
 }
 
 /// Picks [`Cpus`]: one short raw run on each of the first two CPUs.
@@ -489,17 +278,6 @@ fn serve(dev: &Devices, key: &'static str) -> Result<Server> {
         proc_: Some(p),
         target: Target::Nbd(dev.uri()),
     })
-}
-
-/// What the workload measured.
-struct Measured {
-    cached_after_warm: u64,
-    cpus: Cpus,
-    columns: Vec<Column>,
-    reads: Vec<ReadRow>,
-    writes: Vec<WriteRow>,
-    passthrough: Vec<PassRow>,
-    peers: Vec<PeerRow>,
 }
 
 /// Runs the hits workload and writes `hits.md` and `hits.json` into `out`.

@@ -4,7 +4,7 @@
 //! Invariant: every number written comes from [`Measured`], measured in this run; a figure
 //! that was not measured is written "n/a".
 
-use super::{
+use super::rows::{
     Column, Measured, Params, Point, BUCKET, KIT_FILE, KIT_MEM, QEMU, RAW, TC, TC_THREADS,
     WRITE_ROW,
 };

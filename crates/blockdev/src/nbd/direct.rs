@@ -41,12 +41,12 @@
 //! tried again for [`RETRY_AFTER`] (requests take the shared connections meanwhile).
 
 use super::link::{disc_request, ServerShutdown, Sock};
-use super::{Live, Shared};
+use super::shared::{Live, Shared};
+use super::spares::Spares;
 use nbd_proto::{
     decode_reply, Command, CommandFlags, Decoded, NbdErrno, Reply, Request, SimpleReplyHeader,
     TransmissionFlags,
 };
-use std::collections::HashMap;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering;
@@ -60,45 +60,6 @@ const OPENING_KEY: usize = usize::MAX;
 
 /// Spare connections that could not be opened, logged at most once a minute.
 static OPEN_FAILED: lograte::Throttled = lograte::Throttled::new();
-
-/// The device's spare connections.
-#[derive(Debug, Default)]
-pub(super) struct Spares {
-    idle: Vec<(u64, Sock)>,
-    /// A clone of every spare connection's socket, idle or lent, by id: shut down at close.
-    all: HashMap<u64, Sock>,
-    next_id: u64,
-    next_cookie: u64,
-    opening: bool,
-    /// No connection is opened before this, after one failed.
-    retry_at: Option<Instant>,
-}
-
-impl Spares {
-    /// Spare connections open (as far as this side knows), and of those lent now.
-    pub(super) fn counts(&self) -> (usize, usize) {
-        (self.all.len(), self.all.len() - self.idle.len())
-    }
-
-    /// Shuts every spare connection down (the device closes).
-    pub(super) fn shutdown_all(&mut self) {
-        for sock in self.all.values() {
-            sock.shutdown();
-        }
-        self.idle.clear();
-    }
-
-    /// The server said it is shutting down (`NBD_ESHUTDOWN` on a shared connection): every
-    /// idle spare connection is to it, so each is left (`NBD_CMD_DISC`, then closed) and the
-    /// server need not wait for them; lent ones learn it from their own reply.
-    pub(super) fn leave_idle(&mut self) {
-        for (id, mut sock) in self.idle.drain(..) {
-            let _ = sock.write_all(&disc_request());
-            sock.shutdown();
-            self.all.remove(&id);
-        }
-    }
-}
 
 /// Where a lent request is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,8 +10,11 @@
 //! `timeout=SECS` (1–3600, default 30). [`NbdDevice::connect_with`] takes the same as [`NbdOptions`] (the URI's parameters
 //! win). TLS credentials are read once, at connect; reconnections use them again.
 //!
-//! Owns: the connections to one export ([`link`]), one thread per connection that reads its
-//! replies and reconnects it, and the durability bookkeeping ([`durability`]).
+//! Owns: the connections to one export ([`link`]), what callers and connection threads share
+//! ([`shared`]: one thread per connection that reads its replies and reconnects it, close),
+//! the durability bookkeeping ([`durability`]), and spare connections lent whole to a caller
+//! ([`direct`], their data in [`spares`]). Imports run one way: `spares` ← `shared` ←
+//! `direct` ← this file.
 //!
 //! Invariants:
 //! - many requests are in flight on each connection at once (up to 64), each with its own
@@ -54,6 +57,8 @@
 mod direct;
 mod durability;
 mod link;
+mod shared;
+mod spares;
 mod uri;
 
 pub use direct::NbdDirect;
@@ -62,24 +67,14 @@ pub use uri::{is_nbd_uri, parse_uri, NbdOptions, Target, TlsParams};
 
 use crate::{check_range, BlockDevice};
 use durability::Durability;
-use link::{Export, Link, Outcome, Replies, Req, Sock, Waited};
+use link::{Link, Req};
 use nbd_proto::{Command, TransmissionFlags};
 use parking_lot::{Condvar, Mutex};
+use shared::{run_connection, Shared};
 use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-/// First wait before reconnecting a broken connection; doubled after each failed attempt.
-const BACKOFF_MIN: Duration = Duration::from_millis(50);
-/// Longest wait between reconnection attempts.
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
-/// Longest `close` waits for the connection threads to exit.
-const CLOSE_WAIT: Duration = Duration::from_secs(5);
-
-/// Failed reconnection attempts, logged at most once a minute.
-static RECONNECT_FAILED: lograte::Throttled = lograte::Throttled::new();
 
 /// A remote device's connections at one moment ([`NbdDevice::links`]); serialized as is in
 /// metrics samples and `status --json`.
@@ -97,31 +92,6 @@ pub struct NbdLinks {
 /// A remote block device over one or more NBD connections.
 pub struct NbdDevice {
     shared: Arc<Shared>,
-}
-
-/// What the device's callers and its connection threads share.
-#[derive(Debug)]
-struct Shared {
-    uri: String,
-    target: Target,
-    /// The TLS settings of an `nbds://` URI, loaded at connect.
-    tls: Option<nbd_tls::ClientTls>,
-    options: NbdOptions,
-    export: Export,
-    /// One slot per connection, `None` while it reconnects.
-    links: Mutex<Vec<Option<Arc<Link>>>>,
-    /// Signalled when a link comes back, and at close.
-    links_changed: Condvar,
-    /// Sockets of connection attempts in their handshake, by connection (shut down at close).
-    connecting: Mutex<HashMap<usize, Sock>>,
-    /// Round-robin position.
-    next: AtomicUsize,
-    closed: AtomicBool,
-    durability: Mutex<Durability>,
-    /// Connections lent whole to callers that carry a request themselves ([`direct`]).
-    spares: Mutex<direct::Spares>,
-    threads_live: Mutex<usize>,
-    thread_exited: Condvar,
 }
 
 impl std::fmt::Debug for NbdDevice {
@@ -190,7 +160,7 @@ impl NbdDevice {
             next: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
             durability: Mutex::new(Durability::default()),
-            spares: Mutex::new(direct::Spares::default()),
+            spares: Mutex::new(spares::Spares::default()),
             threads_live: Mutex::new(0),
             thread_exited: Condvar::new(),
         });
@@ -302,232 +272,6 @@ impl Drop for NbdDevice {
     fn drop(&mut self) {
         if let Err(e) = self.shared.close() {
             log::warn!("{e}");
-        }
-    }
-}
-
-impl Shared {
-    fn timed_out(&self, what: &str) -> io::Error {
-        io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("{}: {what} within {:?}", self.uri, self.options.timeout),
-        )
-    }
-
-    /// One request, answered within the timeout; a read's data goes to `read_into`.
-    fn request(&self, req: Req, payload: &[u8], read_into: &mut [u8]) -> io::Result<()> {
-        let deadline = Instant::now() + self.options.timeout;
-        loop {
-            let link = self.pick_link(deadline)?;
-            match link.exchange(&self.durability, &req, payload, deadline) {
-                Outcome::Reply(reply) => {
-                    let data = reply?;
-                    assert_eq!(data.len(), read_into.len(), "reply data of another size");
-                    read_into.copy_from_slice(&data);
-                    return Ok(());
-                }
-                Outcome::Retry => continue,
-                Outcome::TimedOut(Waited::Room) => {
-                    return Err(self.timed_out("no room on the connection (requests in flight)"))
-                }
-                Outcome::TimedOut(Waited::Send) => {
-                    return Err(self.timed_out("the request could not be sent"))
-                }
-                Outcome::TimedOut(Waited::Reply) => return Err(self.timed_out("no reply")),
-            }
-        }
-    }
-
-    /// The next connection that is up, round robin; waits for one until `deadline`.
-    fn pick_link(&self, deadline: Instant) -> io::Result<Arc<Link>> {
-        let mut links = self.links.lock();
-        loop {
-            if self.closed.load(Ordering::SeqCst) {
-                return Err(io::Error::new(
-                    io::ErrorKind::NotConnected,
-                    format!("{}: closed", self.uri),
-                ));
-            }
-            let n = links.len();
-            let start = self.next.fetch_add(1, Ordering::Relaxed);
-            if let Some(link) = (0..n).find_map(|i| links[(start + i) % n].clone()) {
-                return Ok(link);
-            }
-            if self
-                .links_changed
-                .wait_until(&mut links, deadline)
-                .timed_out()
-            {
-                return Err(self.timed_out("not connected (reconnecting)"));
-            }
-        }
-    }
-
-    /// Waits `delay` unless the device closes first; true if it did.
-    fn sleep_unless_closed(&self, delay: Duration) -> bool {
-        let until = Instant::now() + delay;
-        let mut links = self.links.lock();
-        while !self.closed.load(Ordering::SeqCst) {
-            if self.links_changed.wait_until(&mut links, until).timed_out() {
-                return self.closed.load(Ordering::SeqCst);
-            }
-        }
-        true
-    }
-
-    /// Connects and negotiates one more connection to the export (over TLS with `tls`), its
-    /// socket registered under `key` in `connecting` during the handshake (a close shuts it
-    /// down); fails if the device is closed or the server offers another export now.
-    fn open_again(&self, key: usize, tls: Option<&nbd_tls::ClientTls>) -> io::Result<link::Opened> {
-        let opened = link::open(&self.target, tls, self.options.timeout, |sock| {
-            let mut connecting = self.connecting.lock();
-            if self.closed.load(Ordering::SeqCst) {
-                return Err(io::Error::new(io::ErrorKind::NotConnected, "closed"));
-            }
-            connecting.insert(key, sock.try_clone()?);
-            Ok(())
-        });
-        self.connecting.lock().remove(&key);
-        let (opened, export) = opened?;
-        if export != self.export {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("the export changed: {export:?}, was {:?}", self.export),
-            ));
-        }
-        Ok(opened)
-    }
-
-    /// Reconnects connection `index`, with backoff, until it works or the device closes.
-    fn reconnect(&self, index: usize) -> Option<(Arc<Link>, Replies)> {
-        let mut delay = BACKOFF_MIN;
-        for attempt in 1u64.. {
-            if self.sleep_unless_closed(delay) {
-                return None;
-            }
-            let linked = self
-                .open_again(index, self.tls.as_ref())
-                .and_then(Link::new);
-            match linked {
-                Ok((link, reader)) => {
-                    let mut links = self.links.lock();
-                    if self.closed.load(Ordering::SeqCst) {
-                        link.shutdown();
-                        return None;
-                    }
-                    links[index] = Some(link.clone());
-                    drop(links);
-                    self.links_changed.notify_all();
-                    log::info!(
-                        "{}: connection {index} is back (attempt {attempt})",
-                        self.uri
-                    );
-                    return Some((link, reader));
-                }
-                Err(e) if self.closed.load(Ordering::SeqCst) => {
-                    log::debug!("{}: reconnecting at close: {e}", self.uri);
-                    return None;
-                }
-                Err(e) => {
-                    RECONNECT_FAILED.log(
-                        log::Level::Warn,
-                        format!(
-                            "{}: reconnecting connection {index} failed (attempt {attempt}): {e}; \
-                             retrying, at most every {BACKOFF_MAX:?}",
-                            self.uri
-                        ),
-                    );
-                }
-            }
-            delay = (delay * 2).min(BACKOFF_MAX);
-        }
-        unreachable!("attempts are counted by u64")
-    }
-
-    /// Takes link `index` out of use if it is still `link`.
-    fn unpublish(&self, index: usize, link: &Arc<Link>) {
-        let mut links = self.links.lock();
-        if links[index].as_ref().is_some_and(|l| Arc::ptr_eq(l, link)) {
-            links[index] = None;
-        }
-    }
-
-    fn close(&self) -> io::Result<()> {
-        if !self.closed.swap(true, Ordering::SeqCst) {
-            // Under the lock the reconnecting threads check `closed` with: none publishes a
-            // link or starts a handshake after this.
-            let links = self.links.lock();
-            for link in links.iter().flatten() {
-                link.disconnect();
-            }
-            for sock in self.connecting.lock().values() {
-                sock.shutdown();
-            }
-            self.spares.lock().shutdown_all();
-            self.links_changed.notify_all();
-        }
-        let deadline = Instant::now() + CLOSE_WAIT;
-        let mut live = self.threads_live.lock();
-        while *live > 0 {
-            if self
-                .thread_exited
-                .wait_until(&mut live, deadline)
-                .timed_out()
-            {
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!(
-                        "{}: {} connection thread(s) still running {CLOSE_WAIT:?} after close",
-                        self.uri, *live
-                    ),
-                ));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Counts a connection thread as running until it returns (or unwinds).
-struct Live(Arc<Shared>);
-
-impl Drop for Live {
-    fn drop(&mut self) {
-        *self.0.threads_live.lock() -= 1;
-        self.0.thread_exited.notify_all();
-    }
-}
-
-/// A connection's thread: reads replies; when the connection breaks, answers the requests in
-/// flight (see the reconnect rule) and reconnects; exits when the device closes.
-fn run_connection(shared: Arc<Shared>, index: usize, mut link: Arc<Link>, mut reader: Replies) {
-    let live = Live(shared);
-    let shared = &live.0;
-    loop {
-        let cause = link.read_replies(&mut reader, &shared.durability, &shared.uri);
-        if link::ServerShutdown::is(&cause) {
-            // The spec: a client answered NBD_ESHUTDOWN disconnects (the stream is framed).
-            link.disconnect();
-            shared.spares.lock().leave_idle();
-        } else {
-            link.shutdown();
-        }
-        shared.unpublish(index, &link);
-        let lost = link.fail(&shared.durability, &shared.uri, &cause);
-        if shared.closed.load(Ordering::SeqCst) {
-            return;
-        }
-        log::warn!(
-            "{}: connection {index} lost ({cause}); reconnecting{}",
-            shared.uri,
-            if lost {
-                "; writes not yet flushed may be lost, the next flush will fail"
-            } else {
-                ""
-            }
-        );
-        match shared.reconnect(index) {
-            Some((l, r)) => (link, reader) = (l, r),
-            None => return,
         }
     }
 }

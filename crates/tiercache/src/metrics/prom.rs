@@ -19,7 +19,7 @@
 //! Go client library does; anything it does not recognise gets the classic format.
 
 use super::hist::BOUNDS_US;
-use super::{Sample, VOLUME_STATES, WRITEBACK_STATES};
+use super::sample::{Sample, VOLUME_STATES, WRITEBACK_STATES};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
@@ -242,7 +242,7 @@ impl Collector for SampleCollector {
         let bytes = Unit::Bytes;
         let seconds = Unit::Seconds;
         let vols = &s.volumes;
-        let vol = |v: &super::VolumeSample| [("volume", v.name.clone())];
+        let vol = |v: &super::sample::VolumeSample| [("volume", v.name.clone())];
 
         // ----- volumes -----
         // Info metrics carry their labels instead of a value; encoded by hand here.
@@ -334,7 +334,7 @@ impl Collector for SampleCollector {
                 histogram(&mut m.encode_family(&labels)?, &r.latency)?;
             }
         }
-        let byte_gauges: [Row<super::VolumeSample, u64>; 3] = [
+        let byte_gauges: [Row<super::sample::VolumeSample, u64>; 3] = [
             ("tiercache_volume_size", "Size of the volume.", |v| {
                 v.size_bytes
             }),
@@ -572,7 +572,7 @@ impl Collector for SampleCollector {
         // ----- NBD listeners -----
         let l = &s.listeners;
         let lis = |name: &String| [("listener", name.clone())];
-        let listener_gauges: [Row<super::ListenerSample, u64>; 5] = [
+        let listener_gauges: [Row<super::sample::ListenerSample, u64>; 5] = [
             ("tiercache_connections", "NBD connections open now (including handshakes).", |l| l.connections),
             ("tiercache_connections_max", "The connection limit in effect (max_connections, lowered to fit the descriptor limit).", |l| l.connections_max),
             ("tiercache_request_memory_in_use_bytes", "Bytes of request and reply buffers held now (bounded by request_memory).", |l| l.bytes_in_flight),
@@ -584,7 +584,7 @@ impl Collector for SampleCollector {
                 (lis(&x.listener), U(get(x)))
             })?;
         }
-        let listener_counters: [Row<super::ListenerSample, u64>; 6] = [
+        let listener_counters: [Row<super::sample::ListenerSample, u64>; 6] = [
             (
                 "tiercache_connections_refused",
                 "Connections closed on arrival (no room, or no thread).",
