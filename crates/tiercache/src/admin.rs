@@ -755,14 +755,15 @@ pub fn exchange(
             path.display()
         )
     })?;
-    writeln!(stream, "{req}")?;
+    // One write: an NBD server that took the first bytes for its handshake may close the
+    // socket before a second one.
+    let wrote = stream.write_all(format!("{req}\n").as_bytes());
     let mut reader = BufReader::new(stream);
     // An NBD server greets first, in one write: the socket is the NBD one, not its admin
-    // socket (a reply that is not JSON would say nothing useful).
-    if reader
-        .fill_buf()?
-        .starts_with(&nbd_proto::wire::NBD_MAGIC.to_be_bytes())
-    {
+    // socket (a reply that is not JSON would say nothing useful). Its greeting is there to
+    // read even when it closed the socket before the request was written.
+    let greeting = nbd_proto::wire::NBD_MAGIC.to_be_bytes();
+    if reader.fill_buf().is_ok_and(|b| b.starts_with(&greeting)) {
         bail!(
             "{} is an NBD socket (it answered with the NBD greeting), not a tiercache admin \
              socket: the admin socket is the one `serve --admin` names, by default the NBD \
@@ -771,6 +772,7 @@ pub fn exchange(
             crate::serve::admin_for(path).display()
         );
     }
+    wrote?;
     loop {
         let mut line = String::new();
         if reader.read_line(&mut line)? == 0 {
