@@ -108,8 +108,11 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// A request the caller should not have made (unaligned, past the end, unknown device).
-    #[error("invalid request: {0}")]
+    /// A request the caller should not have made (unaligned, past the end, unknown device),
+    /// or a value out of range (a knob, a geometry). The message says what is wrong and what
+    /// is accepted, and is shown to operators as it is (no prefix: it often reaches them as
+    /// the answer to `tiercache set` or `make`).
+    #[error("{0}")]
     Invalid(String),
     /// Metadata on a device failed validation.
     #[error("corrupt metadata: {0}")]

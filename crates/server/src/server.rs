@@ -97,7 +97,12 @@ pub fn start(
     config: ServerConfig,
 ) -> io::Result<ServerHandle> {
     config.check()?;
-    let connections_max = connections_max_for_descriptors(config.connections_max)?;
+    // Each listener has its own limits and event loops: its log lines say which it is.
+    let what = match bind {
+        BindAddr::Unix(p) => p.display().to_string(),
+        BindAddr::Tcp(a) => format!("tcp {a}"),
+    };
+    let connections_max = connections_max_for_descriptors(&what, config.connections_max)?;
     let (listener, local, socket_file) = Listener::bind(bind, &config.socket_perms)?;
     if let LocalAddr::Tcp(addr) = &local {
         if let Some(warning) = net::tcp_exposure_warning(addr, config.tls.as_ref()) {
@@ -105,7 +110,7 @@ pub fn start(
         }
     }
     let ring_workers = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let rings = start_rings(&config, &ring_workers)?.map(Arc::new);
+    let rings = start_rings(&what, &config, &ring_workers)?.map(Arc::new);
     let shared = Arc::new(Shared {
         budget: Budget::new(BudgetLimits::new(
             config.bytes_in_flight_max,
@@ -162,11 +167,12 @@ pub fn start(
 /// The io_uring data path as `config.data_path` asks: `None` for threads, or where io_uring
 /// is unavailable under `Auto` (logged once, with why).
 fn start_rings(
+    what: &str,
     config: &ServerConfig,
     workers: &Arc<std::sync::atomic::AtomicUsize>,
 ) -> io::Result<Option<Rings>> {
     if config.data_path == DataPath::Threads {
-        log::info!("data path: threads (leader/followers per connection)");
+        log::info!("{what}: data path: threads (leader/followers per connection)");
         return Ok(None);
     }
     let count = if config.ring_threads > 0 {
@@ -177,7 +183,7 @@ fn start_rings(
     match Rings::start(count, config.workers_max, Arc::clone(workers)) {
         Ok(rings) => {
             log::info!(
-                "data path: io_uring, {} event loop(s){}",
+                "{what}: data path: io_uring, {} event loop(s){}",
                 rings.count(),
                 if config.tls.is_some() {
                     " (TLS connections: threads)"
@@ -189,8 +195,8 @@ fn start_rings(
         }
         Err(err) if config.data_path == DataPath::Auto => {
             log::warn!(
-                "io_uring is not available ({err}): serving through threads (slower on fast \
-                 devices; see kernel.io_uring_disabled and the container's seccomp profile)"
+                "{what}: io_uring is not available ({err}): serving through threads (slower on \
+                 fast devices; see kernel.io_uring_disabled and the container's seccomp profile)"
             );
             Ok(None)
         }
@@ -201,8 +207,9 @@ fn start_rings(
     }
 }
 
-/// Raises the descriptor limit and lowers `configured` to what fits under it (logged).
-fn connections_max_for_descriptors(configured: usize) -> io::Result<usize> {
+/// Raises the descriptor limit and lowers `configured` to what fits under it (logged, for
+/// the listener `what`).
+fn connections_max_for_descriptors(what: &str, configured: usize) -> io::Result<usize> {
     let soft = match fd_limit::raise_nofile_limit() {
         Ok(soft) => soft,
         Err(err) => {
@@ -220,10 +227,10 @@ fn connections_max_for_descriptors(configured: usize) -> io::Result<usize> {
     }
     if effective < configured {
         log::warn!(
-            "serving at most {effective} connections (not {configured}): the descriptor limit is {soft}"
+            "{what}: serving at most {effective} connections (not {configured}): the descriptor limit is {soft}"
         );
     } else {
-        log::info!("serving at most {effective} connections (descriptor limit {soft})");
+        log::info!("{what}: serving at most {effective} connections (descriptor limit {soft})");
     }
     Ok(effective)
 }

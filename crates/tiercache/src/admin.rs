@@ -24,6 +24,10 @@
 //! connection idle longest, so a flood of admin connections costs a bounded number of threads
 //! and descriptors and cannot lock the operator out; a stuck client cannot block the others.
 //! A connection that asked to `stop` stays open (and counted) until the process exits.
+//! Every command that changes something (`set`, `clear_stats`, `detach`, `attach`, `resize`,
+//! `readmit`, `degrade`, `stop`) leaves one INFO line in the server's log, done or refused,
+//! naming the client by the uid and pid of its socket's peer credentials (`SO_PEERCRED`) and,
+//! for `set`, the value before and after.
 //! `clear_stats` (bcache's clear_stats) resets what `status` and `stats` count for a volume,
 //! by remembering the engine's counters at that moment ([`CLEARED`]) and subtracting them;
 //! the engine's counters, and so the Prometheus counters and `top`, keep growing.
@@ -313,11 +317,42 @@ fn cache_json(set: &CacheSet) -> Value {
     })
 }
 
-/// Handles one request; `send` writes intermediate lines (progress).
+/// The commands that change something, logged with the client that asked ([`handle`]).
+const CHANGES: [&str; 8] = [
+    "set",
+    "clear_stats",
+    "detach",
+    "attach",
+    "resize",
+    "readmit",
+    "degrade",
+    "stop",
+];
+
+/// An admin client as the log names it: "admin client uid U pid P", from the socket's peer
+/// credentials.
+fn client_name(stream: &UnixStream) -> String {
+    match server::peer_cred(stream) {
+        Ok(c) => format!("admin client uid {} pid {}", c.uid, c.pid),
+        Err(e) => format!("admin client (credentials unknown: {e})"),
+    }
+}
+
+/// A knob's value as `status` reports it, for the log: strings without quotes.
+fn knob_value(vol: &Volume, knob: &str) -> String {
+    match &status_json(&vol.status(), &vol.name())[knob] {
+        Value::String(s) => s.clone(),
+        v => v.to_string(),
+    }
+}
+
+/// Handles one request from `who` ([`client_name`]); `send` writes intermediate lines
+/// (progress). What changes is logged at INFO (see the module comment).
 fn handle(
     ctl: &dyn Control,
     meter: &WritebackMeter,
     req: &Value,
+    who: &str,
     send: &mut dyn FnMut(Value),
 ) -> Result<Value> {
     let field = |k: &str| {
@@ -356,6 +391,7 @@ fn handle(
         }
         "readmit" => {
             let set = set()?;
+            log::info!("{who}: readmit the cache device");
             if let Err(e) = set.readmit() {
                 if set.health().degraded.is_some() {
                     bail!(
@@ -374,6 +410,7 @@ fn handle(
                 bail!("degrade needs a reason of 1 to {DEGRADE_REASON_MAX_BYTES} bytes");
             }
             let already = set.health().degraded.is_some();
+            log::info!("{who}: degrade, reason: {reason}");
             set.degrade(reason);
             if set.health().degraded.is_none() {
                 bail!(
@@ -387,7 +424,12 @@ fn handle(
             let set = set()?;
             let vol = find(set, field("device")?)?;
             let knob = field("knob")?;
+            let (name, old) = (vol.name(), knob_value(&vol, knob));
             set_knob(&vol, knob, field("value")?)?;
+            log::info!(
+                "{who}: set {knob} of export '{name}': {old} -> {}",
+                knob_value(&vol, knob)
+            );
             if knob == "label" {
                 ctl.volumes_changed();
             }
@@ -408,12 +450,14 @@ fn handle(
                 .unwrap_or_else(|p| p.into_inner())
                 .get_or_insert_with(HashMap::new)
                 .insert(vol.uuid(), now);
-            log::info!("export '{}': statistics cleared", vol.name());
+            log::info!("{who}: statistics of export '{}' cleared", vol.name());
             Ok(json!({"ok": true, "device": vol.name()}))
         }
         "detach" => {
             let set = set()?;
             let vol = find(set, field("device")?)?;
+            let (name, uuid) = (vol.name(), vol.uuid());
+            log::info!("{who}: detach export '{name}' ({uuid}): writing back its dirty data");
             let mut last = u64::MAX;
             set.detach(&vol, &mut |remaining, total| {
                 if remaining != last {
@@ -421,6 +465,7 @@ fn handle(
                     send(json!({"progress": {"dirty_bytes": remaining, "total_bytes": total}}));
                 }
             })?;
+            log::info!("{who}: export '{name}' ({uuid}) detached");
             ctl.volumes_changed();
             Ok(json!({"ok": true}))
         }
@@ -436,6 +481,19 @@ fn handle(
             let vol = set
                 .attach_with(dev, opts)
                 .with_context(|| format!("attaching {}", path.display()))?;
+            log::info!(
+                "{who}: attached {}{} as export '{}' ({}, {} bytes, mode {})",
+                path.display(),
+                match (opts.take_over, opts.discard_dirty) {
+                    (false, _) => "",
+                    (true, false) => " (--take-over)",
+                    (true, true) => " (--take-over --discard-dirty)",
+                },
+                vol.name(),
+                vol.uuid(),
+                vol.size_bytes(),
+                vol.mode()
+            );
             ctl.volumes_changed();
             Ok(json!({"ok": true, "name": vol.name()}))
         }
@@ -445,7 +503,15 @@ fn handle(
             let old = vol.size_bytes();
             let new = grow(&vol)?;
             if new != old {
-                log::info!("export '{}': resized from {old} to {new} bytes", vol.name());
+                log::info!(
+                    "{who}: export '{}' resized from {old} to {new} bytes",
+                    vol.name()
+                );
+            } else {
+                log::info!(
+                    "{who}: resize of export '{}': still {new} bytes",
+                    vol.name()
+                );
             }
             // Clients that connect from now on are told the new size (the export reads it at
             // every handshake); connected ones keep the size they negotiated.
@@ -457,6 +523,7 @@ fn handle(
             }))
         }
         "stop" => {
+            log::info!("{who}: stop");
             ctl.stop();
             Ok(json!({"ok": true, "pid": std::process::id()}))
         }
@@ -541,6 +608,7 @@ fn serve_conn(
 ) -> std::io::Result<()> {
     stream.set_read_timeout(Some(ADMIN_IDLE_TIMEOUT))?;
     stream.set_write_timeout(Some(ADMIN_WRITE_TIMEOUT))?;
+    let who = client_name(&stream);
     let mut writer = stream.try_clone()?;
     let mut reader = BufReader::new(stream);
     loop {
@@ -556,13 +624,18 @@ fn serve_conn(
         let mut progress_result = Ok(());
         let req = serde_json::from_str::<Value>(&line);
         let reply = match &req {
-            Ok(req) => handle(ctl, meter, req, &mut |v| {
+            Ok(req) => handle(ctl, meter, req, &who, &mut |v| {
                 if progress_result.is_ok() {
                     progress_result = writeln!(writer, "{v}");
                 }
             }),
             Err(e) => Err(anyhow!("malformed request: {e}")),
         };
+        if let (Ok(req), Err(e)) = (&req, &reply) {
+            if let Some(cmd) = req["cmd"].as_str().filter(|c| CHANGES.contains(c)) {
+                log::info!("{who}: {cmd} refused: {e:#}");
+            }
+        }
         progress_result?;
         let stopping = reply.is_ok() && req.is_ok_and(|r| r["cmd"] == "stop");
         let reply = reply.unwrap_or_else(|e| json!({"ok": false, "error": format!("{e:#}")}));
@@ -682,8 +755,24 @@ pub fn exchange(
             path.display()
         )
     })?;
-    writeln!(stream, "{req}")?;
+    // One write: an NBD server that took the first bytes for its handshake may close the
+    // socket before a second one.
+    let wrote = stream.write_all(format!("{req}\n").as_bytes());
     let mut reader = BufReader::new(stream);
+    // An NBD server greets first, in one write: the socket is the NBD one, not its admin
+    // socket (a reply that is not JSON would say nothing useful). Its greeting is there to
+    // read even when it closed the socket before the request was written.
+    let greeting = nbd_proto::wire::NBD_MAGIC.to_be_bytes();
+    if reader.fill_buf().is_ok_and(|b| b.starts_with(&greeting)) {
+        bail!(
+            "{} is an NBD socket (it answered with the NBD greeting), not a tiercache admin \
+             socket: the admin socket is the one `serve --admin` names, by default the NBD \
+             socket's path with \".admin\" appended ({})",
+            path.display(),
+            crate::serve::admin_for(path).display()
+        );
+    }
+    wrote?;
     loop {
         let mut line = String::new();
         if reader.read_line(&mut line)? == 0 {

@@ -14,6 +14,7 @@ use crate::{bench, client, serve};
 use anyhow::Result;
 use clap::{CommandFactory, Parser, Subcommand};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -50,14 +51,15 @@ pub struct ServeLimits {
     /// Group of the NBD socket (group name or gid) [default: the server's group].
     #[arg(long)]
     pub socket_group: Option<String>,
-    /// Seconds without a request after which an NBD connection may be closed to make room for
-    /// a new client when the server is full [default: 30].
-    #[arg(long)]
-    pub idle_timeout: Option<u64>,
-    /// Close an idle NBD connection after this many seconds even when there is room [default:
-    /// never].
-    #[arg(long)]
-    pub idle_close_after: Option<u64>,
+    /// Time without a request after which an NBD connection may be closed to make room for a
+    /// new client when the server is full [default: 30s]. Durations here and in the config
+    /// file: 30s, 5m, 1h 30m, 500ms (a plain number is seconds).
+    #[arg(long, value_name = "DURATION", value_parser = serve::parse_duration)]
+    pub idle_timeout: Option<Duration>,
+    /// Close an idle NBD connection after this long even when there is room (a duration:
+    /// 10m, 2h) [default: never].
+    #[arg(long, value_name = "DURATION", value_parser = serve::parse_duration)]
+    pub idle_close_after: Option<Duration>,
     /// NBD connections served at once, per listening socket (lowered to fit the descriptor
     /// limit) [default: 256].
     #[arg(long)]
@@ -70,12 +72,13 @@ pub struct ServeLimits {
     /// 256M].
     #[arg(long)]
     pub request_memory: Option<String>,
-    /// Seconds a shutdown (SIGTERM, `tiercache stop`) waits for requests in flight, and then
-    /// again for the cache to be saved [default: 30]. A request still running then (stuck in
-    /// a hung device) has its connection closed without a reply; a save still running then
-    /// is given up and the next start recovers as after a crash.
-    #[arg(long)]
-    pub shutdown_timeout: Option<u64>,
+    /// How long a shutdown (SIGTERM, `tiercache stop`) waits for requests in flight, and then
+    /// again for the cache to be saved: a duration, 1s to 1h (30s, 2m; a plain number is
+    /// seconds) [default: 30s]. A request still running then (stuck in a hung device) has its
+    /// connection closed without a reply; a save still running then is given up and the next
+    /// start recovers as after a crash.
+    #[arg(long, value_name = "DURATION", value_parser = serve::parse_duration)]
+    pub shutdown_timeout: Option<Duration>,
     /// How plain (non-TLS) NBD connections are served: `uring` (io_uring event loops; cache
     /// hits are read with no thread hand-over), `threads` (threads per connection), or `auto`
     /// (io_uring where the kernel allows it, else threads, logged once) [default: auto].
@@ -548,7 +551,6 @@ pub enum Cmd {
     },
     /// Shell completions and man pages, generated from this binary's command line (for
     /// packagers; see README).
-    #[command(hide = true)]
     Generate {
         #[command(subcommand)]
         what: GenerateCmd,

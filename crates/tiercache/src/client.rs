@@ -150,10 +150,18 @@ pub fn status(a: &Admin) -> Result<()> {
     }
     print_occupancy(&r["cache"]);
     print_health(&r["health"]);
-    println!(
-        "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6} {:>10}",
-        "DEVICE", "SIZE", "MODE", "STATE", "DIRTY", "CACHED", "HIT%", "WRITEBACK"
-    );
+    let none = |k: &str| r[k].as_array().is_none_or(Vec::is_empty);
+    if none("devices") && none("missing") {
+        println!(
+            "no volumes: no backing device is attached to this cache set (`tiercache attach \
+             DEVICE` adds one formatted by `tiercache make --backing DEVICE`)"
+        );
+    } else {
+        println!(
+            "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6} {:>10}",
+            "DEVICE", "SIZE", "MODE", "STATE", "DIRTY", "CACHED", "HIT%", "WRITEBACK"
+        );
+    }
     for d in r["devices"].as_array().into_iter().flatten() {
         println!(
             "{:<20} {:>10} {:<13} {:<10} {:>10} {:>10} {:>6} {:>10}",

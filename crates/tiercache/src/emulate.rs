@@ -53,11 +53,13 @@ pub fn run(dev: Arc<dyn BlockDevice>, socket: &Path, name: &str) -> Result<()> {
         server::ServerConfig::default(),
     )
     .with_context(|| format!("listening on {}", socket.display()))?;
-    log::info!(
-        "emulating {} at {}",
-        dev.describe(),
-        handle.local_addr().uri(name)
-    );
+    // The URI names the socket by its absolute path, so it can be used from any directory
+    // (the socket itself is bound as given: a unix socket path has a length limit).
+    let at = match std::path::absolute(socket) {
+        Ok(abs) => server::LocalAddr::Unix(abs).uri(name),
+        Err(_) => handle.local_addr().uri(name),
+    };
+    log::info!("emulating {} at {at}", dev.describe());
     while !stop.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(100));
     }

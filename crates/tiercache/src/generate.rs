@@ -2,7 +2,7 @@
 //! definition itself (clap_complete, clap_mangen), so they always match the binary that
 //! prints them.
 //!
-//! Why a (hidden) subcommand and not build.rs: the pages and scripts then come from the
+//! Why a subcommand and not build.rs: the pages and scripts then come from the
 //! installed binary, whoever built it (`cargo install` installs no build outputs but the
 //! binary), a packager needs no second build step, and the CLI definition stays in one place
 //! instead of being shared with a build script.

@@ -130,6 +130,7 @@ fn main() -> ExitCode {
             let flags = serve::ServeConfig {
                 cache: cache.unwrap_or_default(),
                 backing,
+                backing_file: None,
                 socket,
                 tcp,
                 admin,

@@ -50,6 +50,10 @@ pub struct ServeConfig {
     /// Backing devices: paths (files or block devices) or NBD URIs.
     #[serde(default)]
     pub backing: Vec<String>,
+    /// The config file `backing` came from (`None`: from `--backing`), for messages that tell
+    /// the operator where to name a device.
+    #[serde(skip)]
+    pub backing_file: Option<PathBuf>,
     /// Unix socket for NBD clients.
     pub socket: Option<PathBuf>,
     /// TCP address for NBD clients ("127.0.0.1:10809", or a port alone for 127.0.0.1).
@@ -68,12 +72,15 @@ pub struct ServeConfig {
     pub socket_owner: Option<String>,
     /// Group of the NBD socket: group name or gid (default: the server's group).
     pub socket_group: Option<String>,
-    /// Seconds without a request after which an NBD connection may be closed to make room for
-    /// a new client when the server is full (default 30).
-    pub idle_timeout: Option<u64>,
-    /// Seconds after which an idle NBD connection is closed even when there is room (default:
+    /// Time without a request after which an NBD connection may be closed to make room for
+    /// a new client when the server is full (default 30s). Durations are "30s", "5m", "1h
+    /// 30m" (see [`parse_duration`]), or a number of seconds.
+    #[serde(default, deserialize_with = "duration")]
+    pub idle_timeout: Option<Duration>,
+    /// Time after which an idle NBD connection is closed even when there is room (default:
     /// never; NBD clients such as the kernel's and qemu's keep idle connections for hours).
-    pub idle_close_after: Option<u64>,
+    #[serde(default, deserialize_with = "duration")]
+    pub idle_close_after: Option<Duration>,
     /// NBD connections served at once, per listening socket (default 256; lowered to fit the
     /// descriptor limit).
     pub max_connections: Option<usize>,
@@ -99,11 +106,12 @@ pub struct ServeConfig {
     /// then listed as missing by `status` and the metrics until it is attached.
     #[serde(default)]
     pub allow_missing: bool,
-    /// Seconds a shutdown waits for requests in flight, and then again for the cache set to
-    /// be saved (default 30; 1 to 3600). A request still running then (stuck in a hung
+    /// How long a shutdown waits for requests in flight, and then again for the cache set to
+    /// be saved (default 30s; 1s to 1h). A request still running then (stuck in a hung
     /// device) has its connection closed without a reply; a save still running then is given
     /// up, and the next start recovers as after a crash.
-    pub shutdown_timeout: Option<u64>,
+    #[serde(default, deserialize_with = "duration")]
+    pub shutdown_timeout: Option<Duration>,
     /// How plain (non-TLS) NBD connections are served: "uring" (io_uring event loops),
     /// "threads" (threads per connection) or "auto" (io_uring where the kernel allows it,
     /// else threads; default).
@@ -208,7 +216,20 @@ impl ServeConfig {
     pub fn from_file(path: &Path) -> Result<ServeConfig> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))
+        let cfg: ServeConfig = toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))?;
+        Ok(ServeConfig {
+            backing_file: Some(path.to_path_buf()),
+            ..cfg
+        })
+    }
+
+    /// Where the backing devices were named, as "not ..." completes it: "given with
+    /// --backing", or "in the `backing` list of FILE".
+    fn backing_named(&self) -> String {
+        match &self.backing_file {
+            None => "given with --backing".into(),
+            Some(f) => format!("in the `backing` list of {}", f.display()),
+        }
     }
 
     /// This configuration (from a file) with every setting `flags` gives (from the command
@@ -224,6 +245,11 @@ impl ServeConfig {
                 self.cache
             } else {
                 flags.cache
+            },
+            backing_file: if flags.backing.is_empty() {
+                self.backing_file
+            } else {
+                None
             },
             backing: if flags.backing.is_empty() {
                 self.backing
@@ -299,6 +325,12 @@ impl ServeConfig {
             }
             Ok(v)
         };
+        let longer_than_0 = |what: &str, t: Duration| {
+            if t.is_zero() {
+                anyhow::bail!("{what} must be longer than 0")
+            }
+            Ok(t)
+        };
         if let Some(p) = &self.data_path {
             c.data_path = p
                 .parse()
@@ -311,10 +343,10 @@ impl ServeConfig {
             }
         }
         if let Some(t) = self.idle_timeout {
-            c.idle_timeout = Duration::from_secs(positive("idle_timeout", t)?);
+            c.idle_timeout = longer_than_0("idle_timeout", t)?;
         }
         if let Some(t) = self.idle_close_after {
-            c.idle_close_after = Some(Duration::from_secs(positive("idle_close_after", t)?));
+            c.idle_close_after = Some(longer_than_0("idle_close_after", t)?);
         }
         if let Some(n) = self.max_connections {
             c.connections_max = positive("max_connections", n as u64)? as usize;
@@ -425,13 +457,16 @@ impl ServeConfig {
 
     /// How long a shutdown waits for requests in flight, and then for the save.
     pub fn shutdown_timeout(&self) -> Result<Duration> {
-        let secs = self
-            .shutdown_timeout
-            .unwrap_or(SHUTDOWN_TIMEOUT_DEFAULT_SECS);
-        if !(1..=SHUTDOWN_TIMEOUT_MAX_SECS).contains(&secs) {
-            anyhow::bail!("shutdown_timeout {secs} is out of range (1 to {SHUTDOWN_TIMEOUT_MAX_SECS} seconds)");
+        let t = self.shutdown_timeout.unwrap_or(SHUTDOWN_TIMEOUT_DEFAULT);
+        if !(SHUTDOWN_TIMEOUT_MIN..=SHUTDOWN_TIMEOUT_MAX).contains(&t) {
+            anyhow::bail!(
+                "shutdown_timeout {} is out of range ({} to {})",
+                humantime::format_duration(t),
+                humantime::format_duration(SHUTDOWN_TIMEOUT_MIN),
+                humantime::format_duration(SHUTDOWN_TIMEOUT_MAX)
+            );
         }
-        Ok(Duration::from_secs(secs))
+        Ok(t)
     }
 
     fn check(&self) -> Result<()> {
@@ -524,7 +559,8 @@ impl ServeConfig {
 /// A TOML error on one line: file, line and column, and what is wrong (the toml crate's own
 /// rendering draws the line over five).
 fn toml_error(path: &Path, text: &str, e: &toml::de::Error) -> anyhow::Error {
-    let message = e.message().trim().replace('\n', "; ");
+    let message =
+        unknown_key(e.message().trim()).unwrap_or_else(|| e.message().trim().replace('\n', "; "));
     match e.span() {
         Some(span) => {
             let before = &text[..span.start.min(text.len())];
@@ -536,12 +572,74 @@ fn toml_error(path: &Path, text: &str, e: &toml::de::Error) -> anyhow::Error {
     }
 }
 
+/// serde's "unknown field `x`, expected one of `a`, `b`, ..." (every key there is) as
+/// "unknown key `x`; did you mean `a`?", naming the nearest key only, or where the keys are
+/// listed when none is near; `None` for any other message.
+fn unknown_key(message: &str) -> Option<String> {
+    let (key, rest) = message.strip_prefix("unknown field `")?.split_once('`')?;
+    // "one of `a`, `b`" or "`a` or `b`": the names are every other piece between backticks.
+    let keys = rest
+        .strip_prefix(", expected ")?
+        .split('`')
+        .skip(1)
+        .step_by(2);
+    let nearest = keys
+        .map(|k| (strsim::jaro(key, k), k))
+        .filter(|(score, _)| *score > 0.7)
+        .max_by(|a, b| a.0.total_cmp(&b.0));
+    Some(match nearest {
+        Some((_, k)) => format!("unknown key `{key}`; did you mean `{k}`?"),
+        None => format!(
+            "unknown key `{key}` (the keys are the long options of `tiercache serve --help` \
+             with '_' for '-', and [volumes.NAME] tables)"
+        ),
+    })
+}
+
 /// Most event-loop threads of the io_uring data path.
 const RING_THREADS_MAX: usize = 256;
 
-/// `shutdown_timeout` unless set, and its largest value.
-const SHUTDOWN_TIMEOUT_DEFAULT_SECS: u64 = 30;
-const SHUTDOWN_TIMEOUT_MAX_SECS: u64 = 3600;
+/// `shutdown_timeout` unless set, and its range.
+const SHUTDOWN_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+const SHUTDOWN_TIMEOUT_MIN: Duration = Duration::from_secs(1);
+const SHUTDOWN_TIMEOUT_MAX: Duration = Duration::from_secs(3600);
+
+/// A duration as `serve` takes one (`idle_timeout`, `idle_close_after`, `shutdown_timeout`,
+/// on the command line and in the config file): humantime's form ("30s", "5m", "1h 30m",
+/// "500ms"), or a plain number, which is seconds (as these settings were first given).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    if let Ok(secs) = t.parse::<u64>() {
+        return Ok(Duration::from_secs(secs));
+    }
+    humantime::parse_duration(t).map_err(|e| {
+        format!("'{s}' is not a duration ({e}): give one like 30s, 5m or 1h 30m, or seconds")
+    })
+}
+
+/// Deserializes an optional duration of the config file: a string [`parse_duration`] takes,
+/// or an integer (seconds).
+fn duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    struct Visitor;
+    impl serde::de::Visitor<'_> for Visitor {
+        type Value = Duration;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a duration such as \"30s\" or \"5m\", or a number of seconds")
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Duration, E> {
+            Ok(Duration::from_secs(v))
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Duration, E> {
+            u64::try_from(v)
+                .map(Duration::from_secs)
+                .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Duration, E> {
+            parse_duration(v).map_err(E::custom)
+        }
+    }
+    d.deserialize_any(Visitor).map(Some)
+}
 
 /// Largest `io_error_limit`.
 const IO_ERROR_LIMIT_MAX: u64 = 1_000_000;
@@ -1191,11 +1289,15 @@ fn refuse_dirty(
         .iter()
         .map(|m| format!("{} ({} dirty)", m.uuid, crate::units::human(m.dirty_bytes)))
         .collect();
+    let name_them = match &cfg.backing_file {
+        None => "Name them with --backing (or in the config's `backing` list)".to_string(),
+        Some(f) => format!("Add them to the `backing` list of {}", f.display()),
+    };
     anyhow::bail!(
-        "the cache set holds dirty data of backing device(s) not given with --backing: {}; \
-         their newest data is only in this cache. Name them with --backing (or in the \
-         config's backing list), or start with --allow-missing (allow_missing = true) to \
-         serve the others meanwhile (`tiercache attach` brings them back)",
+        "the cache set holds dirty data of backing device(s) not {}: {}; their newest data \
+         is only in this cache. {name_them}, or start with --allow-missing (allow_missing = \
+         true) to serve the others meanwhile (`tiercache attach` brings them back)",
+        cfg.backing_named(),
         list.join(", ")
     )
 }
@@ -1208,9 +1310,9 @@ fn check_missing(cfg: &ServeConfig, set: &CacheSet, pending: &[Pending]) -> Resu
     refuse_dirty(cfg, &missing, pending)?;
     for m in &missing {
         let why = if pending.is_empty() {
-            "not given with --backing"
+            format!("not {}", cfg.backing_named())
         } else {
-            "not attached (a named device that has not answered yet may be it)"
+            "not attached (a named device that has not answered yet may be it)".to_string()
         };
         if m.dirty_bytes > 0 {
             log::error!(

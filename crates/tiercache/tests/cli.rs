@@ -133,10 +133,32 @@ fn bad_input_gets_one_line_errors() {
     );
     // The size as given (not rounded to nothing), and the minimum for the geometry asked.
     let sector = file(dir.path(), "sector.img", 512);
-    assert_clean_failure(
-        &tc(&["make", "--backing", &slow, "--cache", &sector]),
-        "cache device of 512 bytes is too small",
-    );
+    let o = tc(&["make", "--backing", &slow, "--cache", &sector]);
+    assert_clean_failure(&o, "cache device of 512 bytes is too small");
+    assert!(!stderr(&o).contains("invalid request"), "{}", stderr(&o));
+    // 1 MiB with the default geometry: the minimum in MiB, for the block size asked.
+    let mib = file(dir.path(), "mib.img", 1 << 20);
+    for (block, said) in [("4k", "4096-byte blocks"), ("8k", "8192-byte blocks")] {
+        let o = tc(&[
+            "make",
+            "--backing",
+            &slow,
+            "--cache",
+            &mib,
+            "--block-size",
+            block,
+        ]);
+        assert_clean_failure(&o, "cache device of 1.0 MiB is too small");
+        let err = stderr(&o);
+        assert!(
+            err.contains("8 buckets of 512.0 KiB")
+                && err.contains(said)
+                && err.contains("need at least ")
+                && err.contains(" MiB (")
+                && !err.contains("invalid request"),
+            "{err}"
+        );
+    }
     let o = tc(&[
         "make",
         "--backing",
@@ -202,4 +224,81 @@ fn bad_input_gets_one_line_errors() {
     // Nothing was written by the failed makes.
     assert!(std::fs::read(&slow).unwrap().iter().all(|&b| b == 0));
     assert!(std::fs::read(&fast).unwrap().iter().all(|&b| b == 0));
+}
+
+/// Durations take humantime's form (plain numbers are seconds), on the command line and in
+/// the config file; a misspelt config key is answered with the nearest one. Every case here
+/// fails before a device is opened, on a cache device that does not exist.
+#[test]
+fn durations_and_config_keys_read_as_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.img").to_str().unwrap().to_string();
+    let serve = |extra: &[&str]| {
+        let mut args = vec!["serve", "--cache", &missing];
+        args.extend_from_slice(extra);
+        tc(&args)
+    };
+    // Accepted: the start goes on to open the (missing) cache device.
+    for ok in [
+        ["--shutdown-timeout", "30s"],
+        ["--shutdown-timeout", "45"],
+        ["--idle-timeout", "1m 30s"],
+        ["--idle-close-after", "2h"],
+    ] {
+        assert_clean_failure(&serve(&ok), "no such file");
+    }
+    assert_clean_failure(
+        &serve(&["--idle-timeout", "30x"]),
+        "'30x' is not a duration",
+    );
+    assert_clean_failure(
+        &serve(&["--shutdown-timeout", "2h"]),
+        "shutdown_timeout 2h is out of range (1s to 1h)",
+    );
+    assert_clean_failure(
+        &serve(&["--idle-timeout", "0s"]),
+        "idle_timeout must be longer than 0",
+    );
+    let config = dir.path().join("serve.toml");
+    let with_config = |text: &str| {
+        std::fs::write(&config, format!("cache = {missing:?}\n{text}")).unwrap();
+        tc(&["serve", "--config", config.to_str().unwrap()])
+    };
+    assert_clean_failure(
+        &with_config("idle_timeout = \"2m\"\nshutdown_timeout = 45\n"),
+        "no such file",
+    );
+    assert_clean_failure(
+        &with_config("shutdown_timeout = \"soon\"\n"),
+        "'soon' is not a duration",
+    );
+    let o = with_config("idle_timout = 5\n");
+    assert_clean_failure(
+        &o,
+        "serve.toml:2:1: unknown key `idle_timout`; did you mean `idle_timeout`?",
+    );
+    assert!(!stderr(&o).contains("socket_mode"), "{}", stderr(&o));
+    assert_clean_failure(
+        &with_config("colour = \"blue\"\n"),
+        "unknown key `colour` (the keys are",
+    );
+    // `--help` says the form.
+    let help = String::from_utf8_lossy(&tc(&["serve", "--help"]).stdout).into_owned();
+    assert!(
+        help.contains("--shutdown-timeout <DURATION>") && help.contains("1h 30m"),
+        "{help}"
+    );
+}
+
+/// `generate` (man pages, completions) is listed with the other commands.
+#[test]
+fn help_lists_every_command() {
+    let o = tc(&["--help"]);
+    let help = String::from_utf8_lossy(&o.stdout);
+    for cmd in ["serve", "make", "status", "generate"] {
+        assert!(
+            help.lines().any(|l| l.trim_start().starts_with(cmd)),
+            "{cmd} missing from --help:\n{help}"
+        );
+    }
 }

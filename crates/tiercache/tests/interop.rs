@@ -525,7 +525,7 @@ fn serve_from_a_toml_config_file() {
         .unwrap();
     assert!(!o.status.success());
     assert!(
-        String::from_utf8_lossy(&o.stderr).contains("unknown field"),
+        String::from_utf8_lossy(&o.stderr).contains("unknown key `colour`"),
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );

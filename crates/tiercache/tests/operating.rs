@@ -48,8 +48,9 @@ fn subcommands() -> Vec<String> {
         .collect()
 }
 
-/// Commands that report nothing to parse: servers that run until stopped.
-const SERVERS: [&str; 4] = ["serve", "demo", "emulate", "bench"];
+/// Commands that report nothing to parse: servers that run until stopped, and `generate`
+/// (its output is a completion script or man pages).
+const SERVERS: [&str; 5] = ["serve", "demo", "emulate", "bench", "generate"];
 
 #[test]
 fn every_reporting_command_takes_json_and_prints_valid_json() {
@@ -417,4 +418,88 @@ fn a_grown_backing_device_is_taken_in_by_resize_and_at_restart() {
     f.stop();
     let shown = json_of(&run(tc().arg("show").arg("--json").arg(f.path("slow.img"))));
     assert_eq!(shown["data_size"], before + (16 << 20), "{shown}");
+}
+
+/// Every change through the admin socket leaves a line in the server's log naming the client
+/// (uid and pid), and for `set` the value before and after; refused changes too. Also: an
+/// admin command pointed at the NBD socket says which socket to use, `status` of a set with
+/// no volumes says so, and each listener's limits are logged once, naming it.
+#[test]
+fn admin_changes_leave_an_audit_trail_in_the_log() {
+    let mut f = Fixture::new(16, 16, false);
+    let log = f.path("serve.log");
+    let mut cmd = f.serve_cmd();
+    cmd.args([
+        "--tcp",
+        "0",
+        "--shutdown-timeout",
+        "30s",
+        "--idle-timeout",
+        "1m",
+    ])
+    .env("RUST_LOG", "info")
+    .stderr(Stdio::from(std::fs::File::create(&log).unwrap()));
+    f.start_cmd(cmd);
+    f.tc_admin(&["set", "data", "writeback_percent", "25"]);
+    f.tc_admin(&["set", "data", "cache_mode", "writeback"]);
+    let o = f
+        .admin_cmd(&["set", "data", "writeback_percent", "101"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("tiercache: writeback_percent 101 is out of range (0 to 100)"),
+        "{err}"
+    );
+    f.tc_admin(&["clear-stats", "data"]);
+    f.tc_admin(&["degrade", "--reason", "replacing it"]);
+    f.tc_admin(&["readmit"]);
+    let nbd = f.socket().display().to_string();
+    let o = admin_cmd(&nbd, &["status"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("is an NBD socket") && err.contains(&format!("({})", f.admin())),
+        "{err}"
+    );
+    f.tc_admin(&["detach", "data"]);
+    let shown = stdout(&f.tc_admin(&["status"]));
+    assert!(shown.contains("no volumes"), "{shown}");
+    assert!(!shown.lines().any(|l| l.starts_with("DEVICE ")), "{shown}");
+    f.stop();
+    let text = std::fs::read_to_string(&log).unwrap();
+    // SAFETY: getuid has no preconditions.
+    let client = format!("admin client uid {} pid ", unsafe { libc::getuid() });
+    for said in [
+        "set writeback_percent of export 'data': 10 -> 25",
+        "set cache_mode of export 'data': writethrough -> writeback",
+        "set refused: writeback_percent 101 is out of range",
+        "statistics of export 'data' cleared",
+        "degrade, reason: replacing it",
+        "readmit the cache device",
+        "detach export 'data'",
+        ") detached",
+        ": stop",
+    ] {
+        assert!(
+            text.lines()
+                .any(|l| l.contains(" INFO ") && l.contains(&client) && l.contains(said)),
+            "no INFO line by {client}... with {said:?}:\n{text}"
+        );
+    }
+    // One line per listener, each naming its listener.
+    let limits: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("serving at most"))
+        .collect();
+    assert_eq!(limits.len(), 2, "{text}");
+    assert!(
+        limits.iter().any(|l| l.contains(&format!("{nbd}: "))),
+        "{text}"
+    );
+    assert!(
+        limits.iter().any(|l| l.contains("tcp 127.0.0.1:0: ")),
+        "{text}"
+    );
 }

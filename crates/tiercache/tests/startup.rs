@@ -405,3 +405,51 @@ fn option_mistakes_are_refused_before_the_cache_is_opened() {
         "a refused start opened and checkpointed the cache set"
     );
 }
+
+/// A device the set knows, left out of the config file's `backing` list, is said to be left
+/// out of that list (where the operator would add it), not out of `--backing`.
+#[test]
+fn a_device_left_out_of_the_config_file_is_named_as_left_out_of_it() {
+    let d = Dir::new();
+    d.make_two();
+    let config = d.path("serve.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "cache = {:?}\nbacking = [{:?}]\nsocket = {:?}\n",
+            d.path("fast.img"),
+            d.path("slow.img"),
+            d.sock()
+        ),
+    )
+    .unwrap();
+    let log = d.path("serve.log");
+    let mut cmd = tc();
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .stderr(std::fs::File::create(&log).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    let t = Instant::now();
+    while !Path::new(&d.admin()).exists() {
+        if let Some(s) = child.try_wait().unwrap() {
+            panic!(
+                "serve exited with {s}: {}",
+                std::fs::read_to_string(&log).unwrap()
+            );
+        }
+        assert!(t.elapsed() < LIMIT, "serve did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    run(tc().args(["stop", "--admin", &d.admin()]));
+    assert!(child.wait().unwrap().success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains(&format!(
+            "is not in the `backing` list of {}",
+            config.display()
+        )),
+        "{text}"
+    );
+    assert!(!text.contains("--backing"), "{text}");
+}
