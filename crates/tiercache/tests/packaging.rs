@@ -126,7 +126,10 @@ fn the_systemd_unit_is_valid_and_runs_serve_as_a_notify_service() {
         .map(|(value, _)| value)
         .expect("README names the unit's OOMScoreAdjust= as (`OOMScoreAdjust=N` in the unit)");
     assert_eq!(get("OOMScoreAdjust"), said, "README and the unit disagree");
-    assert_eq!(said, "-1000", "the server must never be the OOM killer's choice");
+    assert_eq!(
+        said, "-1000",
+        "the server must never be the OOM killer's choice"
+    );
     // systemd's own checker (`.ci/run` installs it; under CI=true its absence is a failure).
     // It checks that ExecStart exists, so point it at this build.
     let have_analyze = Command::new("systemd-analyze")
