@@ -161,14 +161,16 @@ fn can_mount(why: &str) -> bool {
 }
 
 /// A shell the shown commands run in: a working directory, PATH with the binary first, the
-/// variables `export` set, and the commands left running in the background (`... &`).
-/// Dropped, it unmounts (lazily) whatever is mounted under its directory, deepest first, then
-/// ends what still runs in the background: a failed step leaves no mount, and a tempdir
-/// removal never descends into one.
+/// variables `export` set, the `tiercache serve` running, and the other commands left running
+/// in the background (`... &`). Dropped, it unmounts (lazily) whatever is mounted under its
+/// directory, deepest first, then ends the server and what else still runs in the
+/// background: a failed step leaves no mount and no process, and a tempdir removal never
+/// descends into a mount.
 struct Shell {
     dir: PathBuf,
     path: String,
     exports: BTreeMap<String, String>,
+    server: Option<Child>,
     background: Vec<(String, Child)>,
 }
 
@@ -179,6 +181,7 @@ impl Shell {
             dir: dir.canonicalize().unwrap(),
             path: format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap()),
             exports: BTreeMap::new(),
+            server: None,
             background: Vec::new(),
         }
     }
@@ -206,7 +209,39 @@ impl Shell {
         true
     }
 
-    /// Runs `c` to its end; it must succeed (`what` says where it was shown).
+    /// Starts `tiercache serve ... --socket S` (`c`, run with `exec`, so that ending it ends the
+    /// server) in place of the one running, and waits for its admin socket `S.admin`.
+    fn serve(&mut self, c: &str, what: &str) {
+        self.kill_server();
+        let words: Vec<&str> = c.split_whitespace().collect();
+        let socket = words
+            .iter()
+            .position(|w| *w == "--socket")
+            .map(|i| words[i + 1])
+            .unwrap_or_else(|| panic!("{what}: `{c}`: serve without --socket"));
+        let admin = self.dir.join(format!("{socket}.admin"));
+        let _ = std::fs::remove_file(&admin);
+        let mut cmd = self.command(&format!("exec {c}"));
+        self.server = Some(cmd.stderr(Stdio::inherit()).spawn().unwrap());
+        let t = Instant::now();
+        while !admin.exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{what}: `{c}`: no server"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill_server(&mut self) {
+        if let Some(mut s) = self.server.take() {
+            let _ = s.kill();
+            let _ = s.wait();
+        }
+    }
+
+    /// Runs `c` to its end; it must succeed (`what` says where it was shown). After `tiercache
+    /// stop`, the server must have exited 0.
     fn run(&mut self, c: &str, what: &str) {
         let o = output_within(&mut self.command(c), Duration::from_secs(600))
             .unwrap_or_else(|| panic!("{what}: `{c}` hangs"));
@@ -216,6 +251,15 @@ impl Shell {
             String::from_utf8_lossy(&o.stdout),
             String::from_utf8_lossy(&o.stderr)
         );
+        if c.starts_with("tiercache stop") {
+            if let Some(mut s) = self.server.take() {
+                let status = s.wait().unwrap();
+                assert!(
+                    status.success(),
+                    "{what}: `{c}`: the server exited with {status}"
+                );
+            }
+        }
     }
 
     /// Starts `c` (shown with a trailing `&`) in the background and waits until it is
@@ -280,6 +324,7 @@ impl Drop for Shell {
         for point in self.mounts() {
             let _ = Command::new("umount").arg("-l").arg(&point).status();
         }
+        self.kill_server();
         for (_, child) in &mut self.background {
             let _ = child.kill();
             let _ = child.wait();
@@ -312,7 +357,6 @@ fn every_command_in_the_readme_and_docs_runs() {
     docs.extend(more);
     // Declared after `dir`, dropped before it: nothing stays mounted in it.
     let mut sh = Shell::new(dir.path());
-    let mut server: Option<std::process::Child> = None;
     let mut as_root: Option<bool> = None;
     let mut ran = Vec::new();
     for doc in &docs {
@@ -344,42 +388,16 @@ fn every_command_in_the_readme_and_docs_runs() {
             }
             let background = c.strip_suffix('&').filter(|b| !b.ends_with('&'));
             if c.starts_with("tiercache serve") {
-                let c = background.unwrap_or(&c).trim_end();
-                if let Some(mut s) = server.take() {
-                    let _ = s.kill();
-                    let _ = s.wait();
-                }
-                let words: Vec<&str> = c.split_whitespace().collect();
-                let socket = words
-                    .iter()
-                    .position(|w| *w == "--socket")
-                    .map(|i| words[i + 1])
-                    .unwrap_or_else(|| panic!("{what}: `{c}`: serve without --socket"));
-                let admin = dir.path().join(format!("{socket}.admin"));
-                let _ = std::fs::remove_file(&admin);
-                server = Some(sh.command(c).stderr(Stdio::inherit()).spawn().unwrap());
-                let t = Instant::now();
-                while !admin.exists() {
-                    assert!(t.elapsed() < Duration::from_secs(30), "{c}: no server");
-                    std::thread::sleep(Duration::from_millis(50));
-                }
+                sh.serve(background.unwrap_or(&c).trim_end(), &what);
             } else if let Some(b) = background {
                 sh.spawn(b.trim_end(), &what);
             } else {
                 sh.run(&c, &what);
-                if c.starts_with("tiercache stop") {
-                    if let Some(mut s) = server.take() {
-                        assert!(s.wait().unwrap().success());
-                    }
-                }
             }
             ran.push(c);
         }
     }
-    if let Some(mut s) = server.take() {
-        let _ = s.kill();
-        let _ = s.wait();
-    }
+    sh.kill_server();
     // nbdfuse ended once the README's last step unmounted it, and nothing stays mounted.
     sh.background_ended("README.md");
     assert_eq!(sh.mounts(), Vec::<String>::new(), "left mounted");
