@@ -133,36 +133,69 @@ fn is_gone(e: &anyhow::Error) -> bool {
     })
 }
 
-/// How to connect to the demo while it keeps serving.
+/// How to connect to the demo while it keeps serving. Every line indented by two spaces
+/// between "Still serving." and "Press Ctrl-C" is one shell command, to be pasted as it is
+/// and run in order (tests/docs_commands.rs runs each one): the filesystem goes on a
+/// directory the hints create inside the demo's own (`nbdfuse DIR URI` puts the export at
+/// DIR/nbd; a DIR that does not exist would make nbdfuse mount over the demo's directory,
+/// hiding its sockets from every later command).
 fn connect_hints(dir: &Path, socket: &Path, admin: &Path) -> std::io::Result<()> {
-    let uri = format!("nbd+unix:///{EXPORT}?socket={}", socket.display());
+    let uri = shell_word(&format!("nbd+unix:///{EXPORT}?socket={}", socket.display()));
+    let [mnt, fs, nbd, sock, admin] = [
+        dir.join("mnt"),
+        dir.join("fs"),
+        dir.join("mnt/nbd"),
+        socket.to_path_buf(),
+        admin.to_path_buf(),
+    ]
+    .map(|p| shell_word(&p.display().to_string()));
+    let tc = shell_word(&command_name());
     say(format_args!(""))?;
     say(format_args!(
         "Still serving. Connect with any NBD client, for example:"
     ))?;
-    say(format_args!("  nbdinfo '{uri}'"))?;
-    say(format_args!("  qemu-img info '{uri}'"))?;
+    say(format_args!("  nbdinfo {uri}"))?;
+    say(format_args!("  qemu-img info {uri}"))?;
     say(format_args!(
-        "  nbdfuse {}/mnt '{uri}' &   # then losetup + mkfs.ext4 + mount",
-        dir.display()
+        "As root, mount it as ext4 (nbdfuse shows the export as the file {nbd}):"
+    ))?;
+    say(format_args!("  mkdir -p {mnt} {fs}"))?;
+    say(format_args!("  nbdfuse {mnt} {uri} &"))?;
+    say(format_args!(
+        "  mkfs.ext4 -F -q {nbd} && mount -o loop {nbd} {fs}"
     ))?;
     say(format_args!(
-        "  sudo nbd-client -unix {} /dev/nbd0 -name {EXPORT}",
-        socket.display()
-    ))?;
-    let tc = command_name();
-    say(format_args!(
-        "Watch it:   {tc} status --admin {}",
-        admin.display()
+        "Or, as root, through the kernel's NBD client (after modprobe nbd):"
     ))?;
     say(format_args!(
-        "Tune it:    {tc} set --admin {} {EXPORT} cache_mode writeback",
-        admin.display()
+        "  nbd-client -unix {sock} /dev/nbd0 -name {EXPORT}"
     ))?;
+    say(format_args!("Watch it:"))?;
+    say(format_args!("  {tc} status --admin {admin}"))?;
+    say(format_args!("Tune it:"))?;
+    say(format_args!(
+        "  {tc} set --admin {admin} {EXPORT} cache_mode writeback"
+    ))?;
+    say(format_args!(
+        "Before stopping it, undo what you mounted (as root):"
+    ))?;
+    say(format_args!("  umount {fs} && fusermount3 -uz {mnt}"))?;
+    say(format_args!("  nbd-client -d /dev/nbd0"))?;
     say(format_args!(
         "Press Ctrl-C to stop (the cache is saved, and the next run in {} starts warm).",
         dir.display()
     ))
+}
+
+/// `word` as one shell word: as it is when it holds nothing the shell would change, else in
+/// single quotes.
+fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+:=,@%".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
 }
 
 /// How to run this binary again: "tiercache" if that name on $PATH is this binary, else its
@@ -224,4 +257,26 @@ fn workload(running: &Arc<Running>, socket: &Path) -> Result<()> {
         ))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shell_word;
+
+    #[test]
+    fn a_shell_word_reads_back_as_the_same_word() {
+        assert_eq!(shell_word("/tmp/demo/mnt"), "/tmp/demo/mnt");
+        assert_eq!(
+            shell_word("nbd+unix:///demo?socket=/t/nbd.sock"),
+            "'nbd+unix:///demo?socket=/t/nbd.sock'"
+        );
+        for word in ["/a b/c", "it's", "$HOME", "", "a'b'c"] {
+            let o = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!("printf %s {}", shell_word(word)))
+                .output()
+                .unwrap();
+            assert_eq!(String::from_utf8_lossy(&o.stdout), word);
+        }
+    }
 }

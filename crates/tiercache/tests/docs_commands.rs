@@ -1,28 +1,40 @@
 //! The commands the documentation shows, run: every command in a ```sh block of README.md, and
 //! those of docs/*.md that run on file-backed devices, in order, in a scratch directory, with
-//! the real binary on PATH. Device and socket paths are replaced by files in the scratch
-//! directory (`SUBSTITUTIONS`); `tiercache serve` runs in the background until the next
-//! `serve` or `stop`; an optional part in brackets (`stats [--bytes]`) is left out, except
-//! where the bare form needs a terminal (`top [--once]`). Every command must succeed.
+//! the real binary on PATH, as a reader pasting them into one shell would. Device and socket
+//! paths are replaced by files in the scratch directory (`SUBSTITUTIONS`); `tiercache serve`
+//! runs in the background until the next `serve` or `stop`, and so does a command ending in
+//! `&` (nbdfuse: the next command waits for its file); `export NAME=VALUE` sets NAME for the
+//! commands after it, and nothing else does (no `TIERCACHE_ADMIN` the reader would not have);
+//! an optional part in brackets (`stats [--bytes]`) is left out, except where the bare form
+//! needs a terminal (`top [--once]`). Commands with `sudo` run as root without it: where the
+//! test is not root they are a printed skip, and under CI=true (as root) a failure. Every
+//! command must succeed. The same goes for the commands `tiercache demo` prints while it
+//! serves: each one is run, in order, against a running demo.
 //!
-//! Commands that cannot run here are listed in `SKIP` with why (root, real devices, other
-//! hosts, minutes of building); a command that is neither run nor listed fails the test, so a
-//! new command in the docs is either shown to work or its reason is written down here.
+//! Commands that cannot run here are listed in `SKIP` (and `DEMO_SKIP`) with why (real
+//! devices, the nbd module, other hosts, a Ceph cluster, minutes of building); a command that
+//! is neither run nor listed fails the test, so a new command in the docs is either shown to
+//! work or its reason is written down here. Whatever a test mounted under its scratch
+//! directory is unmounted (lazily) when it ends, passed or failed.
 
 mod common;
 
 use common::*;
-use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// Commands as the docs show them (comments dropped) that are not run, and why.
-/// A pattern is a prefix, or with a leading '=' the whole command.
-const SKIP: [(&str, &str); 35] = [
+/// A pattern is a prefix, with a leading '=' the whole command, with a leading '*' a part.
+const SKIP: [(&str, &str); 37] = [
     ("cargo run --release -p tiercache -- demo", "serves until Ctrl-C; the demo has its own tests (tests/daytoday.rs, tests/interop.rs)"),
     ("bash scripts/test.sh", "runs this test among all the others"),
     ("qemu-system-x86_64", "boots a VM; its '...' stands for the rest of a VM's options"),
-    ("sudo ", "needs root (and, for nbd-client, the nbd kernel module)"),
+    ("sudo nbd-client ", "needs the nbd kernel module; the VM scenarios run nbd-client (scripts/vm/scenarios/nbd-*.sh)"),
+    ("sudo target/release/tiercache bench --scale quick", "takes minutes; tests/bench_smoke.rs runs the tiny scale"),
+    ("*/tmp/ceph-try", "docs/deploy.md's try on one machine starts a Ceph cluster (scripts/ceph/fixture.sh); tests/ceph.rs runs the same steps on it"),
     ("tiercache serve --cache fast.img --backing slow.img --tcp 0.0.0.0:10809", "needs the operator's certificates; TLS is tested with made ones in tests/tls.rs"),
     ("nbdinfo 'nbds://server:10809", "another host, named server"),
     ("qemu-img info --object tls-creds-x509", "another host, named server"),
@@ -51,7 +63,7 @@ const SKIP: [(&str, &str); 35] = [
     ("tiercache attach 'nbd+unix:///?socket=/run/rbd/", "docs/deploy.md's hand-over between two hosts; tests/handover.rs and tests/ceph.rs run it"),
     ("tiercache attach --take-over 'nbd+unix:///?socket=/run/rbd/", "docs/deploy.md's take-over of a dead host's disk; tests/handover.rs and tests/ceph.rs run it"),
     ("cargo build --profile test -p tiercache --bin tiercache", "builds the binary the test already runs (cargo test built it)"),
-    ("bash scripts/ceph/", "starts a Ceph cluster and measures for minutes; tests/ceph.rs uses the same fixture"),
+    ("bash scripts/ceph/bench.sh", "starts a Ceph cluster and measures for minutes; tests/ceph.rs uses the same fixture"),
     ("BENCH_SECS=5 bash scripts/vm/compare.sh", "boots Linux in qemu five times and measures for minutes; the VM suite (scripts/vm/run.sh, CI) runs the same guest and the block-device setups"),
     ("tiercache top --admin /run/tiercache.sock.admin --once", "no server runs at this point of the README (the Live control block stopped it); `tiercache top --once` ran there"),
 ];
@@ -123,6 +135,203 @@ fn without_options(c: &str) -> String {
     }
 }
 
+/// Whether `shown` is listed in `skip`, and why.
+fn skipped<'a>(skip: &[(&str, &'a str)], shown: &str) -> Option<&'a str> {
+    skip.iter()
+        .find(|(p, _)| {
+            if let Some(whole) = p.strip_prefix('=') {
+                shown == whole
+            } else if let Some(part) = p.strip_prefix('*') {
+                shown.contains(part)
+            } else {
+                shown.starts_with(p)
+            }
+        })
+        .map(|(_, why)| *why)
+}
+
+/// Whether this test can mount a filesystem the way the docs show (root, /dev/fuse, nbdfuse,
+/// mkfs.ext4): a printed skip, or a failure under CI=true, when it cannot.
+fn can_mount(why: &str) -> bool {
+    test_support::have_root(why)
+        && have("nbdfuse")
+        && have("fusermount3")
+        && have("mkfs.ext4")
+        && (Path::new("/dev/fuse").exists() || unavailable("/dev/fuse"))
+}
+
+/// A shell the shown commands run in: a working directory, PATH with the binary first, the
+/// variables `export` set, the `tiercache serve` running, and the other commands left running
+/// in the background (`... &`). Dropped, it unmounts (lazily) whatever is mounted under its
+/// directory, deepest first, then ends the server and what else still runs in the
+/// background: a failed step leaves no mount and no process, and a tempdir removal never
+/// descends into a mount.
+struct Shell {
+    dir: PathBuf,
+    path: String,
+    exports: BTreeMap<String, String>,
+    server: Option<Child>,
+    background: Vec<(String, Child)>,
+}
+
+impl Shell {
+    fn new(dir: &Path) -> Shell {
+        let bin_dir = Path::new(env!("CARGO_BIN_EXE_tiercache")).parent().unwrap();
+        Shell {
+            dir: dir.canonicalize().unwrap(),
+            path: format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap()),
+            exports: BTreeMap::new(),
+            server: None,
+            background: Vec::new(),
+        }
+    }
+
+    fn command(&self, c: &str) -> Command {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(c)
+            .current_dir(&self.dir)
+            .env("PATH", &self.path)
+            .env_remove("TIERCACHE_ADMIN")
+            .envs(&self.exports)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    /// `export NAME=VALUE` (VALUE as one word, quotes dropped): true if `c` was one.
+    fn export(&mut self, c: &str) -> bool {
+        let Some((name, value)) = c.strip_prefix("export ").and_then(|e| e.split_once('=')) else {
+            return false;
+        };
+        let value = value.trim_matches(|q| q == '\'' || q == '"');
+        self.exports.insert(name.into(), value.into());
+        true
+    }
+
+    /// Starts `tiercache serve ... --socket S` (`c`, run with `exec`, so that ending it ends the
+    /// server) in place of the one running, and waits for its admin socket `S.admin`.
+    fn serve(&mut self, c: &str, what: &str) {
+        self.kill_server();
+        let words: Vec<&str> = c.split_whitespace().collect();
+        let socket = words
+            .iter()
+            .position(|w| *w == "--socket")
+            .map(|i| words[i + 1])
+            .unwrap_or_else(|| panic!("{what}: `{c}`: serve without --socket"));
+        let admin = self.dir.join(format!("{socket}.admin"));
+        let _ = std::fs::remove_file(&admin);
+        let mut cmd = self.command(&format!("exec {c}"));
+        self.server = Some(cmd.stderr(Stdio::inherit()).spawn().unwrap());
+        let t = Instant::now();
+        while !admin.exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{what}: `{c}`: no server"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill_server(&mut self) {
+        if let Some(mut s) = self.server.take() {
+            let _ = s.kill();
+            let _ = s.wait();
+        }
+    }
+
+    /// Runs `c` to its end; it must succeed (`what` says where it was shown). After `tiercache
+    /// stop`, the server must have exited 0.
+    fn run(&mut self, c: &str, what: &str) {
+        let o = output_within(&mut self.command(c), Duration::from_secs(600))
+            .unwrap_or_else(|| panic!("{what}: `{c}` hangs"));
+        assert!(
+            o.status.success(),
+            "{what}: `{c}` fails: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        if c.starts_with("tiercache stop") {
+            if let Some(mut s) = self.server.take() {
+                let status = s.wait().unwrap();
+                assert!(
+                    status.success(),
+                    "{what}: `{c}`: the server exited with {status}"
+                );
+            }
+        }
+    }
+
+    /// Starts `c` (shown with a trailing `&`) in the background and waits until it is
+    /// ready: for `nbdfuse MOUNTPOINT URI`, until the export's file MOUNTPOINT/nbd is there
+    /// (a MOUNTPOINT that is not a directory would put the file elsewhere: that fails here).
+    fn spawn(&mut self, c: &str, what: &str) {
+        let words: Vec<&str> = c.split_whitespace().collect();
+        assert_eq!(
+            words[0], "nbdfuse",
+            "{what}: `{c} &`: the test knows how to wait for nbdfuse in the background only"
+        );
+        let file = self.dir.join(words[1]).join("nbd");
+        let mut cmd = self.command(&format!("exec {c}"));
+        let child = cmd.stdout(Stdio::null()).stderr(Stdio::inherit()).spawn();
+        self.background
+            .push((c.to_string(), child.expect("starting a background command")));
+        let t = Instant::now();
+        while !file.exists() {
+            let (_, child) = self.background.last_mut().unwrap();
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!(
+                    "{what}: `{c} &` exited with {status} before {} was there",
+                    file.display()
+                );
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{what}: `{c} &` did not make {} within 30 s",
+                file.display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Every background command has ended (the docs' last steps undo what they started).
+    fn background_ended(&mut self, what: &str) {
+        for (c, child) in &mut self.background {
+            let status = wait_for(child, Duration::from_secs(60))
+                .unwrap_or_else(|| panic!("{what}: `{c} &` still runs after the last step"));
+            assert!(status.success(), "{what}: `{c} &` exited with {status}");
+        }
+        self.background.clear();
+    }
+
+    /// The mount points under the shell's directory, deepest first.
+    fn mounts(&self) -> Vec<String> {
+        let under = format!("{}/", self.dir.display());
+        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut points: Vec<String> = info
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .map(|p| p.replace("\\040", " "))
+            .filter(|p| p.starts_with(&under))
+            .collect();
+        points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        points
+    }
+}
+
+impl Drop for Shell {
+    fn drop(&mut self) {
+        for point in self.mounts() {
+            let _ = Command::new("umount").arg("-l").arg(&point).status();
+        }
+        self.kill_server();
+        for (_, child) in &mut self.background {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 #[test]
 fn every_command_in_the_readme_and_docs_runs() {
     if !(have("nbdinfo") && have("fio") && have("nbdkit")) {
@@ -138,9 +347,6 @@ fn every_command_in_the_readme_and_docs_runs() {
             .unwrap();
     }
     std::fs::create_dir(dir.path().join("man1")).unwrap();
-    let bin_dir = Path::new(env!("CARGO_BIN_EXE_tiercache")).parent().unwrap();
-    let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap());
-    let admin = format!("{scratch}/t.sock.admin");
     let mut docs = vec![root.join("README.md")];
     let mut more: Vec<_> = std::fs::read_dir(root.join("docs"))
         .unwrap()
@@ -149,15 +355,14 @@ fn every_command_in_the_readme_and_docs_runs() {
         .collect();
     more.sort();
     docs.extend(more);
-    let mut server: Option<std::process::Child> = None;
+    // Declared after `dir`, dropped before it: nothing stays mounted in it.
+    let mut sh = Shell::new(dir.path());
+    let mut as_root: Option<bool> = None;
     let mut ran = Vec::new();
     for doc in &docs {
+        let what = doc.strip_prefix(&root).unwrap_or(doc).display().to_string();
         for shown in commands(&std::fs::read_to_string(doc).unwrap()) {
-            let skipped = SKIP.iter().find(|(p, _)| match p.strip_prefix('=') {
-                Some(whole) => shown == whole,
-                None => shown.starts_with(p),
-            });
-            if let Some((_, why)) = skipped {
+            if let Some(why) = skipped(&SKIP, &shown) {
                 println!("SKIP {shown}\n     ({why})");
                 continue;
             }
@@ -165,57 +370,120 @@ fn every_command_in_the_readme_and_docs_runs() {
             for (from, to) in SUBSTITUTIONS {
                 c = c.replace(from, &to.replace("{}", &scratch));
             }
+            if c.contains("sudo ") {
+                // Asked once: a missing tool or root is one printed skip (or CI failure).
+                let can = *as_root.get_or_insert_with(|| {
+                    can_mount("the docs mount ext4 over nbdfuse and a loop device")
+                });
+                if !can {
+                    println!("SKIP {shown}\n     (needs root, /dev/fuse, nbdfuse, mkfs.ext4)");
+                    continue;
+                }
+                c = c.replace("sudo ", "");
+            }
             println!("RUN  {c}");
-            let mut cmd = Command::new("sh");
-            cmd.arg("-c")
-                .arg(&c)
-                .current_dir(dir.path())
-                .env("PATH", &path)
-                .env("TIERCACHE_ADMIN", &admin)
-                .env("RUST_LOG", "warn");
-            if c.starts_with("tiercache serve") {
-                if let Some(mut s) = server.take() {
-                    let _ = s.kill();
-                    let _ = s.wait();
-                }
-                let _ = std::fs::remove_file(&admin);
-                server = Some(cmd.stderr(Stdio::inherit()).spawn().unwrap());
-                let t = std::time::Instant::now();
-                while !Path::new(&admin).exists() {
-                    assert!(t.elapsed() < Duration::from_secs(30), "{c}: no server");
-                    std::thread::sleep(Duration::from_millis(50));
-                }
+            if sh.export(&c) {
                 ran.push(c);
                 continue;
             }
-            let o = output_within(&mut cmd, Duration::from_secs(600))
-                .unwrap_or_else(|| panic!("{c} hangs"));
-            assert!(
-                o.status.success(),
-                "{} shows `{shown}`; as `{c}` it fails: {}{}",
-                doc.display(),
-                String::from_utf8_lossy(&o.stdout),
-                String::from_utf8_lossy(&o.stderr)
-            );
-            if c.starts_with("tiercache stop") {
-                if let Some(mut s) = server.take() {
-                    assert!(s.wait().unwrap().success());
-                }
+            let background = c.strip_suffix('&').filter(|b| !b.ends_with('&'));
+            if c.starts_with("tiercache serve") {
+                sh.serve(background.unwrap_or(&c).trim_end(), &what);
+            } else if let Some(b) = background {
+                sh.spawn(b.trim_end(), &what);
+            } else {
+                sh.run(&c, &what);
             }
             ran.push(c);
         }
     }
-    if let Some(mut s) = server.take() {
-        let _ = s.kill();
-        let _ = s.wait();
-    }
+    sh.kill_server();
+    // nbdfuse ended once the README's last step unmounted it, and nothing stays mounted.
+    sh.background_ended("README.md");
+    assert_eq!(sh.mounts(), Vec::<String>::new(), "left mounted");
     // What the README promises about the steps above came true.
     assert!(dir.path().join("man1/tiercache-set.1").exists());
     assert!(std::fs::read_to_string(dir.path().join("tiercache.bash"))
         .unwrap()
         .contains("sequential_cutoff"));
-    // The parsing found the commands (24 run as the docs stand).
-    assert!(ran.len() >= 20, "{ran:#?}");
+    // The parsing found the commands (40 run as the docs stand, 35 without root).
+    assert!(ran.len() >= 30, "{ran:#?}");
+}
+
+/// What `tiercache demo` prints to run that is not run here, and why (a prefix).
+const DEMO_SKIP: [(&str, &str); 1] = [(
+    "nbd-client ",
+    "needs the nbd kernel module (and /dev/nbd0 is the host's); the VM scenarios run nbd-client (scripts/vm/scenarios/nbd-*.sh)",
+)];
+
+#[test]
+fn every_command_the_demo_prints_runs() {
+    if !(have("nbdinfo")
+        && have("qemu-img")
+        && can_mount("the demo's hints mount ext4 over nbdfuse and a loop device"))
+    {
+        return;
+    }
+    let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
+    // The demo, and the shell its hints run in (dropped after it: its mounts are undone).
+    struct Demo(Child, Shell);
+    impl Drop for Demo {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let demo = tc()
+        .args(["demo", "--size", "64M", "--dir"])
+        .arg(dir.path().join("demo"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut d = Demo(demo, Shell::new(dir.path()));
+    let mut out = String::new();
+    let mut r = BufReader::new(d.0.stdout.take().unwrap());
+    while !out.contains("Press Ctrl-C") {
+        let mut l = String::new();
+        assert!(r.read_line(&mut l).unwrap() > 0, "demo ended early:\n{out}");
+        out.push_str(&l);
+    }
+    println!("{out}");
+    let hints: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("Still serving."))
+        .filter_map(|l| l.strip_prefix("  "))
+        .map(str::trim)
+        .collect();
+    let mut ran = Vec::new();
+    for c in &hints {
+        if let Some(why) = skipped(&DEMO_SKIP, c) {
+            println!("SKIP {c}\n     ({why})");
+            continue;
+        }
+        println!("RUN  {c}");
+        match c.strip_suffix('&').filter(|b| !b.ends_with('&')) {
+            Some(b) => d.1.spawn(b.trim_end(), "tiercache demo"),
+            None => d.1.run(c, "tiercache demo"),
+        }
+        ran.push(*c);
+    }
+    d.1.background_ended("tiercache demo");
+    assert_eq!(d.1.mounts(), Vec::<String>::new(), "left mounted");
+    // Every kind of hint was there and ran: clients, the filesystem, the admin commands.
+    for kind in ["nbdinfo ", "qemu-img ", "nbdfuse ", "mkfs.ext4 ", "umount "] {
+        assert!(
+            ran.iter().any(|c| c.starts_with(kind)),
+            "no {kind}in {ran:#?}"
+        );
+    }
+    for kind in [" status --admin ", " set --admin "] {
+        assert!(ran.iter().any(|c| c.contains(kind)), "no{kind}in {ran:#?}");
+    }
+    // Ctrl-C, as the last line says: the demo stops cleanly.
+    run(Command::new("kill").arg("-INT").arg(d.0.id().to_string()));
+    let status = wait_for(&mut d.0, Duration::from_secs(60)).expect("demo ignores SIGINT");
+    assert!(status.success(), "demo exited with {status}");
 }
 
 #[test]
@@ -243,4 +511,58 @@ fn the_docs_agree_with_each_other_and_the_code() {
     }
     // README documents installing with the lock file.
     assert!(read("README.md").contains("cargo install --locked"));
+    // The README's list of what `.ci/run` installs is the list of .ci/packages.sh: the
+    // CI_PACKAGES array and the pinned pair ("qemu-utils=$qemu" ...).
+    let packages = read(".ci/packages.sh");
+    let mut ci: Vec<&str> = packages
+        .split_once("CI_PACKAGES=(")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .expect(".ci/packages.sh has no CI_PACKAGES=(...)")
+        .0
+        .split_whitespace()
+        .chain(packages.split('"').filter_map(|w| w.strip_suffix("=$qemu")))
+        .collect();
+    let readme = read("README.md")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut listed: Vec<&str> = readme
+        .split_once("installs the Debian packages ")
+        .and_then(|(_, rest)| rest.split_once(" (the list of `.ci/packages.sh`"))
+        .expect("README.md lists what .ci/run installs")
+        .0
+        .split(", ")
+        .flat_map(|p| p.split(" and "))
+        .collect();
+    ci.sort_unstable();
+    listed.sort_unstable();
+    assert!(ci.len() > 10, "{ci:?}");
+    assert_eq!(listed, ci, "README.md and .ci/packages.sh disagree");
+    // The number of VM scenarios the README says plain `scripts/test.sh` leaves out.
+    let scenarios = std::fs::read_dir(root.join("scripts/vm/scenarios"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "sh")
+        })
+        .count();
+    let said: Vec<&str> = readme
+        .split(" VM scenarios")
+        .filter_map(|before| before.rsplit_once("the ").map(|(_, n)| n))
+        .filter(|n| n.chars().all(|c| c.is_ascii_digit()))
+        .collect();
+    assert!(
+        !said.is_empty(),
+        "README.md does not count the VM scenarios"
+    );
+    for n in said {
+        assert_eq!(
+            n,
+            scenarios.to_string(),
+            "README.md's count of VM scenarios"
+        );
+    }
 }

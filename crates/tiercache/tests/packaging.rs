@@ -1,6 +1,7 @@
 //! What a packager and systemd rely on: man pages and shell completions generated from the
 //! CLI definition, `--version` naming the commit, the systemd unit and example config in
-//! contrib/systemd, and `serve`'s readiness notification (`Type=notify`).
+//! contrib/systemd (and that it holds what the README says it does), and `serve`'s readiness
+//! notification (`Type=notify`).
 
 mod common;
 
@@ -116,6 +117,20 @@ fn the_systemd_unit_is_valid_and_runs_serve_as_a_notify_service() {
     );
     assert!(section(&unit, "Install")
         .contains(&("WantedBy".to_string(), "multi-user.target".to_string())));
+    // What the README says is in the unit is (its "Memory" paragraph: away from the OOM
+    // killer, since the kernel's writeback to /dev/ublkbN or /dev/nbd0 goes through it).
+    let readme = std::fs::read_to_string(repo_file("README.md")).unwrap();
+    let flat = readme.split_whitespace().collect::<Vec<_>>().join(" ");
+    let said = flat
+        .split_once("(`OOMScoreAdjust=")
+        .and_then(|(_, rest)| rest.split_once("` in the unit)"))
+        .map(|(value, _)| value)
+        .expect("README names the unit's OOMScoreAdjust= as (`OOMScoreAdjust=N` in the unit)");
+    assert_eq!(get("OOMScoreAdjust"), said, "README and the unit disagree");
+    assert_eq!(
+        said, "-1000",
+        "the server must never be the OOM killer's choice"
+    );
     // systemd's own checker (`.ci/run` installs it; under CI=true its absence is a failure).
     // It checks that ExecStart exists, so point it at this build.
     let have_analyze = Command::new("systemd-analyze")
