@@ -956,6 +956,16 @@ impl Control for Running {
 /// uses it to drive its workload); it may call `request_stop`.
 pub fn serve(cfg: &ServeConfig, on_ready: impl FnOnce(&Arc<Running>) + Send) -> Result<()> {
     cfg.check()?;
+    if cfg.ublk {
+        // Before any thread starts: they inherit the mark.
+        if let Err(e) = crate::ublk::become_io_flusher() {
+            log::warn!(
+                "not marked an I/O flusher (PR_SET_IO_FLUSHER: {e}): under memory pressure a \
+                 filesystem on /dev/ublkbN can wait on this server's own allocations; give it \
+                 CAP_SYS_RESOURCE"
+            );
+        }
+    }
     crate::devices::ensure_distinct(&cfg.cache, &cfg.backing)?;
     let metrics = Arc::new(Metrics::default());
     let cache = crate::devices::open_path(&cfg.cache, Access::Write)

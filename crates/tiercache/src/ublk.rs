@@ -104,6 +104,25 @@ impl Devices {
     }
 }
 
+/// `prctl(PR_SET_IO_FLUSHER)`: marks the calling thread, and every thread it starts after
+/// this, as serving block I/O, so the kernel does not make its memory allocations wait for
+/// the writeback of dirty pages — pages that may belong to a filesystem on this server's own
+/// `/dev/ublkbN`, which would wait for this server (a deadlock under memory pressure; see
+/// prctl(2)). Called once, by `serve --ublk`, before it opens the cache set, so every engine,
+/// worker and queue thread has it. Needs `CAP_SYS_RESOURCE` (fails with `EPERM` without it).
+pub fn become_io_flusher() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments only; it reads no memory of ours.
+    let r = unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1 as libc::c_ulong, 0, 0, 0) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// `PR_SET_IO_FLUSHER` (linux/prctl.h, Linux 5.6).
+const PR_SET_IO_FLUSHER: libc::c_int = 57;
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -209,6 +228,46 @@ fn retire<D: Retiring>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `PR_GET_IO_FLUSHER`: whether the calling thread is marked (needs the capability too).
+    fn is_io_flusher() -> io::Result<bool> {
+        // SAFETY: prctl with integer arguments only.
+        let r = unsafe { libc::prctl(58, 0, 0, 0, 0) };
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r == 1)
+        }
+    }
+
+    /// With `CAP_SYS_RESOURCE` the mark is set and the threads started after it have it;
+    /// without, the call fails with EPERM (root in a container may lack it). Run on a thread
+    /// of its own: the mark stays with the thread.
+    #[test]
+    fn the_io_flusher_mark_is_set_and_inherited_or_refused_without_the_capability() {
+        const CAP_SYS_RESOURCE: u32 = 24;
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let eff = status
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .map(|h| u64::from_str_radix(h.trim(), 16).unwrap())
+            .expect("CapEff in /proc/self/status");
+        let capable = eff & (1 << CAP_SYS_RESOURCE) != 0;
+        std::thread::spawn(move || {
+            if capable {
+                assert!(!is_io_flusher().unwrap(), "marked before the call");
+                become_io_flusher().unwrap();
+                assert!(is_io_flusher().unwrap());
+                let child = std::thread::spawn(|| is_io_flusher().unwrap());
+                assert!(child.join().unwrap(), "a thread started after it is not marked");
+            } else {
+                let e = become_io_flusher().expect_err("marked without CAP_SYS_RESOURCE");
+                assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+            }
+        })
+        .join()
+        .unwrap();
+    }
 
     /// A device whose stop and delete return what the test sends them, when it sends it.
     struct Fake {

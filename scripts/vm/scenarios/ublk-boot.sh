@@ -21,3 +21,6 @@ verify_files
 umount "$MNT"
 fs_check ext4 /dev/ublkb0
 tc_stop
+# As root with every capability, the server marked itself an I/O flusher (PR_SET_IO_FLUSHER):
+# a filesystem on /dev/ublkbN cannot deadlock it under memory pressure.
+! grep -q "not marked an I/O flusher" /tmp/serve.log || die "serve --ublk is not an I/O flusher: $(grep 'I/O flusher' /tmp/serve.log)"
