@@ -20,7 +20,10 @@
 //! next [`Device::start`] with the same id takes it over and has the driver re-issue the
 //! requests that were in flight. [`Device::stop`] stops the device and ends its queues, and
 //! [`Stopped::delete`] deletes it (the clean shutdown, in two steps because the driver answers
-//! the delete only once no filesystem is mounted on the device any more).
+//! the delete only once no filesystem is mounted on the device any more). A dead device of the
+//! number [`Device::start`] wants (stopped, not quiesced) is deleted first, waiting at most
+//! [`DEAD_DELETE_WAIT`]: one still held open (a filesystem left mounted on it) fails the start
+//! saying so, instead of waiting for the unmount.
 //!
 //! Invariants: a request's result reaches the driver only after the export returned for it;
 //! a tag's buffer has one user at a time (the driver while the tag's command is with it, then
@@ -276,6 +279,37 @@ impl Control {
     }
 }
 
+/// Longest [`Device::start`] waits for the driver to delete a dead device of the number it
+/// wants: the driver answers only once nothing holds the device open (a filesystem still
+/// mounted on it after its server died holds it until unmounted).
+pub const DEAD_DELETE_WAIT: Duration = Duration::from_secs(10);
+
+/// Deletes device `id`, waiting at most `limit`. The delete is sent from a thread of its own
+/// with its own control handle: past the limit it is left waiting there (the driver's wait is
+/// interruptible, so it ends with the process at the latest, or succeeds once the holder lets
+/// go) and the caller gets `ResourceBusy` naming what to do.
+fn delete_within(id: u32, limit: Duration) -> io::Result<()> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(format!("ublk{id}-delete"))
+        .spawn(move || {
+            let r = Control::open().and_then(|mut c| c.simple(CMD_DEL_DEV, id, 0));
+            let _ = tx.send(r);
+        })?;
+    match rx.recv_timeout(limit) {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::ResourceBusy,
+            format!(
+                "/dev/ublkb{id} is left by a server that ended and is still held open (a \
+                 filesystem mounted on it?): the driver deletes it only once it is let go; \
+                 unmount it (umount -l if its files are gone anyway) and start again, or serve \
+                 from another number (--ublk-first-id)"
+            ),
+        )),
+    }
+}
+
 // ---- a device ---------------------------------------------------------------------------
 
 /// How a device is set up.
@@ -351,7 +385,7 @@ impl Device {
                         old.state
                     );
                     let _ = ctrl.simple(CMD_STOP_DEV, id, 0);
-                    ctrl.simple(CMD_DEL_DEV, id, 0)?;
+                    delete_within(id, DEAD_DELETE_WAIT)?;
                     info = None;
                 }
             }
