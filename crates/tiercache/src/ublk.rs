@@ -259,7 +259,10 @@ mod tests {
                 become_io_flusher().unwrap();
                 assert!(is_io_flusher().unwrap());
                 let child = std::thread::spawn(|| is_io_flusher().unwrap());
-                assert!(child.join().unwrap(), "a thread started after it is not marked");
+                assert!(
+                    child.join().unwrap(),
+                    "a thread started after it is not marked"
+                );
             } else {
                 let e = become_io_flusher().expect_err("marked without CAP_SYS_RESOURCE");
                 assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
