@@ -10,8 +10,8 @@
 //! the connection is finished only when nothing of it is in flight anywhere.
 
 use super::pool::{Answer, Finished, Job, Work};
-use super::reactor::{Kind, Sq};
 use super::remote::Exchange;
+use super::submit::{user_data, Kind, Sq, PIECES_MAX, REQUESTS_MAX};
 use super::{Adopted, Handle, Pool};
 use crate::budget::{Account, Permit};
 use crate::execute::{admit, error_reply, permit_bytes, refusal, PAYLOAD_BYTES_MAX};
@@ -33,11 +33,6 @@ use std::time::Instant;
 const READ_BUFFER_BYTES: usize = 256 * 1024;
 /// Most replies sent with one `sendmsg` (two iovecs each, under `IOV_MAX`).
 const BATCH_REPLIES_MAX: usize = 256;
-/// Most pieces of a direct read submitted to the ring (the user data has 12 bits for them);
-/// more go to a worker.
-pub(super) const PIECES_MAX: usize = 4095;
-/// Most requests of a connection in flight on a reactor (the user data has 16 bits for them).
-const REQUESTS_MAX: usize = 65_535;
 
 /// A request received whole (header and payload) and not yet answered.
 struct Req {
@@ -241,7 +236,7 @@ impl Conn {
                 let free = &mut self.rbuf[self.rlen..];
                 let sqe = opcode::Recv::new(self.fd, free.as_mut_ptr(), free.len() as u32)
                     .build()
-                    .user_data(super::reactor::user_data(Kind::Recv, key, 0, 0));
+                    .user_data(user_data(Kind::Recv, key, 0, 0));
                 sq.push(sqe);
                 self.recv_armed = true;
             }
@@ -475,22 +470,11 @@ impl Conn {
             buf: IoBuf::default(),
             state: ReqState::AtWorker,
         });
-        let job = Job {
-            handle: Arc::clone(handle),
-            conn: key,
-            req,
-            export: Arc::clone(&self.a.export),
-            watch: Arc::clone(&self.a.watch),
-            ctx: self.a.ctx,
-            cookie,
-            answer: answer.unwrap_or(Answer::Write {
-                length: 0,
-                fua: false,
-            }),
-            work,
-            buf,
-        };
-        self.hand_to_worker(job, pool);
+        let answer = answer.unwrap_or(Answer::Write {
+            length: 0,
+            fua: false,
+        });
+        self.hand_to_worker((key, req, cookie), answer, work, buf, handle, pool);
     }
 
     /// Submits a direct request's device I/O to the ring.
@@ -534,7 +518,7 @@ impl Conn {
         let (fd, writes) = (direct.fd(), direct.writes());
         if let Some(lent) = direct.remote() {
             let data = r.buf.data_mut(answer.len());
-            let user_data = super::reactor::user_data(Kind::Remote, key, req, 0);
+            let user_data = user_data(Kind::Remote, key, req, 0);
             *remote = Some(Exchange::start(lent, fd, data, writes, user_data, sq));
             self.remote_in_flight += 1;
             return;
@@ -571,7 +555,7 @@ impl Conn {
         let fd = direct.fd();
         let lent = direct.remote().expect("a remote direct request");
         let data = r.buf.data_mut(answer.len());
-        let user_data = super::reactor::user_data(Kind::Remote, key, req, 0);
+        let user_data = user_data(Kind::Remote, key, req, 0);
         if let Some(ended) = exchange.on_complete(lent, fd, data, res, user_data, sq) {
             *result = ended;
             *left = 0;
@@ -598,7 +582,7 @@ impl Conn {
         let data = r.buf.data_mut(answer.len());
         let target = &mut data[d.buf_offset + done..d.buf_offset + d.len];
         let at = d.offset + done as u64;
-        let user_data = super::reactor::user_data(Kind::Device, key, req, piece);
+        let user_data = user_data(Kind::Device, key, req, piece);
         let sqe = if direct.writes() {
             opcode::Write::new(fd, target.as_ptr(), target.len() as u32)
                 .offset(at)
@@ -714,26 +698,35 @@ impl Conn {
             }
             ReadFinished::Again(rest) => {
                 let buf = std::mem::take(&mut self.reqs[req].buf);
-                let job = Job {
-                    handle: Arc::clone(handle),
-                    conn: key,
-                    req,
-                    export: Arc::clone(&self.a.export),
-                    watch: Arc::clone(&self.a.watch),
-                    ctx: self.a.ctx,
-                    cookie,
-                    answer,
-                    work: Work::Rest(rest),
-                    buf,
-                };
-                self.hand_to_worker(job, pool);
+                let work = Work::Rest(rest);
+                self.hand_to_worker((key, req, cookie), answer, work, buf, handle, pool);
             }
         }
     }
 
-    /// Hands `job` to the pool, or queues it while the connection has
-    /// `workers_per_connection` requests there.
-    fn hand_to_worker(&mut self, job: Job, pool: &Arc<Pool>) {
+    /// Hands request `req` (of connection `key`, with its cookie) to the pool as a job, or
+    /// queues it while the connection has `workers_per_connection` requests there.
+    fn hand_to_worker(
+        &mut self,
+        (key, req, cookie): (usize, usize, u64),
+        answer: Answer,
+        work: Work,
+        buf: IoBuf,
+        handle: &Arc<Handle>,
+        pool: &Arc<Pool>,
+    ) {
+        let job = Job {
+            handle: Arc::clone(handle),
+            conn: key,
+            req,
+            export: Arc::clone(&self.a.export),
+            watch: Arc::clone(&self.a.watch),
+            ctx: self.a.ctx,
+            cookie,
+            answer,
+            work,
+            buf,
+        };
         self.at_workers += 1;
         if self.at_workers - self.waiting.len() <= self.a.shared.config.workers_per_connection {
             pool.submit(job);
@@ -800,7 +793,7 @@ impl Conn {
         let sqe = opcode::SendMsg::new(self.fd, msg)
             .flags(libc::MSG_NOSIGNAL as u32)
             .build()
-            .user_data(super::reactor::user_data(Kind::Send, key, 0, 0));
+            .user_data(user_data(Kind::Send, key, 0, 0));
         sq.push(sqe);
         self.front_since.get_or_insert_with(Instant::now);
         self.sending.in_flight = true;
