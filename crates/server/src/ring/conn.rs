@@ -86,6 +86,15 @@ struct Sending {
     in_flight: bool,
 }
 
+/// What a completion's handler uses of its reactor for the round: the submission queue, the
+/// reactor's handle (workers answer through it), the worker pool, the spare buffers.
+pub(super) struct Round<'a, 'q> {
+    pub(super) sq: &'a mut Sq<'q>,
+    pub(super) handle: &'a Arc<Handle>,
+    pub(super) pool: &'a Arc<Pool>,
+    pub(super) spares: &'a mut Spares,
+}
+
 pub(super) struct Conn {
     a: Adopted,
     fd: types::Fd,
@@ -215,16 +224,9 @@ impl Conn {
     }
 
     /// Moves the connection on: decodes what was received, arms `recv`, sends replies.
-    pub(super) fn poll(
-        &mut self,
-        key: usize,
-        sq: &mut Sq<'_>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
-    ) {
+    pub(super) fn poll(&mut self, key: usize, round: &mut Round<'_, '_>) {
         if self.reading && !self.gone {
-            self.decode(key, sq, handle, pool, spares);
+            self.decode(key, round);
         }
         if self.reading && !self.recv_armed && !self.wants_permit {
             if self.rpos > 0 {
@@ -237,24 +239,17 @@ impl Conn {
                 let sqe = opcode::Recv::new(self.fd, free.as_mut_ptr(), free.len() as u32)
                     .build()
                     .user_data(user_data(Kind::Recv, key, 0, 0));
-                sq.push(sqe);
+                round.sq.push(sqe);
                 self.recv_armed = true;
             }
         }
         if !self.sending.in_flight && !self.outq.is_empty() && !self.gone {
-            self.send(key, sq);
+            self.send(key, round.sq);
         }
     }
 
     /// Decodes and starts every request received whole.
-    fn decode(
-        &mut self,
-        key: usize,
-        sq: &mut Sq<'_>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
-    ) {
+    fn decode(&mut self, key: usize, round: &mut Round<'_, '_>) {
         self.wants_permit = false;
         while self.reading {
             if self.partial.is_none() {
@@ -310,7 +305,7 @@ impl Conn {
                     self.wants_permit = true;
                     return;
                 };
-                let mut buf = spares.buf();
+                let mut buf = round.spares.buf();
                 buf.slice(partial.request.payload_bytes() as usize);
                 partial.permit = Some((permit, buf));
                 // Waiting for the permit is not receiving: the time starts again.
@@ -348,36 +343,24 @@ impl Conn {
                 }
                 other => other,
             };
-            self.start(
-                key,
-                request.cookie,
-                action,
-                (permit, in_flight, buf),
-                sq,
-                handle,
-                pool,
-                spares,
-            );
+            self.start(key, request.cookie, action, (permit, in_flight, buf), round);
         }
     }
 
     /// Starts one request received whole.
-    #[allow(clippy::too_many_arguments)]
     fn start(
         &mut self,
         key: usize,
         cookie: u64,
         action: Result<ValidRequest, NbdErrno>,
         (permit, in_flight, mut buf): (Permit, InFlight, IoBuf),
-        sq: &mut Sq<'_>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
+        round: &mut Round<'_, '_>,
     ) {
+        let (handle, pool) = (round.handle, round.pool);
         let request = match action {
             Ok(r) => r,
             Err(errno) => {
-                let mut head = spares.head();
+                let mut head = round.spares.head();
                 error_reply(&self.a.ctx, cookie, errno, refusal(errno), &mut head);
                 self.reply(head, buf, 0, Some(permit), Some(in_flight));
                 return;
@@ -423,14 +406,16 @@ impl Conn {
         });
         let work = match started {
             Start::Direct(direct) if (1..=PIECES_MAX).contains(&direct.pieces().len()) => {
-                self.direct(key, cookie, answer, direct, permit, in_flight, buf, sq);
+                self.direct(
+                    key, cookie, answer, direct, permit, in_flight, buf, round.sq,
+                );
                 return;
             }
             Start::Direct(direct) => Work::Direct(direct),
             Start::Rest(rest) => Work::Rest(rest),
             Start::Whole => Work::Execute(request),
             Start::Failed(err) => {
-                let mut head = spares.head();
+                let mut head = round.spares.head();
                 let n = answer.reply(&self.a.watch, &self.a.ctx, cookie, Err(err), &mut head);
                 self.reply(head, buf, n, Some(permit), Some(in_flight));
                 return;
@@ -529,16 +514,12 @@ impl Conn {
     }
 
     /// An operation of direct request `req`'s exchange on its lent connection completed.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn on_remote(
         &mut self,
         key: usize,
         req: usize,
         res: i32,
-        sq: &mut Sq<'_>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
+        round: &mut Round<'_, '_>,
     ) {
         let r = &mut self.reqs[req];
         let ReqState::Direct {
@@ -556,11 +537,11 @@ impl Conn {
         let lent = direct.remote().expect("a remote direct request");
         let data = r.buf.data_mut(answer.len());
         let user_data = user_data(Kind::Remote, key, req, 0);
-        if let Some(ended) = exchange.on_complete(lent, fd, data, res, user_data, sq) {
+        if let Some(ended) = exchange.on_complete(lent, fd, data, res, user_data, round.sq) {
             *result = ended;
             *left = 0;
             self.remote_in_flight -= 1;
-            self.direct_finished(key, req, handle, pool, spares);
+            self.direct_finished(key, req, round);
         }
     }
 
@@ -595,18 +576,12 @@ impl Conn {
         sq.push(sqe.user_data(user_data));
     }
 
-    /// A device I/O of a direct request completed with `res`.
-    #[allow(clippy::too_many_arguments)]
+    /// Device I/O `piece` of direct request `req` completed with `res`.
     pub(super) fn on_device(
         &mut self,
-        key: usize,
-        req: usize,
-        piece: usize,
+        (key, req, piece): (usize, usize, usize),
         res: i32,
-        sq: &mut Sq<'_>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
+        round: &mut Round<'_, '_>,
     ) {
         let ReqState::Direct {
             direct,
@@ -624,7 +599,7 @@ impl Conn {
                 done[piece] += n as usize;
                 if done[piece] < want {
                     // A short transfer: the rest of the piece.
-                    self.submit_piece(key, req, piece, sq);
+                    self.submit_piece(key, req, piece, round.sq);
                     return;
                 }
             }
@@ -644,20 +619,14 @@ impl Conn {
         }
         *left -= 1;
         if *left == 0 {
-            self.direct_finished(key, req, handle, pool, spares);
+            self.direct_finished(key, req, round);
         }
     }
 
     /// Every device I/O of direct request `req` ended: finish it and answer (or hand its rest
     /// to a worker).
-    fn direct_finished(
-        &mut self,
-        key: usize,
-        req: usize,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
-    ) {
+    fn direct_finished(&mut self, key: usize, req: usize, round: &mut Round<'_, '_>) {
+        let (handle, pool) = (round.handle, round.pool);
         let state = std::mem::replace(&mut self.reqs[req].state, ReqState::AtWorker);
         let ReqState::Direct {
             direct,
@@ -692,7 +661,7 @@ impl Conn {
         match finished {
             ReadFinished::Done(result) => {
                 let r = self.reqs.remove(req);
-                let mut head = spares.head();
+                let mut head = round.spares.head();
                 let n = answer.reply(&self.a.watch, &self.a.ctx, cookie, result, &mut head);
                 self.reply(head, r.buf, n, Some(r.permit), Some(r.in_flight));
             }

@@ -8,7 +8,7 @@
 //! eventfd read and the timer are always armed while the reactor runs; all submissions of one
 //! round go to the kernel in one `io_uring_enter`, which also waits for the next completion.
 
-use super::conn::Conn;
+use super::conn::{Conn, Round};
 use super::submit::{decode, user_data, Kind, Sq};
 use super::{Handle, Msg, Pool};
 use crate::iobuf::Spares;
@@ -115,8 +115,14 @@ impl Reactor {
             {
                 // SAFETY: only this thread uses the ring's submission queue.
                 let mut sq = unsafe { Sq::new(&self.ring) };
+                let mut round = Round {
+                    sq: &mut sq,
+                    handle: &self.handle,
+                    pool: &self.pool,
+                    spares: &mut self.spares,
+                };
                 for (key, c) in self.conns.iter_mut() {
-                    c.poll(key, &mut sq, &self.handle, &self.pool, &mut self.spares);
+                    c.poll(key, &mut round);
                 }
                 if !self.wake_armed {
                     let sqe = opcode::Read::new(
@@ -183,11 +189,16 @@ impl Reactor {
                 // SAFETY: only this thread uses the ring's submission queue.
                 let mut sq = unsafe { Sq::new(&self.ring) };
                 let c = &mut self.conns[conn];
-                let (handle, pool, spares) = (&self.handle, &self.pool, &mut self.spares);
+                let mut round = Round {
+                    sq: &mut sq,
+                    handle: &self.handle,
+                    pool: &self.pool,
+                    spares: &mut self.spares,
+                };
                 if k == Kind::Device as u64 {
-                    c.on_device(conn, req, piece, res, &mut sq, handle, pool, spares);
+                    c.on_device((conn, req, piece), res, &mut round);
                 } else {
-                    c.on_remote(conn, req, res, &mut sq, handle, pool, spares);
+                    c.on_remote(conn, req, res, &mut round);
                 }
                 sq.sync();
             }
