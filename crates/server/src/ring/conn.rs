@@ -356,7 +356,6 @@ impl Conn {
         (permit, in_flight, mut buf): (Permit, InFlight, IoBuf),
         round: &mut Round<'_, '_>,
     ) {
-        let (handle, pool) = (round.handle, round.pool);
         let request = match action {
             Ok(r) => r,
             Err(errno) => {
@@ -386,17 +385,8 @@ impl Conn {
                 (Answer::Write { length, fua }, started)
             }
             other => {
-                self.send_to_pool(
-                    key,
-                    cookie,
-                    permit,
-                    in_flight,
-                    buf,
-                    Work::Execute(other),
-                    None,
-                    handle,
-                    pool,
-                );
+                let work = Work::Execute(other);
+                self.send_to_pool((key, cookie), (permit, in_flight, buf), work, None, round);
                 return;
             }
         };
@@ -421,32 +411,18 @@ impl Conn {
                 return;
             }
         };
-        self.send_to_pool(
-            key,
-            cookie,
-            permit,
-            in_flight,
-            buf,
-            work,
-            Some(answer),
-            handle,
-            pool,
-        );
+        let held = (permit, in_flight, buf);
+        self.send_to_pool((key, cookie), held, work, Some(answer), round);
     }
 
-    /// Hands a request to the worker pool.
-    #[allow(clippy::too_many_arguments)]
+    /// Hands a request (its permit, place in flight and buffer) to the worker pool.
     fn send_to_pool(
         &mut self,
-        key: usize,
-        cookie: u64,
-        permit: Permit,
-        in_flight: InFlight,
-        buf: IoBuf,
+        (key, cookie): (usize, u64),
+        (permit, in_flight, buf): (Permit, InFlight, IoBuf),
         work: Work,
         answer: Option<Answer>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
+        round: &Round<'_, '_>,
     ) {
         let req = self.reqs.insert(Req {
             cookie,
@@ -459,6 +435,7 @@ impl Conn {
             length: 0,
             fua: false,
         });
+        let (handle, pool) = (round.handle, round.pool);
         self.hand_to_worker((key, req, cookie), answer, work, buf, handle, pool);
     }
 
