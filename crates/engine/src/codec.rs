@@ -1,9 +1,12 @@
-//! Little-endian encoding helpers for on-disk records, and the checksummed record frame.
+//! Little-endian encoding helpers for on-disk records, the checksummed record frame, and the
+//! check of cached data blocks against their checksums.
 //!
 //! Invariants: every integer on disk is fixed-width little-endian; `Reader` never panics on
 //! short or hostile input (every accessor returns `Option`); a framed record is
 //! `magic(8) version(4) crc(4) seq(8) payload_len(8) payload` with the crc32c computed over the
-//! whole frame with the crc field zeroed, so a torn or flipped byte anywhere is detected.
+//! whole frame with the crc field zeroed, so a torn or flipped byte anywhere is detected; a
+//! cached block's checksum is the crc32c of its bytes alone (`first_bad_block`: what a hit,
+//! GC and writeback check what they read from the cache device against).
 
 pub const FRAME_HEADER_BYTES: usize = 32;
 
@@ -153,6 +156,16 @@ pub fn unframe<'a>(
 /// Rounds `v` up to a multiple of `align` (a power of two or any positive number).
 pub fn round_up(v: u64, align: u64) -> u64 {
     v.div_ceil(align) * align
+}
+
+/// The first block of `data` (whole blocks of `bs` bytes) whose crc32c is not its entry in
+/// `crcs`. Call it with no lock held.
+pub(crate) fn first_bad_block(data: &[u8], crcs: &[u32], bs: u64) -> Option<u32> {
+    debug_assert_eq!(data.len() as u64, crcs.len() as u64 * bs);
+    data.chunks_exact(bs as usize)
+        .zip(crcs)
+        .position(|(d, &c)| crc32c::crc32c(d) != c)
+        .map(|i| i as u32)
 }
 
 #[cfg(test)]

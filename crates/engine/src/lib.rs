@@ -72,7 +72,8 @@ pub use checkpoint::{load as load_metadata, Loaded};
 pub use cost::DevCost;
 pub use degraded::{Degraded, HealthReport};
 pub use io::{
-    Absorb, AroundRead, AroundWrite, Hit, Piece, ReadPlan, SlowRead, SlowWrite, Volume, WritePlan,
+    Absorb, AroundRead, AroundWrite, Hit, Piece, ReadPlan, SlowRead, SlowWrite, Staged, Unstaged,
+    Volume, WritePlan,
 };
 pub use knobs::{
     Knob, Tunables, DEFAULT_SEQUENTIAL_CUTOFF, DEFAULT_WRITEBACK_DELAY_SECS,

@@ -322,7 +322,7 @@ pub(crate) fn read_verified(
             .map(|i| st.index.crc(e.cache_block + i))
             .collect()
     };
-    let bad = first_bad_block(&data, &crcs, inner.block_size());
+    let bad = crate::codec::first_bad_block(&data, &crcs, inner.block_size());
     match bad {
         None => Ok(Some(data)),
         Some(i) if e.dirty => Err(Error::DataCorrupt(format!(
@@ -340,14 +340,4 @@ pub(crate) fn read_verified(
             Ok(None)
         }
     }
-}
-
-/// The first block of `data` (whole blocks of `bs` bytes) whose crc32c is not its entry in
-/// `crcs`. Call it with no lock held.
-pub(crate) fn first_bad_block(data: &[u8], crcs: &[u32], bs: u64) -> Option<u32> {
-    debug_assert_eq!(data.len() as u64, crcs.len() as u64 * bs);
-    data.chunks_exact(bs as usize)
-        .zip(crcs)
-        .position(|(d, &c)| crc32c::crc32c(d) != c)
-        .map(|i| i as u32)
 }

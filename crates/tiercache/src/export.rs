@@ -7,7 +7,7 @@
 //! served it, how long it took), since every client request passes here.
 
 use crate::metrics::volume::{Op, Timer, VolumeMetrics};
-use engine::{Absorb, AroundRead, AroundWrite, Hit, ReadPlan, Volume, WritePlan};
+use engine::{ReadPlan, Staged, Unstaged, Volume, WritePlan};
 use server::{DeviceIo, DirectIo, Finished, Rest, Start, ValidRequest};
 use std::io;
 use std::sync::Arc;
@@ -52,18 +52,12 @@ fn on_worker(
 /// What the engine left of a request, for a worker thread.
 type EngineRest = Box<dyn FnOnce(&mut [u8]) -> engine::Result<()> + Send>;
 
-/// What the server carries out itself (the io_uring data path): a hit read from the cache
-/// device, a write the cache absorbs written to it, or a read or a write around the cache on
-/// the backing device.
-enum Staged {
-    Hit(Hit),
-    Absorb(Absorb),
-    Around(AroundRead),
-    AroundWrite(AroundWrite),
-}
-
-struct Direct {
-    staged: Staged,
+/// What the server carries out itself (the io_uring data path): any of the engine's staged
+/// requests (`engine::Staged`: a hit read from the cache device, a write the cache absorbs
+/// written to it, a read or a write around the cache on the backing device), one path for
+/// all of them (generic: each kind is its own code, without a dispatch of its own).
+struct Direct<S: Staged> {
+    staged: S,
     fd: std::os::fd::RawFd,
     /// The staged request's pieces (up to four without allocating, as the engine's).
     pieces: smallvec::SmallVec<[DeviceIo; 4]>,
@@ -72,21 +66,20 @@ struct Direct {
     t: Timer,
 }
 
-impl Direct {
+impl<S: Staged> Direct<S> {
+    /// The metrics' name of the request.
+    const OP: Op = if S::WRITES { Op::Write } else { Op::Read };
+
+    /// The server's own I/O of `staged` at `fd` (its `Staged::fd`).
     fn start(
-        staged: Staged,
+        staged: S,
         fd: std::os::fd::RawFd,
         vol: Volume,
         metrics: Arc<VolumeMetrics>,
         t: Timer,
     ) -> Start {
-        let pieces = match &staged {
-            Staged::Hit(hit) => hit.pieces(),
-            Staged::Absorb(absorb) => absorb.pieces(),
-            Staged::Around(around) => around.pieces(),
-            Staged::AroundWrite(around) => around.pieces(),
-        };
-        let pieces = pieces
+        let pieces = staged
+            .pieces()
             .iter()
             .map(|p| DeviceIo {
                 offset: p.dev_offset,
@@ -103,25 +96,15 @@ impl Direct {
             t,
         }))
     }
-}
-
-impl Direct {
-    /// The remote backing device's connection lent for a read or write around the cache.
-    fn lease(&mut self) -> Option<&mut blockdev::NbdDirect> {
-        match &mut self.staged {
-            Staged::Around(around) => around.remote(),
-            Staged::AroundWrite(around) => around.remote(),
-            Staged::Hit(_) | Staged::Absorb(_) => None,
-        }
-    }
 
     fn leased(&mut self) -> &mut blockdev::NbdDirect {
-        self.lease()
+        self.staged
+            .remote()
             .expect("remote I/O only of a request lent a connection")
     }
 }
 
-impl server::RemoteIo for Direct {
+impl<S: Staged> server::RemoteIo for Direct<S> {
     fn request(&mut self) -> &[u8] {
         self.leased().request()
     }
@@ -132,12 +115,9 @@ impl server::RemoteIo for Direct {
         self.leased().done()
     }
     fn deadline(&self) -> std::time::Instant {
-        match &self.staged {
-            Staged::Around(a) => a.remote_deadline(),
-            Staged::AroundWrite(a) => a.remote_deadline(),
-            Staged::Hit(_) | Staged::Absorb(_) => None,
-        }
-        .expect("remote I/O only of a request lent a connection")
+        self.staged
+            .remote_deadline()
+            .expect("remote I/O only of a request lent a connection")
     }
     fn abort(&mut self) {
         self.leased().abort()
@@ -147,12 +127,12 @@ impl server::RemoteIo for Direct {
     }
 }
 
-impl DirectIo for Direct {
+impl<S: Staged> DirectIo for Direct<S> {
     fn fd(&self) -> std::os::fd::RawFd {
         self.fd
     }
     fn remote(&mut self) -> Option<&mut dyn server::RemoteIo> {
-        match self.lease() {
+        match self.staged.remote() {
             Some(_) => Some(self),
             None => None,
         }
@@ -161,7 +141,7 @@ impl DirectIo for Direct {
         &self.pieces
     }
     fn writes(&self) -> bool {
-        matches!(self.staged, Staged::Absorb(_) | Staged::AroundWrite(_))
+        S::WRITES
     }
     fn finish(self: Box<Self>, buf: &mut [u8], result: io::Result<()>) -> Finished {
         let Direct {
@@ -171,37 +151,14 @@ impl DirectIo for Direct {
             t,
             ..
         } = *self;
-        let n = buf.len() as u64;
+        let (op, n) = (Self::OP, buf.len() as u64);
         // The request is judged by the devices its own finish accounts on this thread (a
         // reactor finishes other requests between this one's start and its finish).
         let t = t.here();
         // What the engine left to do, for a worker (`None`: done).
-        let (op, left): (Op, engine::Result<Option<EngineRest>>) = match staged {
-            Staged::Hit(hit) => (
-                Op::Read,
-                hit.finish(buf, result).map(|again| {
-                    again.map(|slow| -> EngineRest { Box::new(move |b| vol.read_slow(slow, b)) })
-                }),
-            ),
-            Staged::Absorb(absorb) => (
-                Op::Write,
-                absorb.finish(buf, result).map(|again| {
-                    again.map(|slow| -> EngineRest { Box::new(move |b| vol.write_slow(slow, b)) })
-                }),
-            ),
-            Staged::Around(around) => (
-                Op::Read,
-                around.finish(result).map(|again| {
-                    again.map(|slow| -> EngineRest { Box::new(move |b| vol.read_slow(slow, b)) })
-                }),
-            ),
-            Staged::AroundWrite(around) => (
-                Op::Write,
-                around.finish(result).map(|again| {
-                    again.map(|slow| -> EngineRest { Box::new(move |b| vol.write_slow(slow, b)) })
-                }),
-            ),
-        };
+        let left = staged.finish(buf, result).map(|again| {
+            again.map(|slow| -> EngineRest { Box::new(move |b| slow.carry_out(&vol, b)) })
+        });
         match left {
             Ok(Some(f)) => Finished::Again(on_worker(metrics, op, t, f)),
             Ok(None) => {
@@ -212,6 +169,57 @@ impl DirectIo for Direct {
                 metrics.finish_as(t, op, n, false);
                 Finished::Done(Err(io::Error::from(err)))
             }
+        }
+    }
+}
+
+impl VolumeExport {
+    /// Starts a planned read or write (`plan`: staged for the server, or the rest that may
+    /// block): a staged request whose device has a descriptor is carried out by the server
+    /// itself (`Direct`), else through the engine's calls on a worker (`blocking`); a rest
+    /// that the engine can stage around the cache (`around`: `Volume::read_around`,
+    /// `write_around`) likewise, else it continues on a worker from where the plan left it
+    /// (the request is noted once).
+    fn start<F, A>(
+        &self,
+        len: usize,
+        plan: impl FnOnce() -> engine::Result<Result<F, F::Slow>>,
+        blocking: impl FnOnce(F, &mut [u8]) -> engine::Result<Option<F::Slow>> + Send + 'static,
+        around: impl FnOnce(&Volume, F::Slow) -> Result<A, F::Slow>,
+    ) -> Start
+    where
+        F: Staged,
+        A: Staged<Slow = F::Slow>,
+    {
+        let op = Direct::<F>::OP;
+        let t = self.metrics.start();
+        let (vol, metrics) = (self.vol.clone(), Arc::clone(&self.metrics));
+        let slow = match plan() {
+            Err(err) => {
+                self.metrics.finish_as(t, op, len as u64, false);
+                return Start::Failed(io::Error::from(err));
+            }
+            Ok(Ok(fast)) => match fast.fd() {
+                Some(fd) => return Direct::start(fast, fd, vol, metrics, t),
+                None => {
+                    return Start::Rest(on_worker(metrics, op, t, move |buf| {
+                        let again = blocking(fast, buf)?;
+                        again.map_or(Ok(()), |s| s.carry_out(&vol, buf))
+                    }))
+                }
+            },
+            Ok(Err(slow)) => slow,
+        };
+        match around(&vol, slow) {
+            Ok(around) => {
+                let fd = around
+                    .fd()
+                    .expect("a request around the cache has a descriptor");
+                Direct::start(around, fd, vol, metrics, t)
+            }
+            Err(slow) => Start::Rest(on_worker(metrics, op, t, move |buf| {
+                slow.carry_out(&vol, buf)
+            })),
         }
     }
 }
@@ -262,69 +270,45 @@ impl server::Export for VolumeExport {
         let n = buf.len() as u64;
         self.timed(Op::Read, n, || self.vol.read(offset, buf))
     }
-    /// The engine's staged read: a hit whose cache device has a descriptor, and a read around
-    /// the cache that the engine lets the server make on the backing device's descriptor
-    /// (`Volume::read_around`), are read by the server itself (`Direct`); anything else
-    /// continues on a worker from where the plan left it (the request is noted once).
+    /// The engine's staged read (`VolumeExport::start`): a hit, or a read around the cache
+    /// (`Volume::read_around`). (The plan is moved once, by value, as the engine moves it:
+    /// boxing it would cost an allocation per read.)
+    #[allow(clippy::result_large_err)]
     fn start_read(&self, offset: u64, len: usize) -> Start {
-        let t = self.metrics.start();
-        let (vol, metrics) = (self.vol.clone(), Arc::clone(&self.metrics));
-        match self.vol.plan_read(offset, len) {
-            Err(err) => {
-                self.metrics.finish_as(t, Op::Read, len as u64, false);
-                Start::Failed(io::Error::from(err))
-            }
-            Ok(ReadPlan::Hit(hit)) => match hit.fd() {
-                Some(fd) => Direct::start(Staged::Hit(hit), fd, vol, metrics, t),
-                None => Start::Rest(on_worker(metrics, Op::Read, t, move |buf| {
-                    let again = hit.read_blocking(buf)?;
-                    again.map_or(Ok(()), |s| vol.read_slow(s, buf))
-                })),
-            },
-            Ok(ReadPlan::Slow(slow)) => match self.vol.read_around(slow) {
-                Ok(around) => {
-                    let fd = around.fd();
-                    Direct::start(Staged::Around(around), fd, vol, metrics, t)
-                }
-                Err(slow) => Start::Rest(on_worker(metrics, Op::Read, t, move |buf| {
-                    vol.read_slow(slow, buf)
-                })),
-            },
-        }
+        let plan = || {
+            self.vol.plan_read(offset, len).map(|plan| match plan {
+                ReadPlan::Hit(hit) => Ok(hit),
+                ReadPlan::Slow(slow) => Err(slow),
+            })
+        };
+        self.start(
+            len,
+            plan,
+            |hit, buf| hit.read_blocking(buf),
+            Volume::read_around,
+        )
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
         let n = data.len() as u64;
         self.timed(Op::Write, n, || self.vol.write(offset, data, fua))
     }
-    /// The engine's staged write: a write the cache absorbs, on a cache device with a
-    /// descriptor, and a write around the cache that the engine lets the server make on the
-    /// backing device's descriptor (`Volume::write_around`) are written by the server itself
-    /// (`Direct`); anything else continues on a worker from where the plan left it.
+    /// The engine's staged write (`VolumeExport::start`): a write the cache absorbs, or a
+    /// write around the cache (`Volume::write_around`).
     fn start_write(&self, offset: u64, len: usize, fua: bool) -> Start {
-        let t = self.metrics.start();
-        let (vol, metrics) = (self.vol.clone(), Arc::clone(&self.metrics));
-        match self.vol.plan_write(offset, len, fua) {
-            Err(err) => {
-                self.metrics.finish_as(t, Op::Write, len as u64, false);
-                Start::Failed(io::Error::from(err))
-            }
-            Ok(WritePlan::Absorb(absorb)) => match absorb.fd() {
-                Some(fd) => Direct::start(Staged::Absorb(absorb), fd, vol, metrics, t),
-                None => Start::Rest(on_worker(metrics, Op::Write, t, move |data| {
-                    let again = absorb.write_blocking(data)?;
-                    again.map_or(Ok(()), |s| vol.write_slow(s, data))
-                })),
-            },
-            Ok(WritePlan::Slow(slow)) => match self.vol.write_around(slow) {
-                Ok(around) => {
-                    let fd = around.fd();
-                    Direct::start(Staged::AroundWrite(around), fd, vol, metrics, t)
-                }
-                Err(slow) => Start::Rest(on_worker(metrics, Op::Write, t, move |data| {
-                    vol.write_slow(slow, data)
-                })),
-            },
-        }
+        let plan = || {
+            self.vol
+                .plan_write(offset, len, fua)
+                .map(|plan| match plan {
+                    WritePlan::Absorb(absorb) => Ok(absorb),
+                    WritePlan::Slow(slow) => Err(slow),
+                })
+        };
+        self.start(
+            len,
+            plan,
+            |absorb, data| absorb.write_blocking(data),
+            Volume::write_around,
+        )
     }
     fn flush(&self) -> io::Result<()> {
         self.timed(Op::Flush, 0, || self.vol.flush())

@@ -20,6 +20,12 @@
 //!    bound or a FUA write's flush hand back a `SlowWrite` that completes the request the
 //!    synchronous way.
 //!
+//! An `Absorb` and an `AroundWrite` are the write stages of `direct`'s one shape (`OnCache`,
+//! `OnBacking`): what they carry and how a caller drives them is there, what a write makes
+//! of them is here. This file is where a write enters the engine (`Volume::write`,
+//! `plan_write`); it calls down into `write` (the range's writes, the index insert) and
+//! `direct`, and nothing there calls back up.
+//!
 //! Invariants: as for every write, the data is on the cache device before its index entry
 //! exists, and the range is locked from before the first byte is written until the entry is
 //! in (so overlapping writes are ordered the same way in the cache and on the backing
@@ -27,21 +33,19 @@
 //! (its blocks stay unused until their bucket is reclaimed); a request is counted by the
 //! stream detector and in the bypass statistics once, in the plan.
 
-use super::plan::Piece;
+use super::direct::{BackingStage, CacheStage, OnBacking, OnCache, Piece, Unstaged, Via};
 use super::write::Inserted;
 use super::{CacheUse, Volume};
-use crate::cachedev::{Kind, Timed};
 use crate::format::BackingState;
 use crate::policy::{Bypass, WriteRoute as Route};
 use crate::stats::Counters;
 use crate::types::{DevId, Error, Result};
 use crate::units::{BackingBlock, CacheBlock};
-use std::os::fd::RawFd;
 
 /// What the plan of a write decided.
 #[allow(clippy::large_enum_variant)]
 pub enum WritePlan {
-    /// Write [`Absorb::pieces`] to the cache device, then [`Absorb::finish`].
+    /// Write `Absorb::pieces` to the cache device, then `Absorb::finish`.
     Absorb(Absorb),
     /// Everything else, carried out by [`Volume::write_slow`] (which may block).
     Slow(SlowWrite),
@@ -67,16 +71,15 @@ enum How {
     Commit,
 }
 
-/// A planned absorbed write: its range locked, its blocks allocated.
-pub struct Absorb {
-    vol: Volume,
-    offset: u64,
-    len: u64,
+/// A planned absorbed write: its range locked, its blocks allocated, its pieces to write to
+/// the cache device (see the module header).
+pub type Absorb = OnCache<Absorbing>;
+
+/// What a write makes of a request on the cache device: an absorbed write (see `Absorb`).
+pub struct Absorbing {
     range: Option<(DevId, BackingBlock, BackingBlock)>,
     /// Allocated runs, in block order: (cache block, blocks); their buckets are pinned.
     grants: smallvec::SmallVec<[(CacheBlock, u32); 2]>,
-    pieces: smallvec::SmallVec<[Piece; 2]>,
-    timed: Option<Timed>,
     cache_use: Option<CacheUse>,
     /// FUA: once inserted, the journal is committed and the cache device flushed (a
     /// worker's job: `How::Commit`).
@@ -86,17 +89,26 @@ pub struct Absorb {
     _writer: crate::owner::DirtyWriter,
 }
 
-impl std::fmt::Debug for Absorb {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Absorb")
-            .field("offset", &self.offset)
-            .field("len", &self.len)
-            .field("pieces", &self.pieces)
-            .finish()
-    }
-}
-
 impl Volume {
+    /// Writes `data` at `offset`; with `fua` it is durable when this returns: the stages one
+    /// after the other.
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        crate::guard::contain(&self.inner, "write", || {
+            self.write_unguarded(offset, data, fua)
+        })
+    }
+
+    fn write_unguarded(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        let slow = match self.plan_write_unguarded(offset, data.len() as u64, fua)? {
+            WritePlan::Absorb(a) => match a.write_blocking(data)? {
+                None => return Ok(()),
+                Some(slow) => slow,
+            },
+            WritePlan::Slow(slow) => slow,
+        };
+        self.write_slow_unguarded(slow, data)
+    }
+
     /// Stage 1 of a write of `len` bytes at `offset` (see the module header).
     pub fn plan_write(&self, offset: u64, len: usize, fua: bool) -> Result<WritePlan> {
         crate::guard::contain(&self.inner, "write", || {
@@ -104,12 +116,7 @@ impl Volume {
         })
     }
 
-    pub(super) fn plan_write_unguarded(
-        &self,
-        offset: u64,
-        len: u64,
-        fua: bool,
-    ) -> Result<WritePlan> {
+    fn plan_write_unguarded(&self, offset: u64, len: u64, fua: bool) -> Result<WritePlan> {
         self.check(offset, len)?;
         let slow = |how, cache_use| {
             Ok(WritePlan::Slow(SlowWrite {
@@ -144,8 +151,8 @@ impl Volume {
         }
         match self.try_absorb(offset, len) {
             Some(mut a) => {
-                a.cache_use = Some(cache_use);
-                a.fua = fua;
+                a.stage.cache_use = Some(cache_use);
+                a.stage.fua = fua;
                 Ok(WritePlan::Absorb(a))
             }
             None => slow(How::Range(route), Some(cache_use)),
@@ -170,13 +177,15 @@ impl Volume {
             vol: self.clone(),
             offset,
             len,
-            range: Some((dev, b0, b1)),
-            grants: smallvec::SmallVec::new(),
             pieces: smallvec::SmallVec::new(),
             timed: None,
-            cache_use: None,
-            fua: false,
-            _writer: writer,
+            stage: Absorbing {
+                range: Some((dev, b0, b1)),
+                grants: smallvec::SmallVec::new(),
+                cache_use: None,
+                fua: false,
+                _writer: writer,
+            },
         };
         let nblocks = len / bs;
         {
@@ -200,7 +209,7 @@ impl Volume {
                     drop(st);
                     return None;
                 };
-                a.grants.push((cb, n));
+                a.stage.grants.push((cb, n));
                 a.pieces.push(Piece {
                     dev_offset: inner.layout.cache_block_offset(cb),
                     buf_offset: (done * bs) as usize,
@@ -221,7 +230,7 @@ impl Volume {
         })
     }
 
-    pub(super) fn write_slow_unguarded(&self, slow: SlowWrite, data: &[u8]) -> Result<()> {
+    fn write_slow_unguarded(&self, slow: SlowWrite, data: &[u8]) -> Result<()> {
         debug_assert_eq!(data.len() as u64, slow.len);
         match slow.how {
             How::Nothing => {}
@@ -236,164 +245,111 @@ impl Volume {
     }
 }
 
+impl Unstaged for SlowWrite {
+    fn carry_out(self, vol: &Volume, data: &mut [u8]) -> Result<()> {
+        vol.write_slow(self, data)
+    }
+}
+
 impl Absorb {
-    /// The cache device's descriptor to write every piece through, from a buffer aligned to
-    /// 4 KiB; `None`: write them with [`Absorb::write_blocking`].
-    pub fn fd(&self) -> Option<RawFd> {
-        super::plan::pieces_fd(&self.vol.inner.cache, &self.pieces)
-    }
-
-    /// The cache-device writes: `len` bytes of the request's data from `buf_offset` to
-    /// `dev_offset`.
-    pub fn pieces(&self) -> &[Piece] {
-        &self.pieces
-    }
-
     /// Stages 2 and 3 with blocking writes through the cache device.
     pub fn write_blocking(mut self, data: &[u8]) -> Result<Option<SlowWrite>> {
-        let cache = std::sync::Arc::clone(&self.vol.inner.cache);
-        let io = self.pieces.iter().try_for_each(|p| {
-            let from = &data[p.buf_offset..p.buf_offset + p.len];
-            cache.device().write_at(from, p.dev_offset)
-        });
+        let io = self.each_piece(|dev, p| dev.write_at(&data[p.in_buf()], p.dev_offset));
         self.finish_io(data, io)
     }
 
-    /// Stage 3 after the caller wrote every piece through [`Absorb::fd`] itself (`io`: the
-    /// first error among them). `Ok(None)`: the write is done (in the cache, dirty);
-    /// `Ok(Some(slow))`: complete it with `Volume::write_slow`.
-    pub fn finish(mut self, data: &[u8], io: std::io::Result<()>) -> Result<Option<SlowWrite>> {
-        let cache = &self.vol.inner.cache;
-        super::plan::direct_done(cache, self.timed.as_ref(), &self.pieces, true, &io);
-        self.finish_io(data, io)
+    /// A `SlowWrite` for what is left of this write (`how`), holding its cache use.
+    fn rest(&mut self, how: How) -> Option<SlowWrite> {
+        Some(SlowWrite {
+            offset: self.offset,
+            len: self.len,
+            fua: self.stage.fua,
+            how,
+            _use: self.stage.cache_use.take(),
+        })
     }
+}
 
-    fn finish_io(&mut self, data: &[u8], io: std::io::Result<()>) -> Result<Option<SlowWrite>> {
-        let vol = self.vol.clone();
-        crate::guard::contain(&vol.inner, "write", || self.complete(data, io))
-    }
+/// Stage 3 of an absorbed write, after the caller wrote every piece (`Absorb::finish`,
+/// `write_blocking`): `Ok(None)`: the write is done (in the cache, dirty); `Ok(Some(slow))`:
+/// complete it with `Volume::write_slow`.
+impl CacheStage for Absorbing {
+    const WRITES: bool = true;
+    type Slow = SlowWrite;
 
-    fn complete(&mut self, data: &[u8], io: std::io::Result<()>) -> Result<Option<SlowWrite>> {
-        let vol = self.vol.clone();
-        let inner = &*vol.inner;
-        let bs = inner.block_size();
-        let at = self
-            .pieces
-            .first()
-            .map_or((0, 0), |p| (p.dev_offset, self.len));
-        let io = match self.timed.take() {
-            Some(t) => inner.cache.end(t, Kind::Write, at, io),
-            None => io,
-        };
-        Counters::add(&vol.backing.counters.cache_written_bytes, self.len);
-        let again = |a: &mut Absorb, how| {
-            Some(SlowWrite {
-                offset: a.offset,
-                len: a.len,
-                fua: a.fua,
-                how,
-                _use: a.cache_use.take(),
-            })
-        };
+    fn complete(a: &mut Absorb, data: &[u8], io: std::io::Result<()>) -> Result<Option<SlowWrite>> {
+        let (at, io) = a.end_io(io);
+        let vol = a.vol.clone();
+        let bs = vol.inner.block_size();
         if let Err(err) = io {
             // The write goes on without the cache device, as when it has no room.
-            let err = Error::io(format!("writing cache device at {}", at.0), err);
+            let err = Error::io(format!("writing cache device at {at}"), err);
             vol.cache_failed(&err);
-            self.release();
-            vol.backing.counters.bypass(Bypass::Full, self.len);
-            return Ok(again(self, How::Range(Route::Bypass(Bypass::Full))));
+            Self::release(a);
+            vol.backing.counters.bypass(Bypass::Full, a.len);
+            return Ok(a.rest(How::Range(Route::Bypass(Bypass::Full))));
         }
         if vol.backing.header.lock().state != BackingState::Dirty {
             // Not marked clean while this write is counted (`_writer`, see `owner`); should
             // the mark be gone all the same, the slow way writes it first. These blocks stay
             // unused.
-            self.release();
-            return Ok(again(self, How::Range(Route::Back)));
+            Self::release(a);
+            return Ok(a.rest(How::Range(Route::Back)));
         }
         let mut commit = false;
-        let (b0, _, _) = self.block_range();
-        let mut block = b0;
-        for (i, &(cb, n)) in self.grants.clone().iter().enumerate() {
-            let p = self.pieces[i];
-            let chunk = &data[p.buf_offset..p.buf_offset + p.len];
+        let (mut block, _) = BackingBlock::touched_by(a.offset, a.len, bs);
+        for (i, &(cb, n)) in a.stage.grants.clone().iter().enumerate() {
+            let chunk = &data[a.pieces[i].in_buf()];
             debug_assert_eq!(chunk.len() as u64, u64::from(n) * bs);
             match vol.insert_written(block, cb, chunk, true, None)? {
                 Inserted::Yes { commit: c } => commit |= c,
                 Inserted::No => {
                     // Degraded meanwhile: the slow path writes the backing device (what was
                     // inserted before stays: the same data, dirty, superseded by it).
-                    self.release();
-                    return Ok(again(self, How::Range(Route::Back)));
+                    Self::release(a);
+                    return Ok(a.rest(How::Range(Route::Back)));
                 }
             }
             block = block + u64::from(n);
         }
-        self.release();
+        Self::release(a);
         Ok(if commit {
-            again(self, How::Commit)
-        } else if self.fua {
+            a.rest(How::Commit)
+        } else if a.stage.fua {
             // Durable before the reply: the flush commits the journal and flushes the device.
-            again(self, How::Nothing)
+            a.rest(How::Nothing)
         } else {
             None
         })
     }
 
-    /// The first backing block and the range lock.
-    fn block_range(&self) -> (BackingBlock, BackingBlock, DevId) {
-        let bs = self.vol.inner.block_size();
-        let (b0, b1) = BackingBlock::touched_by(self.offset, self.len, bs);
-        (b0, b1, self.vol.backing.id)
-    }
-
     /// Gives back the pins and the range (once).
-    fn release(&mut self) {
-        let inner = &*self.vol.inner;
-        for (cb, _) in self.grants.drain(..) {
+    fn release(a: &mut Absorb) {
+        let inner = &*a.vol.inner;
+        for (cb, _) in a.stage.grants.drain(..) {
             inner.unpin(inner.bucket_of(cb));
         }
-        if let Some(range) = self.range.take() {
+        if let Some(range) = a.stage.range.take() {
             inner.ranges.unlock(range);
         }
     }
 }
 
-impl Drop for Absorb {
-    fn drop(&mut self) {
-        if let Some(t) = self.timed.take() {
-            self.vol.inner.cache.abandon(t);
-        }
-        self.release();
-    }
-}
-
 /// A write around the cache carried out by the caller (see the module header): the request's
-/// data to the backing device at [`AroundWrite::pieces`] of [`AroundWrite::fd`], then
-/// [`AroundWrite::finish`]. Its range is locked from the plan to the finish; dropping it
+/// data to the backing device at `AroundWrite::pieces` of `AroundWrite::fd`, then
+/// `AroundWrite::finish`. Its range is locked from the plan to the finish; dropping it
 /// unfinished gives the range back (the backing device may hold the data or not, as for any
 /// write whose reply was never sent).
-pub struct AroundWrite {
-    vol: Volume,
-    offset: u64,
+pub type AroundWrite = OnBacking<WritingAround>;
+
+/// What a write makes of a request around the cache (see `AroundWrite`).
+pub struct WritingAround {
     fua: bool,
-    via: super::plan::Via,
-    piece: [Piece; 1],
     range: Option<(DevId, BackingBlock, BackingBlock)>,
     /// The change recorded as unflushed until the write completes (`unflushed`).
     change: Option<u64>,
-    /// When the write was issued (`Backing::io_issued`).
-    issued: crate::state::IoUnderWay,
     /// Held until the write is done, as by every write (see `CacheUse`).
     cache_use: Option<CacheUse>,
-}
-
-impl std::fmt::Debug for AroundWrite {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AroundWrite")
-            .field("offset", &self.offset)
-            .field("piece", &self.piece[0])
-            .finish()
-    }
 }
 
 impl Volume {
@@ -417,7 +373,7 @@ impl Volume {
         }
         let backing = &self.backing;
         let at = backing.data_offset() + slow.offset;
-        let Some(via) = super::plan::Via::of(&*backing.dev, true, at, slow.len as usize) else {
+        let Some(via) = Via::of(&*backing.dev, true, at, slow.len as usize) else {
             return Err(slow);
         };
         let dev = backing.id;
@@ -449,97 +405,68 @@ impl Volume {
         Ok(AroundWrite {
             vol: self.clone(),
             offset,
-            fua,
             via,
             piece: [Piece {
                 dev_offset: at,
                 buf_offset: 0,
                 len: len as usize,
             }],
-            range: Some((dev, b0, b1)),
-            change: Some(change),
             issued: backing.io_start(),
-            cache_use: _use,
+            stage: WritingAround {
+                fua,
+                range: Some((dev, b0, b1)),
+                change: Some(change),
+                cache_use: _use,
+            },
         })
     }
 }
 
-impl AroundWrite {
-    /// The backing device's descriptor to write to, from a buffer aligned to 4 KiB (the
-    /// socket of the lent connection, for a remote device: see [`AroundWrite::remote`]).
-    pub fn fd(&self) -> RawFd {
-        self.via.fd()
-    }
+/// Stage 3 of a write around the cache after the caller's write (`io`: `Ok` if it was
+/// written whole): accounts it as `write_range` does the same write (the cost model's sample,
+/// the device wrappers, the client's use, readahead dropped, the backing device owed a flush)
+/// and drops the cache's copies of the range (clean ones it held, or promoted meanwhile), as
+/// `write_blocks` does after its backing write; a failed write keeps them. `Ok(Some(slow))`: a
+/// FUA write's flush, for `Volume::write_slow`. `Err`: the write failed.
+impl BackingStage for WritingAround {
+    const WRITES: bool = true;
+    type Slow = SlowWrite;
 
-    /// A remote backing device's connection lent for this write: the caller carries out the
-    /// request on it instead of writing [`AroundWrite::pieces`] at [`AroundWrite::fd`].
-    pub fn remote(&mut self) -> Option<&mut blockdev::NbdDirect> {
-        self.via.remote()
-    }
-
-    /// When the lent connection's request must have been answered (see
-    /// [`AroundWrite::remote`]).
-    pub fn remote_deadline(&self) -> Option<std::time::Instant> {
-        self.via.deadline()
-    }
-
-    /// The one write: the whole request at `dev_offset` of [`AroundWrite::fd`].
-    pub fn pieces(&self) -> &[Piece] {
-        &self.piece
-    }
-
-    /// Stage 3 after the caller's write (`io`: `Ok` if it was written whole): accounts it as
-    /// `write_range` does the same write (the cost model's sample, the device wrappers, the
-    /// client's use, readahead dropped, the backing device owed a flush) and drops the cache's
-    /// copies of the range (clean ones it held, or promoted meanwhile), as `write_blocks` does
-    /// after its backing write; a failed write keeps them. `Ok(Some(slow))`: a FUA write's
-    /// flush, for `Volume::write_slow`. `Err`: the write failed.
-    pub fn finish(mut self, io: std::io::Result<()>) -> Result<Option<SlowWrite>> {
-        let vol = self.vol.clone();
-        crate::guard::contain(&vol.inner, "write", || self.complete(io))
-    }
-
-    fn complete(&mut self, io: std::io::Result<()>) -> Result<Option<SlowWrite>> {
+    fn complete(a: &mut AroundWrite, io: std::io::Result<()>) -> Result<Option<SlowWrite>> {
         use crate::types::IoContext;
         use std::sync::atomic::Ordering;
-        let (vol, p) = (&self.vol, self.piece[0]);
+        a.account(io.is_ok());
+        let (vol, stage) = (&a.vol, &mut a.stage);
         let inner = &*vol.inner;
         let backing = &vol.backing;
-        vol.caller_backing_done(crate::cost::Op::Write, p, self.issued.issued_ns, io.is_ok());
-        let (offset, len) = (self.offset, p.len as u64);
+        let (offset, len) = (a.offset, a.piece[0].len as u64);
         backing.readahead.lock().invalidate(offset, offset + len);
         backing.backing_written.store(true, Ordering::SeqCst);
-        if let Some(change) = self.change.take() {
+        if let Some(change) = stage.change.take() {
             backing.unflushed.lock().end(change, io.is_ok());
         }
         io.ctx(|| format!("writing backing device at {offset}"))?;
-        if let Some((dev, b0, b1)) = self.range {
+        if let Some((dev, b0, b1)) = stage.range {
             let now = inner.now_ns();
             inner.state.lock().invalidate(dev, b0, b1, now);
         }
-        self.release();
-        Ok(self.fua.then(|| SlowWrite {
+        Self::release(a);
+        Ok(a.stage.fua.then(|| SlowWrite {
             offset,
             len,
             fua: true,
             how: How::Nothing,
-            _use: self.cache_use.take(),
+            _use: a.stage.cache_use.take(),
         }))
     }
 
-    fn release(&mut self) {
-        if let Some(change) = self.change.take() {
+    fn release(a: &mut AroundWrite) {
+        if let Some(change) = a.stage.change.take() {
             // Dropped unfinished: the write may have reached the device.
-            self.vol.backing.unflushed.lock().end(change, true);
+            a.vol.backing.unflushed.lock().end(change, true);
         }
-        if let Some(range) = self.range.take() {
-            self.vol.inner.ranges.unlock(range);
+        if let Some(range) = a.stage.range.take() {
+            a.vol.inner.ranges.unlock(range);
         }
-    }
-}
-
-impl Drop for AroundWrite {
-    fn drop(&mut self) {
-        self.release();
     }
 }

@@ -1,6 +1,13 @@
 //! The request paths of one backing device (a `Volume`): what every request shares
 //! (bounds checks, the backing device, knobs and status), flush, discard, write-zeroes and
-//! block status here; reads in `read`, writes in `write`.
+//! block status here. A read enters at `plan` (its stages: `Volume::read`, `plan_read`,
+//! `Hit`, `AroundRead`) and goes down into `read` (the lock-free hit, the checksums, misses
+//! and promotion, readahead); a write enters at `absorb` (`Volume::write`, `plan_write`,
+//! `Absorb`, `AroundWrite`) and goes down into `write` (the range's writes, the index
+//! insert). `direct` is the one shape of the four staged requests (their pieces, the devices'
+//! descriptors, `Staged`); `around` serves a degraded set, `lost` repairs what a failed
+//! backing flush may have lost. Imports between them run one way: `plan` → `read`,
+//! `absorb` → `write`, both → `direct`, everything → this file.
 //!
 //! Invariants:
 //! - every request is 512-byte aligned and inside the device, or rejected with `Invalid`;
@@ -17,13 +24,15 @@
 
 mod absorb;
 mod around;
+mod direct;
 mod lost;
 mod plan;
 mod read;
 mod write;
 
 pub use absorb::{Absorb, AroundWrite, SlowWrite, WritePlan};
-pub use plan::{AroundRead, Hit, Piece, ReadPlan, SlowRead};
+pub use direct::{Piece, Staged, Unstaged};
+pub use plan::{AroundRead, Hit, ReadPlan, SlowRead};
 
 use crate::policy::WriteRoute as Route;
 
@@ -432,28 +441,6 @@ impl Volume {
             .invalidate(offset, offset + len);
         self.backing.backing_written.store(true, Ordering::SeqCst);
         r
-    }
-
-    /// Accounts a backing-device I/O the caller made itself (`AroundRead`, `AroundWrite`):
-    /// issued at `issued_ns` (`Backing::io_issued`), as `timed` and `on_backing` account
-    /// theirs — the cost model's sample, the client's use of the device, its wrappers.
-    pub(super) fn caller_backing_done(
-        &self,
-        op: crate::cost::Op,
-        p: plan::Piece,
-        issued_ns: u64,
-        ok: bool,
-    ) {
-        let backing = &self.backing;
-        let took = backing.io_done(op, p.dev_offset, p.len as u64, issued_ns, ok);
-        backing
-            .client_backing_ns
-            .store(self.inner.now_ns(), Ordering::Relaxed);
-        let took = std::time::Duration::from_nanos(took);
-        let write = op == crate::cost::Op::Write;
-        backing
-            .dev
-            .direct_done(write, p.dev_offset, p.len, took, ok);
     }
 
     fn backing_write(&self, data: &[u8], offset: u64) -> Result<()> {

@@ -8,18 +8,25 @@
 //!    and the cache-device reads it needs ([`Hit::pieces`]). Anything else is a [`SlowRead`]:
 //!    the decisions taken so far, carried out by `Volume::read_slow`, which may block on the
 //!    backing device;
-//! 2. **device I/O**, by the caller: with [`Hit::fd`] it reads the pieces itself from that
+//! 2. **device I/O**, by the caller: with `Hit::fd` it reads the pieces itself from that
 //!    descriptor (asynchronously), else [`Hit::read_blocking`] reads them through the cache
 //!    device;
-//! 3. **complete** (`Hit::finish`): the checksums, the statistics and the policy's notes, the
-//!    pins dropped; a clean block that failed its checksum, or a failed cache read of clean
-//!    data, drops the copy and hands back a `SlowRead` that reads the backing device. Dirty
-//!    data that cannot be read correctly is an error, never wrong data.
+//! 3. **complete** (`Hit::finish`): the checksums (`Volume::verify_cached`, in `read`), the
+//!    statistics and the policy's notes, the pins dropped; a clean block that failed its
+//!    checksum, or a failed cache read of clean data, drops the copy and hands back a
+//!    `SlowRead` that reads the backing device. Dirty data that cannot be read correctly is
+//!    an error, never wrong data.
+//!
+//! A `Hit` and an `AroundRead` are the read stages of `direct`'s one shape (`OnCache`,
+//! `OnBacking`): what they carry and how a caller drives them is there, what a read makes of
+//! them is here. This file is where a read enters the engine (`Volume::read`, `plan_read`,
+//! and its route: `route_read`); it calls down into `read` (the lock-free hit, the
+//! checksums, the statistics, the slow path) and `direct`, and nothing there calls back up.
 //!
 //! A `SlowRead` that goes around the cache (`Read::Bypass`: mode `none`, a detach) over a
 //! range the cache holds no block of, on a backing device with a descriptor, can also be
 //! read by the caller itself: `Volume::read_around` turns it into an [`AroundRead`] (one read
-//! of the backing device's descriptor), and [`AroundRead::finish`] accounts it as
+//! of the backing device's descriptor), and `AroundRead::finish` accounts it as
 //! `read_inner` accounts the same read (`backing_read_bytes`, the client stamp, the device's
 //! cost model sample and wrappers, `io_errors`, `cache_bypass_misses` and the bypass reason's
 //! bytes).
@@ -30,17 +37,13 @@
 //! detector exactly once, in the plan, whichever stage carries it out; a hit is counted in the
 //! statistics when it finishes, a `SlowRead` when it is carried out.
 
-use super::read::Read;
-use super::Volume;
-use crate::cachedev::{Kind, Timed};
+use super::direct::{BackingStage, CacheStage, OnBacking, OnCache, Piece, Unstaged, Via};
+use super::read::{Crcs, Read};
+use super::{CacheUse, Volume};
 use crate::index::Segs;
 use crate::stats::Counters;
 use crate::types::{Error, Result};
 use crate::units::BackingBlock;
-use std::os::fd::RawFd;
-
-/// Expected crcs of the cached blocks of a request: up to 16 blocks without allocating.
-pub(super) type Crcs = smallvec::SmallVec<[u32; 16]>;
 
 /// What the plan of a read decided. (A `Hit` is moved once, to its caller: boxing it would
 /// cost an allocation per hit for nothing.)
@@ -61,7 +64,7 @@ pub struct SlowRead {
     /// The lock-free hit was tried (and missed): the slow path need not try it again.
     pub(super) tried_fast: bool,
     /// Held until the read is done: a detach waits for it (see `CacheUse`).
-    pub(super) _use: Option<super::CacheUse>,
+    pub(super) _use: Option<CacheUse>,
 }
 
 /// How a `SlowRead` goes.
@@ -82,41 +85,35 @@ pub(super) enum Route {
     Reread(Read, smallvec::SmallVec<[(u64, usize); 4]>),
 }
 
-/// One cache-device read of a hit: `len` bytes at `dev_offset` of the cache device into the
-/// caller's buffer at `buf_offset`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Piece {
-    pub dev_offset: u64,
-    pub buf_offset: usize,
-    pub len: usize,
-}
+/// A planned hit: pinned, its pieces to read from the cache device (see the module header).
+pub type Hit = OnCache<Hitting>;
 
-/// A planned hit: pinned, its pieces to read (see the module header).
-pub struct Hit {
-    vol: Volume,
-    offset: u64,
-    len: usize,
+/// What a read makes of a request on the cache device: a hit (see `Hit`).
+pub struct Hitting {
     read: Read,
     segs: Segs,
     crcs: Crcs,
-    pieces: smallvec::SmallVec<[Piece; 4]>,
-    /// The cache-device I/O, timed from the plan; `None` once ended.
-    timed: Option<Timed>,
     /// Held until the read is done, as by every read (see `CacheUse`).
-    cache_use: super::CacheUse,
-}
-
-impl std::fmt::Debug for Hit {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Hit")
-            .field("offset", &self.offset)
-            .field("len", &self.len)
-            .field("pieces", &self.pieces)
-            .finish()
-    }
+    cache_use: CacheUse,
 }
 
 impl Volume {
+    /// Reads `buf.len()` bytes at `offset`: the stages one after the other.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        crate::guard::contain(&self.inner, "read", || self.read_unguarded(offset, buf))
+    }
+
+    fn read_unguarded(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let slow = match self.plan_read_unguarded(offset, buf.len())? {
+            ReadPlan::Hit(hit) => match hit.read_blocking(buf)? {
+                None => return Ok(()),
+                Some(slow) => slow,
+            },
+            ReadPlan::Slow(slow) => slow,
+        };
+        self.read_slow_unguarded(slow, buf)
+    }
+
     /// Stage 1 of a read of `len` bytes at `offset` (see the module header).
     pub fn plan_read(&self, offset: u64, len: usize) -> Result<ReadPlan> {
         crate::guard::contain(&self.inner, "read", || {
@@ -124,7 +121,7 @@ impl Volume {
         })
     }
 
-    pub(super) fn plan_read_unguarded(&self, offset: u64, len: usize) -> Result<ReadPlan> {
+    fn plan_read_unguarded(&self, offset: u64, len: usize) -> Result<ReadPlan> {
         self.check(offset, len as u64)?;
         let slow = |route, tried_fast, cache_use| {
             Ok(ReadPlan::Slow(SlowRead {
@@ -169,14 +166,33 @@ impl Volume {
         Ok(ReadPlan::Hit(Hit {
             vol: self.clone(),
             offset,
-            len,
-            read,
-            segs,
-            crcs,
+            len: len as u64,
             pieces,
             timed: Some(inner.cache.begin()),
-            cache_use,
+            stage: Hitting {
+                read,
+                segs,
+                crcs,
+                cache_use,
+            },
         }))
+    }
+
+    /// How a read of `len` bytes at `offset` treats the cache, as the policy routes it (once
+    /// per request: it notes it in the stream detector), and whether it goes around a
+    /// congested cache device. The read holds the returned `CacheUse` until it is done (it
+    /// may promote).
+    fn route_read(&self, offset: u64, len: u64) -> (Read, bool, CacheUse) {
+        let cache_use = self.backing.cache_use();
+        let (mut facts, now) = self.routing(len, cache_use.detaching());
+        let r = self.backing.policy.route_read(offset, len, now, &mut facts);
+        self.note_stream(r.seen, now);
+        let read = match r.route {
+            crate::policy::ReadRoute::Cached { stream } => Read::Cached { stream },
+            crate::policy::ReadRoute::Bypass(why) => Read::Bypass(why),
+            crate::policy::ReadRoute::Ahead(why) => Read::Ahead(why),
+        };
+        (read, r.around_congestion, cache_use)
     }
 
     /// Carries out a read the plan did not serve from the cache alone, into `buf` (its
@@ -185,7 +201,7 @@ impl Volume {
         crate::guard::contain(&self.inner, "read", || self.read_slow_unguarded(slow, buf))
     }
 
-    pub(super) fn read_slow_unguarded(&self, slow: SlowRead, buf: &mut [u8]) -> Result<()> {
+    fn read_slow_unguarded(&self, slow: SlowRead, buf: &mut [u8]) -> Result<()> {
         debug_assert_eq!(buf.len(), slow.len);
         let offset = slow.offset;
         match slow.route {
@@ -208,76 +224,45 @@ impl Volume {
     }
 }
 
+impl Unstaged for SlowRead {
+    fn carry_out(self, vol: &Volume, buf: &mut [u8]) -> Result<()> {
+        vol.read_slow(self, buf)
+    }
+}
+
 impl Hit {
-    /// The cache device's descriptor to read every piece from, with buffers aligned to its
-    /// direct-I/O needs (4 KiB always suffices); `None`: read through [`Hit::read_blocking`].
-    pub fn fd(&self) -> Option<RawFd> {
-        pieces_fd(&self.vol.inner.cache, &self.pieces)
-    }
-
-    /// The cache-device reads this hit needs.
-    pub fn pieces(&self) -> &[Piece] {
-        &self.pieces
-    }
-
     /// Stages 2 and 3 with blocking reads through the cache device.
     pub fn read_blocking(mut self, buf: &mut [u8]) -> Result<Option<SlowRead>> {
-        let cache = std::sync::Arc::clone(&self.vol.inner.cache);
-        let io = self.pieces.iter().try_for_each(|p| {
-            let out = &mut buf[p.buf_offset..p.buf_offset + p.len];
-            cache.device().read_at(out, p.dev_offset)
-        });
+        let io = self.each_piece(|dev, p| dev.read_at(&mut buf[p.in_buf()], p.dev_offset));
         self.finish_io(buf, io)
     }
+}
 
-    /// Stage 3 after the caller read every piece from [`Hit::fd`] itself (`io`: the first
-    /// error among them, `Ok` if all were read whole). `Ok(None)`: `buf` holds the data;
-    /// `Ok(Some(slow))`: read it again with `Volume::read_slow` (a clean copy was dropped);
-    /// `Err`: the read fails. The caller's own reads are accounted to the cache device (its
-    /// latency, its wrappers' statistics) here.
-    pub fn finish(mut self, buf: &mut [u8], io: std::io::Result<()>) -> Result<Option<SlowRead>> {
-        direct_done(
-            &self.vol.inner.cache,
-            self.timed.as_ref(),
-            &self.pieces,
-            false,
-            &io,
-        );
-        self.finish_io(buf, io)
-    }
+/// Stage 3 of a hit, after the caller read every piece (`Hit::finish`, `read_blocking`):
+/// `Ok(None)`: `buf` holds the data; `Ok(Some(slow))`: read it again with
+/// `Volume::read_slow` (a clean copy was dropped); `Err`: the read fails.
+impl CacheStage for Hitting {
+    const WRITES: bool = false;
+    type Slow = SlowRead;
 
-    fn finish_io(&mut self, buf: &mut [u8], io: std::io::Result<()>) -> Result<Option<SlowRead>> {
-        let vol = self.vol.clone();
-        crate::guard::contain(&vol.inner, "read", || self.complete(buf, io))
-    }
-
-    fn complete(&mut self, buf: &mut [u8], io: std::io::Result<()>) -> Result<Option<SlowRead>> {
-        let vol = &self.vol;
+    fn complete(hit: &mut Hit, buf: &[u8], io: std::io::Result<()>) -> Result<Option<SlowRead>> {
+        let (at, io) = hit.end_io(io);
+        let (vol, stage) = (&hit.vol, &mut hit.stage);
         let inner = &*vol.inner;
-        let cache = &inner.cache;
-        let at = self
-            .pieces
-            .first()
-            .map_or((0, 0), |p| (p.dev_offset, self.len as u64));
-        let io = match self.timed.take() {
-            Some(t) => cache.end(t, Kind::Read, at, io),
-            None => io,
-        };
         let bs = inner.block_size();
         let c = &vol.backing.counters;
-        Counters::add(&c.cache_read_bytes, self.len as u64);
         // Byte ranges whose cached copies were dropped, to read from the backing device.
         let mut again = smallvec::SmallVec::<[(u64, usize); 4]>::new();
         let mut result = Ok(());
         match io {
             Err(err) => {
-                let err = Error::io(format!("reading cache device at {}", at.0), err);
+                let err = Error::io(format!("reading cache device at {at}"), err);
                 vol.cache_failed(&err);
-                if self.segs.iter().any(|s| s.ext.is_some_and(|e| e.dirty)) {
+                if stage.segs.iter().any(|s| s.ext.is_some_and(|e| e.dirty)) {
                     // The cache device holds the only current copy.
                     result = Err(err);
                 } else {
-                    for s in &self.segs {
+                    for s in &stage.segs {
                         if let Some(e) = s.ext {
                             vol.drop_copy(s.block, e);
                             again.push((s.block.offset(bs), (s.len * bs) as usize));
@@ -286,12 +271,12 @@ impl Hit {
                 }
             }
             Ok(()) => {
-                let mut crcs = &self.crcs[..];
-                for s in &self.segs {
+                let mut crcs = &stage.crcs[..];
+                for s in &stage.segs {
                     let Some(e) = s.ext else { continue };
                     let (expected, rest) = crcs.split_at(e.len as usize);
                     crcs = rest;
-                    let from = (s.block.offset(bs) - self.offset) as usize;
+                    let from = (s.block.offset(bs) - hit.offset) as usize;
                     let out = &buf[from..from + (s.len * bs) as usize];
                     match vol.verify_cached(s.block, e, expected, out) {
                         Ok(true) => {}
@@ -305,11 +290,11 @@ impl Hit {
             }
         }
         if result.is_ok() && again.is_empty() {
-            for s in &self.segs {
+            for s in &stage.segs {
                 vol.backing.policy.note_read(s.block, s.block + s.len);
             }
         }
-        unpin(inner, &mut self.segs);
+        unpin(inner, &mut stage.segs);
         if let Err(err) = result {
             Counters::add(&c.io_errors, 1);
             return Err(err);
@@ -317,90 +302,27 @@ impl Hit {
         if !again.is_empty() {
             // Counted when carried out.
             return Ok(Some(SlowRead {
-                offset: self.offset,
-                len: self.len,
-                route: Route::Reread(self.read, again),
+                offset: hit.offset,
+                len: hit.len as usize,
+                route: Route::Reread(stage.read, again),
                 tried_fast: true,
-                _use: Some(std::mem::replace(
-                    &mut self.cache_use,
-                    super::CacheUse::none(),
-                )),
+                _use: Some(std::mem::replace(&mut stage.cache_use, CacheUse::none())),
             }));
         }
-        vol.count_read(self.read, self.len as u64, true, false);
+        vol.count_read(stage.read, hit.len, true, false);
         Ok(None)
+    }
+
+    fn release(hit: &mut Hit) {
+        unpin(&hit.vol.inner, &mut hit.stage.segs);
     }
 }
 
 /// A read around the cache carried out by the caller (see the module header): `len` bytes of
-/// the backing device at [`AroundRead::pieces`] of [`AroundRead::fd`] into its buffer, then
-/// [`AroundRead::finish`]. Dropping it unfinished abandons it (its bytes stay counted as
+/// the backing device at `AroundRead::pieces` of `AroundRead::fd` into its buffer, then
+/// `AroundRead::finish`. Dropping it unfinished abandons it (its bytes stay counted as
 /// `backing_read_bytes`, which the slow path counts before its read too).
-pub struct AroundRead {
-    vol: Volume,
-    offset: u64,
-    why: crate::policy::Bypass,
-    via: Via,
-    piece: [Piece; 1],
-    /// When the read was issued, on the backing device's `io_epoch` (the cost model's clock).
-    issued: crate::state::IoUnderWay,
-    /// Held until the read is done, as by every read (see `CacheUse`).
-    _use: Option<super::CacheUse>,
-}
-
-impl std::fmt::Debug for AroundRead {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AroundRead")
-            .field("offset", &self.offset)
-            .field("piece", &self.piece[0])
-            .finish()
-    }
-}
-
-/// How the caller reaches the backing device for a read or write around the cache: a
-/// descriptor it reads or writes at the piece's offset, or a connection of a remote device
-/// lent for the one request (see `blockdev::NbdDirect`).
-#[derive(Debug)]
-pub(super) enum Via {
-    Fd(RawFd),
-    Nbd(blockdev::NbdDirect),
-}
-
-impl Via {
-    /// The backing device's way for `len` bytes at `at` (`write`: a write), if it has one.
-    pub(super) fn of(
-        dev: &dyn blockdev::BlockDevice,
-        write: bool,
-        at: u64,
-        len: usize,
-    ) -> Option<Via> {
-        match dev.direct_fd(at, len) {
-            Some(fd) => Some(Via::Fd(fd)),
-            None => dev.direct_nbd(write, at, len).map(Via::Nbd),
-        }
-    }
-
-    pub(super) fn fd(&self) -> RawFd {
-        match self {
-            Via::Fd(fd) => *fd,
-            Via::Nbd(lease) => lease.fd(),
-        }
-    }
-
-    pub(super) fn deadline(&self) -> Option<std::time::Instant> {
-        match self {
-            Via::Fd(_) => None,
-            Via::Nbd(lease) => Some(lease.deadline()),
-        }
-    }
-
-    pub(super) fn remote(&mut self) -> Option<&mut blockdev::NbdDirect> {
-        match self {
-            Via::Fd(_) => None,
-            Via::Nbd(lease) => Some(lease),
-        }
-    }
-}
+pub type AroundRead = OnBacking<ReadingAround>;
 
 impl Volume {
     /// Stage 1 of a read around the cache on the backing device's descriptor: `Ok` if `slow`
@@ -411,11 +333,10 @@ impl Volume {
     /// allocation per read for nothing.)
     #[allow(clippy::result_large_err)]
     pub fn read_around(&self, slow: SlowRead) -> std::result::Result<AroundRead, SlowRead> {
+        let (inner, backing) = (&*self.inner, &self.backing);
         let Route::Normal(Read::Bypass(why)) = slow.route else {
             return Err(slow);
         };
-        let inner = &*self.inner;
-        let backing = &self.backing;
         let at = backing.data_offset() + slow.offset;
         let Some(via) = Via::of(&*backing.dev, false, at, slow.len) else {
             return Err(slow);
@@ -438,7 +359,6 @@ impl Volume {
         Ok(AroundRead {
             vol: self.clone(),
             offset: slow.offset,
-            why,
             via,
             piece: [Piece {
                 dev_offset: at,
@@ -446,100 +366,54 @@ impl Volume {
                 len: slow.len,
             }],
             issued: backing.io_start(),
-            _use: slow._use,
+            stage: ReadingAround {
+                why,
+                _use: slow._use,
+            },
         })
     }
 }
 
-impl AroundRead {
-    /// The backing device's descriptor to read from, into a 4 KiB-aligned buffer (the
-    /// socket of the lent connection, for a remote device: see [`AroundRead::remote`]).
-    pub fn fd(&self) -> RawFd {
-        self.via.fd()
-    }
+/// What a read makes of a request around the cache (see `AroundRead`).
+pub struct ReadingAround {
+    why: crate::policy::Bypass,
+    /// Held until the read is done, as by every read (see `CacheUse`).
+    _use: Option<CacheUse>,
+}
 
-    /// A remote backing device's connection lent for this read: the caller carries out the
-    /// request on it instead of reading [`AroundRead::pieces`] at [`AroundRead::fd`].
-    pub fn remote(&mut self) -> Option<&mut blockdev::NbdDirect> {
-        self.via.remote()
-    }
+/// Stage 3 of a read around the cache after the caller's read (`io`: `Ok` if it was read
+/// whole): accounts it as `read_inner` does the same read (see the module header; the cost
+/// model's sample as in `Backing::timed`). `Ok(Some(slow))`: read it again with
+/// `Volume::read_slow` — the connection lent by a remote device broke with nothing at stake,
+/// and the device's shared connections send a read again after a reconnection, as its client
+/// does with a read in flight on a connection that breaks (this attempt is not accounted; its
+/// bytes stay counted as `backing_read_bytes`, and are counted again). `Err`: the read fails.
+impl BackingStage for ReadingAround {
+    const WRITES: bool = false;
+    type Slow = SlowRead;
 
-    /// When the lent connection's request must have been answered (see
-    /// [`AroundRead::remote`]).
-    pub fn remote_deadline(&self) -> Option<std::time::Instant> {
-        self.via.deadline()
-    }
-
-    /// The one read: at `dev_offset` of [`AroundRead::fd`], the whole buffer.
-    pub fn pieces(&self) -> &[Piece] {
-        &self.piece
-    }
-
-    /// Stage 3 after the caller's read (`io`: `Ok` if it was read whole): accounts it as
-    /// `read_inner` does the same read (see the module header; the cost model's sample as in
-    /// `Backing::timed`). `Ok(Some(slow))`: read it again with `Volume::read_slow` — the
-    /// connection lent by a remote device broke with nothing at stake, and the device's
-    /// shared connections send a read again after a reconnection, as its client does with a
-    /// read in flight on a connection that breaks (this attempt is not accounted; its bytes
-    /// stay counted as `backing_read_bytes`, and are counted again). `Err`: the read fails.
-    pub fn finish(self, io: std::io::Result<()>) -> Result<Option<SlowRead>> {
-        let vol = self.vol.clone();
-        crate::guard::contain(&vol.inner, "read", || self.complete(io))
-    }
-
-    fn complete(mut self, io: std::io::Result<()>) -> Result<Option<SlowRead>> {
-        if io.is_err() && self.via.remote().is_some_and(|l| l.may_resend()) {
+    fn complete(a: &mut AroundRead, io: std::io::Result<()>) -> Result<Option<SlowRead>> {
+        use crate::types::IoContext;
+        if io.is_err() && a.remote().is_some_and(|l| l.may_resend()) {
             return Ok(Some(SlowRead {
-                offset: self.offset,
-                len: self.piece[0].len,
-                route: Route::Normal(Read::Bypass(self.why)),
+                offset: a.offset,
+                len: a.piece[0].len,
+                route: Route::Normal(Read::Bypass(a.stage.why)),
                 tried_fast: true,
-                _use: self._use.take(),
+                _use: a.stage._use.take(),
             }));
         }
-        self.account(io).map(|()| None)
-    }
-
-    fn account(self, io: std::io::Result<()>) -> Result<()> {
-        use crate::types::IoContext;
-        let (vol, p) = (&self.vol, self.piece[0]);
-        let backing = &vol.backing;
-        vol.caller_backing_done(crate::cost::Op::Read, p, self.issued.issued_ns, io.is_ok());
-        let offset = self.offset;
+        a.account(io.is_ok());
+        let (vol, offset, len) = (&a.vol, a.offset, a.piece[0].len as u64);
         match io.ctx(|| format!("reading backing device at {offset}")) {
             Ok(()) => {
-                vol.count_read(Read::Bypass(self.why), p.len as u64, false, false);
-                Ok(())
+                vol.count_read(Read::Bypass(a.stage.why), len, false, false);
+                Ok(None)
             }
             Err(err) => {
-                Counters::add(&backing.counters.io_errors, 1);
+                Counters::add(&vol.backing.counters.io_errors, 1);
                 Err(err)
             }
-        }
-    }
-}
-
-/// The one descriptor of the cache device that every piece can go through, if there is one
-/// (the staged read's and the staged write's `fd`).
-pub(super) fn pieces_fd(cache: &crate::cachedev::CacheDev, pieces: &[Piece]) -> Option<RawFd> {
-    let mut fds = pieces.iter().map(|p| cache.direct_fd(p.dev_offset, p.len));
-    let first = fds.next()??;
-    fds.all(|fd| fd == Some(first)).then_some(first)
-}
-
-/// Accounts the caller's own I/O of `pieces` to the cache device's wrappers (the time since
-/// the plan began `timed`).
-pub(super) fn direct_done(
-    cache: &crate::cachedev::CacheDev,
-    timed: Option<&Timed>,
-    pieces: &[Piece],
-    write: bool,
-    io: &std::io::Result<()>,
-) {
-    if let Some(t) = timed {
-        let took = cache.elapsed(t);
-        for p in pieces {
-            cache.direct_done(write, (p.dev_offset, p.len), io.is_ok(), took);
         }
     }
 }
@@ -550,14 +424,5 @@ fn unpin(inner: &crate::state::Inner, segs: &mut Segs) {
         if let Some(e) = s.ext {
             inner.unpin(inner.bucket_of(e.cache_block));
         }
-    }
-}
-
-impl Drop for Hit {
-    fn drop(&mut self) {
-        if let Some(t) = self.timed.take() {
-            self.vol.inner.cache.abandon(t);
-        }
-        unpin(&self.vol.inner, &mut self.segs);
     }
 }

@@ -1,4 +1,9 @@
-//! The read path: hits, misses and their promotion, bypassed and read-ahead streams,
+//! The read path below its stages (`plan`, which calls in here and is never called from
+//! here): the lock-free hit and the check of cached blocks
+//! (`lock_free_hit`, `verify_cached`, with `codec::first_bad_block`), the statistics
+//! (`count_read`), and the slow path `read_inner` in its parts: the lookup and pins
+//! (`look_up`, where a miss is planned: `plan_miss`), the reads (`read_miss`; holes through
+//! readahead windows for a stream: `Holes::of`, `read_ahead`), the promotion (`promote`);
 //! prefetch (NBD_CMD_CACHE).
 //!
 //! Invariants:
@@ -19,18 +24,20 @@
 //! - sequential reads that bypass the cache are served through `readahead` windows only for
 //!   blocks the index shows uncached.
 
-use super::plan::{Crcs, ReadPlan};
 use super::Volume;
 use crate::alloc::WritePoint;
 use crate::cachedev::Kind;
 use crate::index::{Seg, Segs};
-use crate::policy::{Bypass, CacheCosts, MissFacts, MissPlan, MissRead, ReadRoute};
+use crate::policy::{Bypass, CacheCosts, MissFacts, MissPlan, MissRead};
 use crate::readahead;
 use crate::state::{Promotion, State};
 use crate::stats::Counters;
-use crate::types::{CacheMode, Error, Result};
+use crate::types::{CacheMode, DevId, Error, Result};
 use crate::units::BackingBlock;
 use blockdev::BlockDevice;
+
+/// Expected crcs of the cached blocks of a request: up to 16 blocks without allocating.
+pub(super) type Crcs = smallvec::SmallVec<[u32; 16]>;
 
 /// The write points of the blocks `[run.0, run.1)` a miss read: the ones in `asked` (the
 /// request's) with clean data, the miss fill's around them apart (see `alloc`). Non-empty
@@ -48,6 +55,37 @@ fn fill_pieces(
     ]
     .into_iter()
     .filter(|(from, to, _)| to > from)
+}
+
+/// Pins the buckets of the cached `segs` under the state lock, touches them at `tick`, and
+/// appends their blocks' expected crcs to `crcs` (a pinned block's crc cannot change).
+fn pin_locked(st: &mut State, segs: &Segs, tick: u64, crcs: &mut Crcs) {
+    for s in segs {
+        if let Some(e) = s.ext {
+            let bucket = st.index.bucket_of(e.cache_block);
+            st.buckets.pin(bucket);
+            st.buckets.touch(bucket, tick);
+            crcs.extend((0..e.len).map(|i| st.index.crc(e.cache_block + i)));
+        }
+    }
+}
+
+/// Registers the promotion of `[b0, b1)` of `dev` (a miss with its fill), so a write that
+/// overlaps it while in flight marks it collided; returns its id.
+fn register_promotion(st: &mut State, dev: DevId, (b0, b1): (BackingBlock, BackingBlock)) -> u64 {
+    let id = st.next_promotion;
+    st.next_promotion += 1;
+    let collided = false;
+    st.promotions.insert(
+        id,
+        Promotion {
+            dev,
+            b0,
+            b1,
+            collided,
+        },
+    );
+    id
 }
 
 /// Longest a miss waits for a promotion in flight over its blocks before reading them itself.
@@ -83,6 +121,36 @@ enum Holes<'a> {
     Span { start: u64, data: &'a [u8] },
     /// Through the readahead windows.
     Ahead,
+}
+
+impl<'a> Holes<'a> {
+    /// The read-ahead part of a read: a promoted miss's holes come whole (cut out of `span`
+    /// when it was read in one), a sequential stream around the cache (`Read::Ahead`) reads
+    /// its holes through the readahead windows (`read_ahead`), any other read exactly.
+    fn of(read: Read, span: &'a Option<(u64, Vec<u8>)>, promote: bool) -> Holes<'a> {
+        match span {
+            Some((start, data)) => Holes::Span {
+                start: *start,
+                data,
+            },
+            None if promote => Holes::Fill,
+            None if matches!(read, Read::Ahead(_)) => Holes::Ahead,
+            None => Holes::Exact,
+        }
+    }
+}
+
+/// A read past its lookup (`Volume::look_up`): the request's segments with the cached ones
+/// pinned and their expected crcs, why it goes around the cache (`None`: through it; a miss
+/// the policy sent around changes it), and a miss's promotion with the miss fill around it.
+struct Looked {
+    segs: Segs,
+    crcs: Crcs,
+    why: Option<Bypass>,
+    /// A miss the admission filter kept out: served around the cache, counted as a miss.
+    refused: bool,
+    promo: Option<u64>,
+    around: BlockRanges,
 }
 
 /// What a miss's plan asks of the mechanism, answered under the state lock (see
@@ -124,39 +192,6 @@ impl MissFacts for Facts<'_> {
 }
 
 impl Volume {
-    /// Reads `buf.len()` bytes at `offset`.
-    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        crate::guard::contain(&self.inner, "read", || self.read_unguarded(offset, buf))
-    }
-
-    fn read_unguarded(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        let slow = match self.plan_read_unguarded(offset, buf.len())? {
-            ReadPlan::Hit(hit) => match hit.read_blocking(buf)? {
-                None => return Ok(()),
-                Some(slow) => slow,
-            },
-            ReadPlan::Slow(slow) => slow,
-        };
-        self.read_slow_unguarded(slow, buf)
-    }
-
-    /// How a read of `len` bytes at `offset` treats the cache, as the policy routes it (once
-    /// per request: it notes it in the stream detector), and whether it goes around a
-    /// congested cache device. The read holds the returned `CacheUse` until it is done (it
-    /// may promote).
-    pub(super) fn route_read(&self, offset: u64, len: u64) -> (Read, bool, super::CacheUse) {
-        let cache_use = self.backing.cache_use();
-        let (mut facts, now) = self.routing(len, cache_use.detaching());
-        let r = self.backing.policy.route_read(offset, len, now, &mut facts);
-        self.note_stream(r.seen, now);
-        let read = match r.route {
-            ReadRoute::Cached { stream } => Read::Cached { stream },
-            ReadRoute::Bypass(why) => Read::Bypass(why),
-            ReadRoute::Ahead(why) => Read::Ahead(why),
-        };
-        (read, r.around_congestion, cache_use)
-    }
-
     /// Counts a read of `len` bytes in the hit statistics (not a prefetch): a hit or a miss,
     /// through the cache or around it (`refused`: a miss the admission filter kept out counts
     /// as a miss through the cache), and why it went around.
@@ -209,6 +244,11 @@ impl Volume {
         Ok(())
     }
 
+    /// A read through the cache (or around it, by `read`), in three parts: the blocks looked
+    /// up and the cached ones pinned (`look_up`: the lock-free hit, else under the state lock,
+    /// where a miss is planned), the data read (`read_miss`: cached pieces from the cache,
+    /// holes from the backing device or through readahead windows, with the miss fill around
+    /// them), then the pins dropped, the read counted and a miss promoted (`promote`).
     /// `tried_fast`: the plan already tried the lock-free hit for this request.
     pub(super) fn read_inner(
         &self,
@@ -217,195 +257,33 @@ impl Volume {
         read: Read,
         tried_fast: bool,
     ) -> Result<()> {
-        let mut why = match read {
-            Read::Bypass(why) | Read::Ahead(why) => Some(why),
-            Read::Cached { .. } | Read::Prefetch => None,
-        };
-        let mut bypass = why.is_some();
-        // A miss the admission filter kept out: served around the cache, counted as a miss.
-        let mut refused = false;
         let prefetch = read == Read::Prefetch;
         let inner = &*self.inner;
-        let dev = self.backing.id;
-        let bs = inner.block_size();
-        let end = offset + buf.len() as u64;
-        let (b0, b1) = BackingBlock::touched_by(offset, buf.len() as u64, bs);
+        let (b0, b1) = BackingBlock::touched_by(offset, buf.len() as u64, inner.block_size());
         let tick = inner.next_tick();
-        let mut waited = false;
-        // Expected crcs of the cached blocks, copied with the pins in one critical section (a
-        // pinned block's crc cannot change), so blocks are verified outside the lock.
-        let mut crcs = Crcs::new();
-        let fast = if prefetch || tried_fast {
-            None
-        } else {
-            self.lock_free_hit(b0, b1, &mut crcs)
-        };
-        let (segs, promo, around) = if let Some(segs) = fast {
-            (segs, None, ((b0, b0), (b1, b1)))
-        } else {
-            loop {
-                let mut st = inner.state.lock();
-                let segs = st.index.lookup(dev, b0, b1);
-                let mut window = 1;
-                let mut miss = !bypass && segs.iter().any(|s| s.ext.is_none());
-                if miss {
-                    let kind = match read {
-                        Read::Prefetch => MissRead::Prefetch,
-                        Read::Cached { stream: true } => MissRead::Stream,
-                        _ => MissRead::Random,
-                    };
-                    let mut facts = Facts {
-                        vol: self,
-                        st: &st,
-                        b0,
-                        b1,
-                        len: buf.len() as u64,
-                        covering: None,
-                    };
-                    let plan = self
-                        .backing
-                        .policy
-                        .plan_miss(kind, waited, dev, b0, bs, &mut facts);
-                    match plan {
-                        MissPlan::Wait => {
-                            // A miss wholly inside a promotion in flight (concurrent readers of
-                            // one window, e.g. a sequential stream at queue depth > 1) waits for
-                            // it, then reads the cache, instead of reading the backing device
-                            // again. Once only: a promotion that collided or failed leaves the
-                            // blocks uncached and this read fetches them itself.
-                            let id = facts.covering.expect("a promotion in flight");
-                            waited = true;
-                            inner.promoted.wait_while_for(
-                                &mut st,
-                                |st| st.promotions.contains_key(&id),
-                                PROMOTION_WAIT_MAX,
-                            );
-                            continue;
-                        }
-                        MissPlan::Around(reason) => {
-                            // Congested: promoting would wait on the slow cache device (cached
-                            // pieces still come from the cache). Admission: kept out of a full
-                            // cache, counted as a miss.
-                            (miss, bypass, why) = (false, true, Some(reason));
-                            refused = reason == Bypass::Admission;
-                        }
-                        MissPlan::Promote { window: w } => window = w,
-                    }
-                }
-                let around = if miss {
-                    self.miss_fill(&st.index, b0, b1, window)
-                } else {
-                    ((b0, b0), (b1, b1))
-                };
-                for s in &segs {
-                    if let Some(e) = s.ext {
-                        let bucket = st.index.bucket_of(e.cache_block);
-                        st.buckets.pin(bucket);
-                        st.buckets.touch(bucket, tick);
-                        crcs.extend((0..e.len).map(|i| st.index.crc(e.cache_block + i)));
-                    }
-                }
-                let promo = miss.then(|| {
-                    let id = st.next_promotion;
-                    st.next_promotion += 1;
-                    st.promotions.insert(
-                        id,
-                        Promotion {
-                            dev,
-                            b0: around.0 .0,
-                            b1: around.1 .1,
-                            collided: false,
-                        },
-                    );
-                    id
-                });
-                break (segs, promo, around);
-            }
-        };
+        let looked = self.look_up(
+            read,
+            (b0, b1),
+            buf.len() as u64,
+            tick,
+            prefetch || tried_fast,
+        );
+        let (segs, promo, around) = (&looked.segs, looked.promo, looked.around);
         let hit = segs.iter().all(|s| s.ext.is_some());
         if !prefetch {
             for s in segs.iter().filter(|s| s.ext.is_some()) {
                 self.backing.policy.note_read(s.block, s.block + s.len);
             }
         }
-        // Uncached blocks next to a miss come along, in offset order; a request that is one
-        // hole is read together with them in a single backing read (one seek, even when other
-        // requests are queued on the disk).
-        let result = (|| {
-            let ((p0, p1), (s0, s1)) = around;
-            if promo.is_some() && segs.len() == 1 && segs[0].ext.is_none() {
-                let from = p0.offset(bs);
-                let to = if s1 > s0 {
-                    s1.offset(bs)
-                } else {
-                    b1.offset(bs).min(self.size_bytes())
-                };
-                let mut d = vec![0u8; (to - from) as usize];
-                self.backing_read(&mut d, from)?;
-                buf.copy_from_slice(&d[(offset - from) as usize..(end - from) as usize]);
-                d.truncate((d.len() as u64 / bs * bs) as usize);
-                return Ok(if d.is_empty() {
-                    Vec::new()
-                } else {
-                    vec![(p0, d)]
-                });
-            }
-            // A miss with several holes between cached blocks: one backing read from the
-            // first uncached block to the last when the cost model says the cached gaps'
-            // transfer costs less than the reads saved (one seek, as the bare disk would do),
-            // the cached blocks' stale copies in it ignored.
-            let hole_count = segs.iter().filter(|s| s.ext.is_none()).count() as u64;
-            let first_hole = segs.iter().position(|s| s.ext.is_none()).unwrap_or(0);
-            let last_hole = segs.iter().rposition(|s| s.ext.is_none()).unwrap_or(0);
-            let gap_bytes: u64 = segs[first_hole..=last_hole.max(first_hole)]
-                .iter()
-                .filter(|s| s.ext.is_some())
-                .map(|s| s.len * bs)
-                .sum();
-            let mut hole_segs = segs.iter().filter(|s| s.ext.is_none());
-            let span = match (hole_segs.next(), hole_segs.next_back()) {
-                (Some(first), Some(last))
-                    if promo.is_some() && self.backing.policy.span_holes(hole_count, gap_bytes) =>
-                {
-                    let from = if p1 > p0 { p0 } else { first.block }.offset(bs);
-                    let to = if s1 > s0 { s1 } else { last.block + last.len }
-                        .offset(bs)
-                        .min(self.size_bytes());
-                    let mut d = vec![0u8; (to - from) as usize];
-                    self.backing_read(&mut d, from)?;
-                    Some((from, d))
-                }
-                _ => None,
-            };
-            let range = |b0: BackingBlock, b1: BackingBlock| -> Result<Vec<u8>> {
-                let (from, to) = (b0.offset(bs), b1.offset(bs));
-                if let Some((start, d)) = &span {
-                    return Ok(d[(from - start) as usize..(to - start) as usize].to_vec());
-                }
-                let mut d = vec![0u8; (to - from) as usize];
-                self.backing_read(&mut d, from)?;
-                Ok(d)
-            };
-            let mut fills = Vec::new();
-            if p1 > p0 {
-                fills.push((p0, range(p0, p1)?));
-            }
-            let holes = match &span {
-                Some((start, data)) => Holes::Span {
-                    start: *start,
-                    data,
-                },
-                None if promo.is_some() => Holes::Fill,
-                None if matches!(read, Read::Ahead(_)) => Holes::Ahead,
-                None => Holes::Exact,
-            };
-            fills.extend(self.read_segments(&segs, &crcs, offset, buf, holes)?);
-            if s1 > s0 {
-                fills.push((s0, range(s0, s1)?));
-            }
-            Ok(fills)
-        })();
-        for s in &segs {
+        let result = self.read_miss(
+            offset,
+            buf,
+            read,
+            (segs, &looked.crcs),
+            promo.is_some(),
+            around,
+        );
+        for s in segs {
             if let Some(e) = s.ext {
                 inner.unpin(inner.bucket_of(e.cache_block));
             }
@@ -422,8 +300,7 @@ impl Volume {
             }
         };
         if !prefetch {
-            debug_assert_eq!(bypass, why.is_some());
-            self.count_read_as(why, buf.len() as u64, hit, refused);
+            self.count_read_as(looked.why, buf.len() as u64, hit, looked.refused);
         }
         if let Some(id) = promo {
             let ((p0, _), (s0, s1)) = around;
@@ -432,6 +309,246 @@ impl Volume {
             self.promote(id, fills, (b0, b1));
         }
         Ok(())
+    }
+
+    /// The hit part of a read of `[b0, b1)` (`len` bytes): looks the blocks up and pins the
+    /// cached ones' buckets (touched at `tick`), their crcs copied with the pins. Lock-free
+    /// when every block is cached (unless `skip_fast`: a prefetch, or the plan tried it),
+    /// else under the state lock, where a miss through the cache is planned (`plan_miss`):
+    /// it waits once for a promotion in flight over it, goes around the cache, or registers
+    /// its promotion with the miss fill around it.
+    fn look_up(
+        &self,
+        read: Read,
+        (b0, b1): (BackingBlock, BackingBlock),
+        len: u64,
+        tick: u64,
+        skip_fast: bool,
+    ) -> Looked {
+        let why = match read {
+            Read::Bypass(why) | Read::Ahead(why) => Some(why),
+            Read::Cached { .. } | Read::Prefetch => None,
+        };
+        // Expected crcs of the cached blocks, copied with the pins in one critical section (a
+        // pinned block's crc cannot change), so blocks are verified outside the lock.
+        let mut crcs = Crcs::new();
+        let fast = if skip_fast {
+            None
+        } else {
+            self.lock_free_hit(b0, b1, &mut crcs)
+        };
+        match fast {
+            Some(segs) => Looked {
+                segs,
+                crcs,
+                why,
+                refused: false,
+                promo: None,
+                around: ((b0, b0), (b1, b1)),
+            },
+            None => self.look_up_locked(read, why, (b0, b1), len, tick),
+        }
+    }
+
+    /// `look_up` under the state lock (see there).
+    fn look_up_locked(
+        &self,
+        read: Read,
+        why: Option<Bypass>,
+        (b0, b1): (BackingBlock, BackingBlock),
+        len: u64,
+        tick: u64,
+    ) -> Looked {
+        let inner = &*self.inner;
+        let dev = self.backing.id;
+        let mut waited = false;
+        loop {
+            let mut st = inner.state.lock();
+            let segs = st.index.lookup(dev, b0, b1);
+            let (mut why, mut refused, mut window) = (why, false, 1);
+            let mut miss = why.is_none() && segs.iter().any(|s| s.ext.is_none());
+            if miss {
+                let (plan, covering) = self.plan_miss(&st, read, waited, (b0, b1), len);
+                match plan {
+                    MissPlan::Wait => {
+                        // A miss wholly inside a promotion in flight (concurrent readers of
+                        // one window, e.g. a sequential stream at queue depth > 1) waits for
+                        // it, then reads the cache, instead of reading the backing device
+                        // again. Once only: a promotion that collided or failed leaves the
+                        // blocks uncached and this read fetches them itself.
+                        let id = covering.expect("a promotion in flight");
+                        waited = true;
+                        inner.promoted.wait_while_for(
+                            &mut st,
+                            |st| st.promotions.contains_key(&id),
+                            PROMOTION_WAIT_MAX,
+                        );
+                        continue;
+                    }
+                    MissPlan::Around(reason) => {
+                        // Congested: promoting would wait on the slow cache device (cached
+                        // pieces still come from the cache). Admission: kept out of a full
+                        // cache, counted as a miss.
+                        (miss, why) = (false, Some(reason));
+                        refused = reason == Bypass::Admission;
+                    }
+                    MissPlan::Promote { window: w } => window = w,
+                }
+            }
+            let around = if miss {
+                self.miss_fill(&st.index, b0, b1, window)
+            } else {
+                ((b0, b0), (b1, b1))
+            };
+            let mut crcs = Crcs::new();
+            pin_locked(&mut st, &segs, tick, &mut crcs);
+            let promo = miss.then(|| register_promotion(&mut st, dev, (around.0 .0, around.1 .1)));
+            return Looked {
+                segs,
+                crcs,
+                why,
+                refused,
+                promo,
+                around,
+            };
+        }
+    }
+
+    /// The policy's plan for a miss of `[b0, b1)` through the cache (`waited`: it already
+    /// waited for a promotion in flight), asked under the state lock; with `Wait`, the
+    /// promotion in flight to wait for.
+    fn plan_miss(
+        &self,
+        st: &State,
+        read: Read,
+        waited: bool,
+        (b0, b1): (BackingBlock, BackingBlock),
+        len: u64,
+    ) -> (MissPlan, Option<u64>) {
+        let kind = match read {
+            Read::Prefetch => MissRead::Prefetch,
+            Read::Cached { stream: true } => MissRead::Stream,
+            _ => MissRead::Random,
+        };
+        let mut facts = Facts {
+            vol: self,
+            st,
+            b0,
+            b1,
+            len,
+            covering: None,
+        };
+        let bs = self.inner.block_size();
+        let dev = self.backing.id;
+        let plan = self
+            .backing
+            .policy
+            .plan_miss(kind, waited, dev, b0, bs, &mut facts);
+        (plan, facts.covering)
+    }
+
+    /// The miss part of a read: reads `segs` into `buf` (the cached ones from the cache,
+    /// checked against `crcs`, the holes from the backing device) and, for a miss that is
+    /// promoted (`promote`), returns the whole-block data to promote: the request's and the
+    /// miss fill's `around` it. Uncached blocks next to a miss come along, in offset order; a
+    /// request that is one hole is read together with them in a single backing read (one
+    /// seek, even when other requests are queued on the disk).
+    fn read_miss(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+        read: Read,
+        (segs, crcs): (&[Seg], &[u32]),
+        promote: bool,
+        around: BlockRanges,
+    ) -> Result<Vec<(BackingBlock, Vec<u8>)>> {
+        let bs = self.inner.block_size();
+        let ((p0, p1), (s0, s1)) = around;
+        if promote && segs.len() == 1 && segs[0].ext.is_none() {
+            return self.read_one_hole(offset, buf, around);
+        }
+        let span = if promote {
+            self.read_span(segs, around)?
+        } else {
+            None
+        };
+        let range = |b0: BackingBlock, b1: BackingBlock| -> Result<Vec<u8>> {
+            let (from, to) = (b0.offset(bs), b1.offset(bs));
+            if let Some((start, d)) = &span {
+                return Ok(d[(from - start) as usize..(to - start) as usize].to_vec());
+            }
+            let mut d = vec![0u8; (to - from) as usize];
+            self.backing_read(&mut d, from)?;
+            Ok(d)
+        };
+        let mut fills = Vec::new();
+        if p1 > p0 {
+            fills.push((p0, range(p0, p1)?));
+        }
+        let holes = Holes::of(read, &span, promote);
+        fills.extend(self.read_segments(segs, crcs, offset, buf, holes)?);
+        if s1 > s0 {
+            fills.push((s0, range(s0, s1)?));
+        }
+        Ok(fills)
+    }
+
+    /// A promoted miss that is one hole: one backing read from the miss fill's first block
+    /// to its last (`around`), the request cut out of it; returns the whole blocks.
+    fn read_one_hole(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+        around: BlockRanges,
+    ) -> Result<Vec<(BackingBlock, Vec<u8>)>> {
+        let bs = self.inner.block_size();
+        let ((p0, _), (b1, s1)) = around;
+        let end = offset + buf.len() as u64;
+        let from = p0.offset(bs);
+        let to = if s1 > b1 {
+            s1.offset(bs)
+        } else {
+            b1.offset(bs).min(self.size_bytes())
+        };
+        let mut d = vec![0u8; (to - from) as usize];
+        self.backing_read(&mut d, from)?;
+        buf.copy_from_slice(&d[(offset - from) as usize..(end - from) as usize]);
+        d.truncate((d.len() as u64 / bs * bs) as usize);
+        Ok(if d.is_empty() {
+            Vec::new()
+        } else {
+            vec![(p0, d)]
+        })
+    }
+
+    /// A promoted miss with several holes between cached blocks: one backing read from the
+    /// first uncached block to the last (with the miss fill `around`) when the cost model
+    /// says the cached gaps' transfer costs less than the reads saved (one seek, as the bare
+    /// disk would do), the cached blocks' stale copies in it ignored: `(its offset, data)`.
+    fn read_span(&self, segs: &[Seg], around: BlockRanges) -> Result<Option<(u64, Vec<u8>)>> {
+        let bs = self.inner.block_size();
+        let ((p0, p1), (s0, s1)) = around;
+        let hole_count = segs.iter().filter(|s| s.ext.is_none()).count() as u64;
+        let first_hole = segs.iter().position(|s| s.ext.is_none()).unwrap_or(0);
+        let last_hole = segs.iter().rposition(|s| s.ext.is_none()).unwrap_or(0);
+        let gap_bytes: u64 = segs[first_hole..=last_hole.max(first_hole)]
+            .iter()
+            .filter(|s| s.ext.is_some())
+            .map(|s| s.len * bs)
+            .sum();
+        let mut hole_segs = segs.iter().filter(|s| s.ext.is_none());
+        Ok(match (hole_segs.next(), hole_segs.next_back()) {
+            (Some(first), Some(last)) if self.backing.policy.span_holes(hole_count, gap_bytes) => {
+                let from = if p1 > p0 { p0 } else { first.block }.offset(bs);
+                let to = if s1 > s0 { s1 } else { last.block + last.len }
+                    .offset(bs)
+                    .min(self.size_bytes());
+                let mut d = vec![0u8; (to - from) as usize];
+                self.backing_read(&mut d, from)?;
+                Some((from, d))
+            }
+            _ => None,
+        })
     }
 
     /// A read while the cache device's reads are slower than `congested_read_threshold_us`
@@ -673,7 +790,7 @@ impl Volume {
         out: &[u8],
     ) -> Result<bool> {
         let inner = &*self.inner;
-        let Some(i) = crate::space::first_bad_block(out, crcs, inner.block_size()) else {
+        let Some(i) = crate::codec::first_bad_block(out, crcs, inner.block_size()) else {
             return Ok(true);
         };
         let what = format!(

@@ -8,7 +8,6 @@
 //! - data is written to the cache before its index entry is inserted, and the entry's journal
 //!   record is what makes it survive a crash (see `docs/durability.md`).
 
-use super::absorb::WritePlan;
 use super::Volume;
 use crate::alloc::WritePoint;
 use crate::policy::{Bypass, WriteRoute as Route};
@@ -122,24 +121,6 @@ impl Volume {
     }
 
     // ----- writes -----
-
-    /// Writes `data` at `offset`; with `fua` it is durable when this returns.
-    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        crate::guard::contain(&self.inner, "write", || {
-            self.write_unguarded(offset, data, fua)
-        })
-    }
-
-    fn write_unguarded(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        let slow = match self.plan_write_unguarded(offset, data.len() as u64, fua)? {
-            WritePlan::Absorb(a) => match a.write_blocking(data)? {
-                None => return Ok(()),
-                Some(slow) => slow,
-            },
-            WritePlan::Slow(slow) => slow,
-        };
-        self.write_slow_unguarded(slow, data)
-    }
 
     /// Writes `data` (or zeroes when `None`) over `[offset, offset + len)` along `route`.
     pub(super) fn write_range(

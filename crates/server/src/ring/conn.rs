@@ -10,8 +10,8 @@
 //! the connection is finished only when nothing of it is in flight anywhere.
 
 use super::pool::{Answer, Finished, Job, Work};
-use super::reactor::{Kind, Sq};
 use super::remote::Exchange;
+use super::submit::{user_data, Kind, Sq, PIECES_MAX, REQUESTS_MAX};
 use super::{Adopted, Handle, Pool};
 use crate::budget::{Account, Permit};
 use crate::execute::{admit, error_reply, permit_bytes, refusal, PAYLOAD_BYTES_MAX};
@@ -33,11 +33,6 @@ use std::time::Instant;
 const READ_BUFFER_BYTES: usize = 256 * 1024;
 /// Most replies sent with one `sendmsg` (two iovecs each, under `IOV_MAX`).
 const BATCH_REPLIES_MAX: usize = 256;
-/// Most pieces of a direct read submitted to the ring (the user data has 12 bits for them);
-/// more go to a worker.
-pub(super) const PIECES_MAX: usize = 4095;
-/// Most requests of a connection in flight on a reactor (the user data has 16 bits for them).
-const REQUESTS_MAX: usize = 65_535;
 
 /// A request received whole (header and payload) and not yet answered.
 struct Req {
@@ -89,6 +84,15 @@ struct Sending {
     iov: Vec<libc::iovec>,
     msg: Box<libc::msghdr>,
     in_flight: bool,
+}
+
+/// What a completion's handler uses of its reactor for the round: the submission queue, the
+/// reactor's handle (workers answer through it), the worker pool, the spare buffers.
+pub(super) struct Round<'a, 'q> {
+    pub(super) sq: &'a mut Sq<'q>,
+    pub(super) handle: &'a Arc<Handle>,
+    pub(super) pool: &'a Arc<Pool>,
+    pub(super) spares: &'a mut Spares,
 }
 
 pub(super) struct Conn {
@@ -220,16 +224,9 @@ impl Conn {
     }
 
     /// Moves the connection on: decodes what was received, arms `recv`, sends replies.
-    pub(super) fn poll(
-        &mut self,
-        key: usize,
-        sq: &mut Sq<'_>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
-    ) {
+    pub(super) fn poll(&mut self, key: usize, round: &mut Round<'_, '_>) {
         if self.reading && !self.gone {
-            self.decode(key, sq, handle, pool, spares);
+            self.decode(key, round);
         }
         if self.reading && !self.recv_armed && !self.wants_permit {
             if self.rpos > 0 {
@@ -241,25 +238,18 @@ impl Conn {
                 let free = &mut self.rbuf[self.rlen..];
                 let sqe = opcode::Recv::new(self.fd, free.as_mut_ptr(), free.len() as u32)
                     .build()
-                    .user_data(super::reactor::user_data(Kind::Recv, key, 0, 0));
-                sq.push(sqe);
+                    .user_data(user_data(Kind::Recv, key, 0, 0));
+                round.sq.push(sqe);
                 self.recv_armed = true;
             }
         }
         if !self.sending.in_flight && !self.outq.is_empty() && !self.gone {
-            self.send(key, sq);
+            self.send(key, round.sq);
         }
     }
 
     /// Decodes and starts every request received whole.
-    fn decode(
-        &mut self,
-        key: usize,
-        sq: &mut Sq<'_>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
-    ) {
+    fn decode(&mut self, key: usize, round: &mut Round<'_, '_>) {
         self.wants_permit = false;
         while self.reading {
             if self.partial.is_none() {
@@ -315,7 +305,7 @@ impl Conn {
                     self.wants_permit = true;
                     return;
                 };
-                let mut buf = spares.buf();
+                let mut buf = round.spares.buf();
                 buf.slice(partial.request.payload_bytes() as usize);
                 partial.permit = Some((permit, buf));
                 // Waiting for the permit is not receiving: the time starts again.
@@ -353,36 +343,23 @@ impl Conn {
                 }
                 other => other,
             };
-            self.start(
-                key,
-                request.cookie,
-                action,
-                (permit, in_flight, buf),
-                sq,
-                handle,
-                pool,
-                spares,
-            );
+            self.start(key, request.cookie, action, (permit, in_flight, buf), round);
         }
     }
 
     /// Starts one request received whole.
-    #[allow(clippy::too_many_arguments)]
     fn start(
         &mut self,
         key: usize,
         cookie: u64,
         action: Result<ValidRequest, NbdErrno>,
         (permit, in_flight, mut buf): (Permit, InFlight, IoBuf),
-        sq: &mut Sq<'_>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
+        round: &mut Round<'_, '_>,
     ) {
         let request = match action {
             Ok(r) => r,
             Err(errno) => {
-                let mut head = spares.head();
+                let mut head = round.spares.head();
                 error_reply(&self.a.ctx, cookie, errno, refusal(errno), &mut head);
                 self.reply(head, buf, 0, Some(permit), Some(in_flight));
                 return;
@@ -408,17 +385,8 @@ impl Conn {
                 (Answer::Write { length, fua }, started)
             }
             other => {
-                self.send_to_pool(
-                    key,
-                    cookie,
-                    permit,
-                    in_flight,
-                    buf,
-                    Work::Execute(other),
-                    None,
-                    handle,
-                    pool,
-                );
+                let work = Work::Execute(other);
+                self.send_to_pool((key, cookie), (permit, in_flight, buf), work, None, round);
                 return;
             }
         };
@@ -428,45 +396,33 @@ impl Conn {
         });
         let work = match started {
             Start::Direct(direct) if (1..=PIECES_MAX).contains(&direct.pieces().len()) => {
-                self.direct(key, cookie, answer, direct, permit, in_flight, buf, sq);
+                self.direct(
+                    key, cookie, answer, direct, permit, in_flight, buf, round.sq,
+                );
                 return;
             }
             Start::Direct(direct) => Work::Direct(direct),
             Start::Rest(rest) => Work::Rest(rest),
             Start::Whole => Work::Execute(request),
             Start::Failed(err) => {
-                let mut head = spares.head();
+                let mut head = round.spares.head();
                 let n = answer.reply(&self.a.watch, &self.a.ctx, cookie, Err(err), &mut head);
                 self.reply(head, buf, n, Some(permit), Some(in_flight));
                 return;
             }
         };
-        self.send_to_pool(
-            key,
-            cookie,
-            permit,
-            in_flight,
-            buf,
-            work,
-            Some(answer),
-            handle,
-            pool,
-        );
+        let held = (permit, in_flight, buf);
+        self.send_to_pool((key, cookie), held, work, Some(answer), round);
     }
 
-    /// Hands a request to the worker pool.
-    #[allow(clippy::too_many_arguments)]
+    /// Hands a request (its permit, place in flight and buffer) to the worker pool.
     fn send_to_pool(
         &mut self,
-        key: usize,
-        cookie: u64,
-        permit: Permit,
-        in_flight: InFlight,
-        buf: IoBuf,
+        (key, cookie): (usize, u64),
+        (permit, in_flight, buf): (Permit, InFlight, IoBuf),
         work: Work,
         answer: Option<Answer>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
+        round: &Round<'_, '_>,
     ) {
         let req = self.reqs.insert(Req {
             cookie,
@@ -475,22 +431,12 @@ impl Conn {
             buf: IoBuf::default(),
             state: ReqState::AtWorker,
         });
-        let job = Job {
-            handle: Arc::clone(handle),
-            conn: key,
-            req,
-            export: Arc::clone(&self.a.export),
-            watch: Arc::clone(&self.a.watch),
-            ctx: self.a.ctx,
-            cookie,
-            answer: answer.unwrap_or(Answer::Write {
-                length: 0,
-                fua: false,
-            }),
-            work,
-            buf,
-        };
-        self.hand_to_worker(job, pool);
+        let answer = answer.unwrap_or(Answer::Write {
+            length: 0,
+            fua: false,
+        });
+        let (handle, pool) = (round.handle, round.pool);
+        self.hand_to_worker((key, req, cookie), answer, work, buf, handle, pool);
     }
 
     /// Submits a direct request's device I/O to the ring.
@@ -534,7 +480,7 @@ impl Conn {
         let (fd, writes) = (direct.fd(), direct.writes());
         if let Some(lent) = direct.remote() {
             let data = r.buf.data_mut(answer.len());
-            let user_data = super::reactor::user_data(Kind::Remote, key, req, 0);
+            let user_data = user_data(Kind::Remote, key, req, 0);
             *remote = Some(Exchange::start(lent, fd, data, writes, user_data, sq));
             self.remote_in_flight += 1;
             return;
@@ -545,16 +491,12 @@ impl Conn {
     }
 
     /// An operation of direct request `req`'s exchange on its lent connection completed.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn on_remote(
         &mut self,
         key: usize,
         req: usize,
         res: i32,
-        sq: &mut Sq<'_>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
+        round: &mut Round<'_, '_>,
     ) {
         let r = &mut self.reqs[req];
         let ReqState::Direct {
@@ -571,12 +513,12 @@ impl Conn {
         let fd = direct.fd();
         let lent = direct.remote().expect("a remote direct request");
         let data = r.buf.data_mut(answer.len());
-        let user_data = super::reactor::user_data(Kind::Remote, key, req, 0);
-        if let Some(ended) = exchange.on_complete(lent, fd, data, res, user_data, sq) {
+        let user_data = user_data(Kind::Remote, key, req, 0);
+        if let Some(ended) = exchange.on_complete(lent, fd, data, res, user_data, round.sq) {
             *result = ended;
             *left = 0;
             self.remote_in_flight -= 1;
-            self.direct_finished(key, req, handle, pool, spares);
+            self.direct_finished(key, req, round);
         }
     }
 
@@ -598,7 +540,7 @@ impl Conn {
         let data = r.buf.data_mut(answer.len());
         let target = &mut data[d.buf_offset + done..d.buf_offset + d.len];
         let at = d.offset + done as u64;
-        let user_data = super::reactor::user_data(Kind::Device, key, req, piece);
+        let user_data = user_data(Kind::Device, key, req, piece);
         let sqe = if direct.writes() {
             opcode::Write::new(fd, target.as_ptr(), target.len() as u32)
                 .offset(at)
@@ -611,18 +553,12 @@ impl Conn {
         sq.push(sqe.user_data(user_data));
     }
 
-    /// A device I/O of a direct request completed with `res`.
-    #[allow(clippy::too_many_arguments)]
+    /// Device I/O `piece` of direct request `req` completed with `res`.
     pub(super) fn on_device(
         &mut self,
-        key: usize,
-        req: usize,
-        piece: usize,
+        (key, req, piece): (usize, usize, usize),
         res: i32,
-        sq: &mut Sq<'_>,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
+        round: &mut Round<'_, '_>,
     ) {
         let ReqState::Direct {
             direct,
@@ -640,7 +576,7 @@ impl Conn {
                 done[piece] += n as usize;
                 if done[piece] < want {
                     // A short transfer: the rest of the piece.
-                    self.submit_piece(key, req, piece, sq);
+                    self.submit_piece(key, req, piece, round.sq);
                     return;
                 }
             }
@@ -660,20 +596,14 @@ impl Conn {
         }
         *left -= 1;
         if *left == 0 {
-            self.direct_finished(key, req, handle, pool, spares);
+            self.direct_finished(key, req, round);
         }
     }
 
     /// Every device I/O of direct request `req` ended: finish it and answer (or hand its rest
     /// to a worker).
-    fn direct_finished(
-        &mut self,
-        key: usize,
-        req: usize,
-        handle: &Arc<Handle>,
-        pool: &Arc<Pool>,
-        spares: &mut Spares,
-    ) {
+    fn direct_finished(&mut self, key: usize, req: usize, round: &mut Round<'_, '_>) {
+        let (handle, pool) = (round.handle, round.pool);
         let state = std::mem::replace(&mut self.reqs[req].state, ReqState::AtWorker);
         let ReqState::Direct {
             direct,
@@ -708,32 +638,41 @@ impl Conn {
         match finished {
             ReadFinished::Done(result) => {
                 let r = self.reqs.remove(req);
-                let mut head = spares.head();
+                let mut head = round.spares.head();
                 let n = answer.reply(&self.a.watch, &self.a.ctx, cookie, result, &mut head);
                 self.reply(head, r.buf, n, Some(r.permit), Some(r.in_flight));
             }
             ReadFinished::Again(rest) => {
                 let buf = std::mem::take(&mut self.reqs[req].buf);
-                let job = Job {
-                    handle: Arc::clone(handle),
-                    conn: key,
-                    req,
-                    export: Arc::clone(&self.a.export),
-                    watch: Arc::clone(&self.a.watch),
-                    ctx: self.a.ctx,
-                    cookie,
-                    answer,
-                    work: Work::Rest(rest),
-                    buf,
-                };
-                self.hand_to_worker(job, pool);
+                let work = Work::Rest(rest);
+                self.hand_to_worker((key, req, cookie), answer, work, buf, handle, pool);
             }
         }
     }
 
-    /// Hands `job` to the pool, or queues it while the connection has
-    /// `workers_per_connection` requests there.
-    fn hand_to_worker(&mut self, job: Job, pool: &Arc<Pool>) {
+    /// Hands request `req` (of connection `key`, with its cookie) to the pool as a job, or
+    /// queues it while the connection has `workers_per_connection` requests there.
+    fn hand_to_worker(
+        &mut self,
+        (key, req, cookie): (usize, usize, u64),
+        answer: Answer,
+        work: Work,
+        buf: IoBuf,
+        handle: &Arc<Handle>,
+        pool: &Arc<Pool>,
+    ) {
+        let job = Job {
+            handle: Arc::clone(handle),
+            conn: key,
+            req,
+            export: Arc::clone(&self.a.export),
+            watch: Arc::clone(&self.a.watch),
+            ctx: self.a.ctx,
+            cookie,
+            answer,
+            work,
+            buf,
+        };
         self.at_workers += 1;
         if self.at_workers - self.waiting.len() <= self.a.shared.config.workers_per_connection {
             pool.submit(job);
@@ -800,7 +739,7 @@ impl Conn {
         let sqe = opcode::SendMsg::new(self.fd, msg)
             .flags(libc::MSG_NOSIGNAL as u32)
             .build()
-            .user_data(super::reactor::user_data(Kind::Send, key, 0, 0));
+            .user_data(user_data(Kind::Send, key, 0, 0));
         sq.push(sqe);
         self.front_since.get_or_insert_with(Instant::now);
         self.sending.in_flight = true;

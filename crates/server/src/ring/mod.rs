@@ -19,6 +19,11 @@
 //!   slow disk never holds up the hits behind it;
 //! - replies are sent by the reactor, many in one `sendmsg`, in the order they finish.
 //!
+//! The reactor (`reactor`) drives its connections (`conn`); both, and a lent connection's
+//! exchange (`remote`), submit through `submit` (the user data that names a completion, the
+//! round's submission queue), so imports run one way: `reactor` → `conn` → `remote` →
+//! `submit`.
+//!
 //! Invariants: everything a connection owns is touched by its reactor thread alone (workers
 //! get a request's buffer by value and hand it back); a buffer stays alive and unmoved while
 //! an operation of the ring reads or writes it, and a connection is dropped only when none of
@@ -39,6 +44,7 @@ mod conn;
 mod pool;
 mod reactor;
 mod remote;
+mod submit;
 
 use crate::config::Shared;
 use crate::net::Stream;

@@ -2,48 +2,22 @@
 //! connections need, waits for completions, and hands each to its connection.
 //!
 //! Invariants: every operation submitted carries its connection's key (and, for a device
-//! read, its request and piece) in its user data, and a connection is removed only when it has
-//! none in flight (`Conn::finished`), so a completion always finds its connection; the
+//! read, its request and piece) in its user data (`submit`), and a connection is removed only
+//! when it has none in flight (`Conn::finished`), so a completion always finds its connection;
+//! the
 //! eventfd read and the timer are always armed while the reactor runs; all submissions of one
 //! round go to the kernel in one `io_uring_enter`, which also waits for the next completion.
 
-use super::conn::Conn;
+use super::conn::{Conn, Round};
+use super::submit::{decode, user_data, Kind, Sq};
 use super::{Handle, Msg, Pool};
 use crate::iobuf::Spares;
-use io_uring::{opcode, squeue, types, IoUring};
+use io_uring::{opcode, types, IoUring};
 use slab::Slab;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// What a completion is about (the low 4 bits of its user data).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Kind {
-    Wake = 1,
-    Timer = 2,
-    Recv = 3,
-    Send = 4,
-    /// A direct request's device read or write.
-    Device = 5,
-    /// An operation of a direct request's exchange on a lent connection (`remote`).
-    Remote = 6,
-}
-
-/// User data: kind (4 bits), piece (12), request (16), connection (32).
-pub(super) fn user_data(kind: Kind, conn: usize, req: usize, piece: usize) -> u64 {
-    debug_assert!(piece < 1 << 12 && req < 1 << 16 && conn < 1 << 32);
-    kind as u64 | (piece as u64) << 4 | (req as u64) << 16 | (conn as u64) << 32
-}
-
-fn decode(user_data: u64) -> (u64, usize, usize, usize) {
-    (
-        user_data & 0xf,
-        (user_data >> 32) as usize,
-        (user_data >> 16 & 0xffff) as usize,
-        (user_data >> 4 & 0xfff) as usize,
-    )
-}
 
 /// How often deadlines are looked at, at most (and while a connection waits for budget).
 const TICK_MAX: Duration = Duration::from_millis(100);
@@ -78,30 +52,6 @@ pub(super) fn new_ring(entries: u32) -> io::Result<IoUring> {
         }
     }
     Ok(ring)
-}
-
-/// The submission side of a ring for one round: pushes, submitting first when it is full.
-pub(super) struct Sq<'a> {
-    ring: &'a IoUring,
-    sq: squeue::SubmissionQueue<'a>,
-}
-
-impl Sq<'_> {
-    pub(super) fn push(&mut self, entry: squeue::Entry) {
-        loop {
-            // SAFETY: every entry's buffers are owned by a connection (or the reactor) and
-            // stay alive and unmoved until its completion is handled (the module invariants).
-            if unsafe { self.sq.push(&entry) }.is_ok() {
-                return;
-            }
-            self.sq.sync();
-            if let Err(err) = self.ring.submit() {
-                log::warn!("io_uring submit: {err}");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            self.sq.sync();
-        }
-    }
 }
 
 pub(super) struct Reactor {
@@ -163,13 +113,16 @@ impl Reactor {
                 }
             }
             {
-                let mut sq = Sq {
-                    ring: &self.ring,
-                    // SAFETY: only this thread uses the ring's submission queue.
-                    sq: unsafe { self.ring.submission_shared() },
+                // SAFETY: only this thread uses the ring's submission queue.
+                let mut sq = unsafe { Sq::new(&self.ring) };
+                let mut round = Round {
+                    sq: &mut sq,
+                    handle: &self.handle,
+                    pool: &self.pool,
+                    spares: &mut self.spares,
                 };
                 for (key, c) in self.conns.iter_mut() {
-                    c.poll(key, &mut sq, &self.handle, &self.pool, &mut self.spares);
+                    c.poll(key, &mut round);
                 }
                 if !self.wake_armed {
                     let sqe = opcode::Read::new(
@@ -193,7 +146,7 @@ impl Reactor {
                     sq.push(sqe);
                     self.timer_armed = true;
                 }
-                sq.sq.sync();
+                sq.sync();
             }
             // Allocates only in the round a connection ends.
             if self.conns.iter().any(|(_, c)| c.finished()) {
@@ -233,19 +186,21 @@ impl Reactor {
             k if k == Kind::Recv as u64 => self.conns[conn].on_recv(res),
             k if k == Kind::Send as u64 => self.conns[conn].on_send(res, &mut self.spares),
             k if k == Kind::Device as u64 || k == Kind::Remote as u64 => {
-                let mut sq = Sq {
-                    ring: &self.ring,
-                    // SAFETY: only this thread uses the ring's submission queue.
-                    sq: unsafe { self.ring.submission_shared() },
-                };
+                // SAFETY: only this thread uses the ring's submission queue.
+                let mut sq = unsafe { Sq::new(&self.ring) };
                 let c = &mut self.conns[conn];
-                let (handle, pool, spares) = (&self.handle, &self.pool, &mut self.spares);
+                let mut round = Round {
+                    sq: &mut sq,
+                    handle: &self.handle,
+                    pool: &self.pool,
+                    spares: &mut self.spares,
+                };
                 if k == Kind::Device as u64 {
-                    c.on_device(conn, req, piece, res, &mut sq, handle, pool, spares);
+                    c.on_device((conn, req, piece), res, &mut round);
                 } else {
-                    c.on_remote(conn, req, res, &mut sq, handle, pool, spares);
+                    c.on_remote(conn, req, res, &mut round);
                 }
-                sq.sq.sync();
+                sq.sync();
             }
             other => log::error!("io_uring completion of unknown kind {other}"),
         }

@@ -9,7 +9,7 @@
 //! that fails or sees the stream end, and the lent connection is told which ([`RemoteIo`]'s
 //! `done` or `failed`), so a connection whose stream is no longer framed is never reused.
 
-use super::reactor::Sq;
+use super::submit::Sq;
 use crate::RemoteIo;
 use io_uring::{opcode, types};
 use nbd_proto::{Request, SimpleReplyHeader};
