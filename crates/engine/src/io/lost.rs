@@ -21,13 +21,32 @@
 
 use super::Volume;
 use crate::guard::Throttled;
+use crate::types::Result;
 use crate::units::BackingBlock;
 use std::sync::atomic::Ordering;
 
 /// Flushes a client's flush sends at most, when flushes of the device fail meanwhile.
-pub(super) const FLUSH_TRIES: u32 = 3;
+const FLUSH_TRIES: u32 = 3;
 
 impl Volume {
+    /// A client's flush (after its checks, `Volume::flush`): a failed flush of the backing
+    /// device (this one's, another client's, writeback's) may have lost writes acknowledged
+    /// before it, so they are written again from the cache and the flush is sent again, at
+    /// most `FLUSH_TRIES` times while flushes keep failing meanwhile.
+    pub(super) fn flush_repairing(&self) -> Result<()> {
+        let mut tries = 0;
+        loop {
+            self.repair_losses();
+            let failures = self.backing.flush_failures.load(Ordering::SeqCst);
+            let r = self.flush_once();
+            let failed_meanwhile = self.backing.flush_failures.load(Ordering::SeqCst) != failures;
+            tries += 1;
+            if !failed_meanwhile || tries == FLUSH_TRIES {
+                return r;
+            }
+        }
+    }
+
     /// How many times acknowledged writes to this volume were lost for good below the cache
     /// (see the module): a count that only grows. A server fails each connection's next flush
     /// (or FUA write) once after the count passed what the connection last saw.

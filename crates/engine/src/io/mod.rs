@@ -465,20 +465,7 @@ impl Volume {
         if let Some(why) = self.backing.taken_over() {
             return Err(Error::State(why));
         }
-        // A failed flush of the backing device (this one's, another client's, writeback's)
-        // may have lost writes acknowledged before it: they are written again from the cache
-        // and the flush sent again, a few times at most (see `lost`).
-        let mut tries = 0;
-        loop {
-            self.repair_losses();
-            let failures = self.backing.flush_failures.load(Ordering::SeqCst);
-            let r = self.flush_once();
-            let failed_meanwhile = self.backing.flush_failures.load(Ordering::SeqCst) != failures;
-            tries += 1;
-            if !failed_meanwhile || tries == lost::FLUSH_TRIES {
-                return r;
-            }
-        }
+        self.flush_repairing()
     }
 
     fn flush_once(&self) -> Result<()> {

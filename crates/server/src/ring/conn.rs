@@ -12,7 +12,8 @@
 use super::pool::{Answer, Finished, Job, Work};
 use super::remote::Exchange;
 use super::submit::{user_data, Kind, Sq, PIECES_MAX, REQUESTS_MAX};
-use super::{Adopted, Handle, Pool};
+use super::inbox::{Adopted, Handle};
+use super::pool::Pool;
 use crate::budget::{Account, Permit};
 use crate::execute::{admit, error_reply, permit_bytes, refusal, PAYLOAD_BYTES_MAX};
 use crate::iobuf::{IoBuf, Spares};

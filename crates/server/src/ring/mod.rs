@@ -21,8 +21,9 @@
 //!
 //! The reactor (`reactor`) drives its connections (`conn`); both, and a lent connection's
 //! exchange (`remote`), submit through `submit` (the user data that names a completion, the
-//! round's submission queue), so imports run one way: `reactor` → `conn` → `remote` →
-//! `submit`.
+//! round's submission queue); what other threads hand a reactor (an adopted connection, a
+//! worker's finished request) is `inbox`'s. Imports run one way: `reactor` → `conn` →
+//! `remote` → `submit`, and `reactor`/`conn` → `pool` → `inbox`.
 //!
 //! Invariants: everything a connection owns is touched by its reactor thread alone (workers
 //! get a request's buffer by value and hand it back); a buffer stays alive and unmoved while
@@ -41,113 +42,25 @@
 //! insert, the index check of a read around the cache.)
 
 mod conn;
+mod inbox;
 mod pool;
 mod reactor;
 mod remote;
 mod submit;
 
-use crate::config::Shared;
-use crate::net::Stream;
-use crate::table::Activity;
-use crate::Export;
-use nbd_proto::TransmissionContext;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+pub(crate) use inbox::{Adopted, Outcome};
+use inbox::{Handle, Msg};
 pub(crate) use pool::Pool;
 
 /// Entries of each reactor's submission queue.
 const RING_ENTRIES: u32 = 512;
-
-/// A connection handed to a reactor after its handshake.
-pub(crate) struct Adopted {
-    pub(crate) id: u64,
-    pub(crate) stream: Arc<Stream>,
-    /// Bytes received after the handshake's last option.
-    pub(crate) leftover: Vec<u8>,
-    pub(crate) export: Arc<dyn Export>,
-    /// Set once the export is removed (see `execute::admit`).
-    pub(crate) removed: Arc<std::sync::atomic::AtomicBool>,
-    /// What this connection was told of losses below the export.
-    pub(crate) watch: Arc<crate::LossWatch>,
-    pub(crate) ctx: TransmissionContext,
-    pub(crate) activity: Arc<Activity>,
-    pub(crate) shared: Arc<Shared>,
-    pub(crate) outcome: Arc<Outcome>,
-}
-
-/// How a connection's transmission phase ended, set once by its reactor.
-#[derive(Default)]
-pub(crate) struct Outcome {
-    result: Mutex<Option<io::Result<()>>>,
-    set: Condvar,
-}
-
-impl Outcome {
-    fn finish(&self, result: io::Result<()>) {
-        *self.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
-        self.set.notify_all();
-    }
-
-    /// Waits until the reactor is done with the connection.
-    pub(crate) fn wait(&self) -> io::Result<()> {
-        let mut r = self.result.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if let Some(result) = r.take() {
-                return result;
-            }
-            r = self.set.wait(r).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-}
-
-/// What reaches a reactor from other threads.
-pub(crate) enum Msg {
-    Adopt(Box<Adopted>),
-    /// A request finished at a worker.
-    Done(pool::Finished),
-    Stop,
-}
-
-/// A reactor as other threads see it: its inbox and the eventfd that wakes it.
-pub(crate) struct Handle {
-    inbox: Mutex<Vec<Msg>>,
-    wake: OwnedFd,
-    /// Connections it serves now.
-    connections: AtomicUsize,
-}
-
-impl Handle {
-    pub(crate) fn send(&self, msg: Msg) {
-        let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
-        inbox.push(msg);
-        let first = inbox.len() == 1;
-        drop(inbox);
-        if !first {
-            // The reactor has been woken for the earlier messages and has not taken them
-            // yet: it takes this one with them.
-            return;
-        }
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our own eventfd; a failure (the counter
-        // saturated) still leaves the reactor woken.
-        unsafe {
-            libc::write(
-                self.wake.as_raw_fd(),
-                (&one as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        };
-    }
-
-    fn take(&self) -> Vec<Msg> {
-        std::mem::take(&mut *self.inbox.lock().unwrap_or_else(|p| p.into_inner()))
-    }
-}
 
 /// The reactors of a server and their worker pool.
 pub(crate) struct Rings {

@@ -7,7 +7,8 @@
 //! when the export panics (an EIO reply); threads are started when a job finds none idle, up
 //! to `workers_max`, and all exit once the pool is stopped and its queue is empty.
 
-use super::{Handle, Msg};
+pub(crate) use super::inbox::Finished;
+use super::inbox::{Handle, Msg};
 use crate::execute::{error_reply, execute, read_reply, simple_reply};
 use crate::iobuf::IoBuf;
 use crate::{DirectIo, Export, Finished as DirectFinished, LossWatch, Rest};
@@ -82,15 +83,6 @@ pub(crate) struct Job {
     pub(crate) work: Work,
     /// The write payload, or the read's reply buffer (already sized).
     pub(crate) buf: IoBuf,
-}
-
-/// A job's result, back on its reactor.
-pub(crate) struct Finished {
-    pub(crate) conn: usize,
-    pub(crate) req: usize,
-    pub(crate) head: Vec<u8>,
-    pub(crate) buf: IoBuf,
-    pub(crate) data_len: usize,
 }
 
 #[derive(Default)]

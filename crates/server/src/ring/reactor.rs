@@ -10,7 +10,8 @@
 
 use super::conn::{Conn, Round};
 use super::submit::{decode, user_data, Kind, Sq};
-use super::{Handle, Msg, Pool};
+use super::inbox::{Handle, Msg};
+use super::pool::Pool;
 use crate::iobuf::Spares;
 use io_uring::{opcode, types, IoUring};
 use slab::Slab;
