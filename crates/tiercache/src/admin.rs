@@ -543,6 +543,13 @@ fn grow(vol: &Volume) -> Result<u64> {
     Ok(vol.resize()?)
 }
 
+/// The admin socket that goes with an NBD socket.
+pub fn admin_for(socket: &Path) -> PathBuf {
+    let mut s = socket.as_os_str().to_owned();
+    s.push(".admin");
+    PathBuf::from(s)
+}
+
 /// Most admin connections served at once. A newcomer over the limit closes the connection
 /// that has waited longest for its next request; when every connection is running a request,
 /// the newcomer gets an error line instead.
@@ -769,7 +776,7 @@ pub fn exchange(
              socket: the admin socket is the one `serve --admin` names, by default the NBD \
              socket's path with \".admin\" appended ({})",
             path.display(),
-            crate::serve::admin_for(path).display()
+            admin_for(path).display()
         );
     }
     wrote?;
