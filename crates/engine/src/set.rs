@@ -965,7 +965,12 @@ impl CacheSet {
 }
 
 /// A newly attached volume's state: its header's tunables, fresh counters and policy.
-fn new_backing(inner: &Inner, id: DevId, dev: Arc<dyn BlockDevice>, header: BackingHeader) -> Backing {
+fn new_backing(
+    inner: &Inner,
+    id: DevId,
+    dev: Arc<dyn BlockDevice>,
+    header: BackingHeader,
+) -> Backing {
     let t = header.tunables;
     let dev_rotational = dev.is_rotational();
     Backing {
@@ -1004,7 +1009,6 @@ fn new_backing(inner: &Inner, id: DevId, dev: Arc<dyn BlockDevice>, header: Back
         owner_checked_ns: AtomicU64::new(inner.now_ns()),
         lost: AtomicBool::new(false),
         lost_why: Mutex::new(None),
-
     }
 }
 

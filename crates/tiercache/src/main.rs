@@ -161,9 +161,11 @@ fn dispatch(cmd: Cmd) -> Result<ExitCode> {
                 .target()
                 .and_then(|a| client::set(&a, &device, &knob, &value)),
         ),
-        Cmd::ClearStats { admin, device } => {
-            done(admin.target().and_then(|a| client::clear_stats(&a, &device)))
-        }
+        Cmd::ClearStats { admin, device } => done(
+            admin
+                .target()
+                .and_then(|a| client::clear_stats(&a, &device)),
+        ),
         Cmd::Detach { admin, device } => {
             done(admin.target().and_then(|a| client::detach(&a, &device)))
         }
@@ -211,7 +213,8 @@ fn serve_command(cmd: Cmd) -> Result<()> {
         take_over,
         discard_dirty,
         config,
-    } = cmd else {
+    } = cmd
+    else {
         unreachable!("serve_command is only called with its own command")
     };
     let flags = serve::ServeConfig {
@@ -280,7 +283,8 @@ fn emulate_command(cmd: Cmd) -> Result<()> {
         latency_us,
         seed,
         rotational,
-    } = cmd else {
+    } = cmd
+    else {
         unreachable!("emulate_command is only called with its own command")
     };
     let model = match kind {

@@ -45,7 +45,10 @@ fn code_only(src: &str) -> Vec<u8> {
     while i < b.len() {
         let prev_ident = i > 0 && ident(b[i - 1]);
         if b[i..].starts_with(b"//") {
-            let end = b[i..].iter().position(|&c| c == b'\n').map_or(b.len(), |n| i + n);
+            let end = b[i..]
+                .iter()
+                .position(|&c| c == b'\n')
+                .map_or(b.len(), |n| i + n);
             blank(&mut out, i, end);
             i = end;
         } else if b[i..].starts_with(b"/*") {
@@ -82,7 +85,10 @@ fn code_only(src: &str) -> Vec<u8> {
             // A char literal ('x', '\n', '\u{7f}', '{'), or a lifetime ('a), left alone.
             let end = if b.get(i + 1) == Some(&b'\\') {
                 // The escaped character is at i + 2, so the closing quote comes after it.
-                b[i + 3..].iter().position(|&c| c == b'\'').map(|n| i + 3 + n + 1)
+                b[i + 3..]
+                    .iter()
+                    .position(|&c| c == b'\'')
+                    .map(|n| i + 3 + n + 1)
             } else {
                 // One character, possibly several bytes of UTF-8.
                 let ch = src[i + 1..].chars().next().map_or(1, char::len_utf8);
@@ -257,7 +263,10 @@ fn sources(root: &Path) -> Vec<PathBuf> {
         }
     }
     let mut out = Vec::new();
-    for krate in std::fs::read_dir(root.join("crates")).expect("crates/").flatten() {
+    for krate in std::fs::read_dir(root.join("crates"))
+        .expect("crates/")
+        .flatten()
+    {
         walk(&krate.path().join("src"), &mut out);
     }
     out.sort();
@@ -272,7 +281,11 @@ fn no_function_is_longer_than_the_limit() {
     let mut failures = Vec::new();
     let mut allowed_seen = Vec::new();
     for f in &files {
-        let rel = f.strip_prefix(&root).unwrap().to_string_lossy().replace('\\', "/");
+        let rel = f
+            .strip_prefix(&root)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
         let src = std::fs::read_to_string(f).unwrap();
         for l in long_functions(&src, MAX_LINES) {
             if ALLOWED.contains(&(rel.as_str(), l.name.as_str())) {
@@ -307,7 +320,11 @@ fn function_of(name: &str, n: usize) -> String {
 
 #[test]
 fn a_function_of_151_lines_fails_and_150_passes() {
-    let src = format!("{}\n{}", function_of("short", 150), function_of("long", 151));
+    let src = format!(
+        "{}\n{}",
+        function_of("short", 150),
+        function_of("long", 151)
+    );
     assert_eq!(
         long_functions(&src, MAX_LINES),
         vec![Long {

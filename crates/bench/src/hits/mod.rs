@@ -468,7 +468,7 @@ fn warm(p: &Params, dev: &Devices, server: &Server, progress: &dyn Fn(&str)) -> 
         ],
         None,
     )?;
-    let cached = scale::cached_bytes(&dev)?;
+    let cached = scale::cached_bytes(dev)?;
     if cached < region {
         bail!(
             "warming left {} of the {} region cached",
@@ -570,7 +570,6 @@ fn over_others(writes: &mut [WriteRow], reads: &mut [ReadRow]) {
                 .collect();
         }
     }
-
 }
 
 /// `nbdkit file` on the backing file (with `cache=none` and with its page cache): the local

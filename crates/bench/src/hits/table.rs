@@ -346,12 +346,7 @@ fn writearound_peers(md: &mut String, m: &Measured) -> Result<()> {
     };
     peer(md, "tiercache writearound", tc_write, None)?;
     for r in &m.peers {
-        peer(
-            md,
-            &r.server,
-            Some(&r.point),
-            Some(r.tiercache_minus_us),
-        )?;
+        peer(md, &r.server, Some(&r.point), Some(r.tiercache_minus_us))?;
     }
     Ok(())
 }

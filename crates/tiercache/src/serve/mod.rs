@@ -5,14 +5,15 @@
 //! starts and runs the server (it uses `config`, never the other way round).
 //!
 //! Invariants: the settings are checked (`ServeConfig::check`) before any device is opened;
-//! exports always mirror the set's attached volumes (attach/detach/label changes
-//! re-sync them), and under `--ublk` the `/dev/ublkbN` devices mirror the exports; shutdown
+//! exports always mirror the set's attached volumes (attach/detach/label changes re-sync
+//! them), and under `--ublk` the `/dev/ublkbN` devices mirror the exports; shutdown
 //! order is stop accepting → finish in-flight requests (sockets and ublk devices together,
 //! within `shutdown_timeout`) → close the cache set (journal + checkpoint durable, within it
 //! again) → exit 0, so a restart finds the cache warm. TLS applies to the TCP listener only;
-//! the unix socket serves in clear, guarded by its permissions. The server owns its devices for as long as
-//! it has them open (exclusive locks, see `devices`): the cache and backing devices must be
-//! distinct devices, and another server, `make`, `check` or `attach` of them is refused.
+//! the unix socket serves in clear, guarded by its permissions. The server owns its devices
+//! for as long as it has them open (exclusive locks, see `devices`): the cache and backing
+//! devices must be distinct devices, and another server, `make`, `check` or `attach` of them
+//! is refused.
 //! Every device is handed to the engine inside a timing wrapper and every export counts its
 //! requests (`metrics`); with `metrics` set, `/metrics` is served over HTTP (loopback unless
 //! an address is given), bound before the admin socket appears.
@@ -24,8 +25,8 @@
 
 mod config;
 
-pub use config::{parse_duration, parse_tcp, ServeConfig, TlsMode, DEFAULT_SOCKET};
 use config::parse_volume_knobs;
+pub use config::{parse_duration, parse_tcp, ServeConfig, TlsMode, DEFAULT_SOCKET};
 
 use crate::admin::{self, Control, Pending};
 use crate::devices::Access;
