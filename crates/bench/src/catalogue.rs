@@ -185,17 +185,7 @@ pub(crate) const W6_CONFIGS: [&str; 4] = ["hdd", "ssd", "tiercache-writeback", "
 pub(crate) fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
     let tiny = scale == Scale::Tiny;
     let span = format!("--size={}", p.disk_bytes);
-    let timed_for = |name: String, runtime_s: u64, extra: &[&str]| Step {
-        name,
-        args: ["--time_based", &format!("--runtime={runtime_s}")]
-            .iter()
-            .chain(extra)
-            .map(|s| s.to_string())
-            .collect(),
-        plot: false,
-        until_steady: None,
-    };
-    let timed = |name: String, extra: &[&str]| timed_for(name, p.runtime_s, extra);
+    let timed = |name: String, extra: &[&str]| timed_step(name, p.runtime_s, extra);
     match w {
         "W1" => {
             let size = format!("--size={}", (p.disk_bytes / 16).min(100 << 20));
@@ -244,7 +234,7 @@ pub(crate) fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
         "W3" => {
             // Files fill about half of the filesystem; the field's run is 20 s.
             let per_job = (p.disk_bytes / 2 / u64::from(p.jobs)) & !((1 << 20) - 1);
-            vec![timed_for(
+            vec![timed_step(
                 "randwrite 4k on ext4".into(),
                 p.runtime_s.min(20),
                 &[
@@ -256,51 +246,7 @@ pub(crate) fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
                 ],
             )]
         }
-        "W4" => {
-            // Sync writes until 70 % of the cache has been written (over all jobs), capped in
-            // time for the configurations that cannot get there.
-            let per_job = p.cache_bytes * 7 / 10 / u64::from(p.jobs);
-            let sync = Step {
-                name: "sync randwrite 4k to 70 % of cache".into(),
-                args: vec![
-                    "--bs=4k".into(),
-                    "--rw=randwrite".into(),
-                    FLUSH_EVERY_WRITE.into(),
-                    "--iodepth=1".into(),
-                    format!("--numjobs={}", p.jobs),
-                    span.clone(),
-                    format!("--io_size={per_job}"),
-                    format!("--runtime={}", p.w4_cap_s),
-                ],
-                plot: true,
-                until_steady: None,
-            };
-            // Each job streams through its own region (1 MiB kept clear of the export's end,
-            // which is smaller than the disk by tiercache's header).
-            let region = ((p.disk_bytes - (1 << 20)) / u64::from(p.seek_jobs)) & !0xffff;
-            let seeks = |name: &str, extra: &[&str]| {
-                let mut s = timed(
-                    name.into(),
-                    &[
-                        "--bs=64k",
-                        "--rw=randwrite",
-                        "--percentage_random=1",
-                        "--iodepth=1",
-                        &format!("--numjobs={}", p.seek_jobs),
-                        &format!("--size={region}"),
-                        &format!("--offset_increment={region}"),
-                    ],
-                );
-                s.args.extend(extra.iter().map(|a| a.to_string()));
-                s
-            };
-            // The second as the field report ran it: every write O_DSYNC.
-            vec![
-                sync,
-                seeks("64k write 1 % random", &[]),
-                seeks("64k write 1 % random O_DSYNC", &[FLUSH_EVERY_WRITE]),
-            ]
-        }
+        "W4" => w4_steps(p, &span),
         "W5" => {
             let take = if tiny { 1 } else { 4 };
             ["randread", "randwrite", "read", "write"]
@@ -315,7 +261,7 @@ pub(crate) fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
                 .collect()
         }
         "W6" => {
-            let mut s = timed_for(
+            let mut s = timed_step(
                 "zipf:1.2 randrw 70/30".into(),
                 p.w6.cap_s,
                 &[
@@ -333,6 +279,69 @@ pub(crate) fn steps(w: &str, p: &Params, scale: Scale) -> Vec<Step> {
         }
         _ => Vec::new(),
     }
+}
+
+/// A step that runs fio for `runtime_s` seconds with `extra` arguments.
+fn timed_step(name: String, runtime_s: u64, extra: &[&str]) -> Step {
+    Step {
+        name,
+        args: ["--time_based", &format!("--runtime={runtime_s}")]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect(),
+        plot: false,
+        until_steady: None,
+    }
+}
+
+/// W4's steps: sync 4 KiB random writes until 70 % of the cache is written, then 64 KiB
+/// mostly-sequential writes per job, without and with O_DSYNC.
+fn w4_steps(p: &Params, span: &str) -> Vec<Step> {
+    // Sync writes until 70 % of the cache has been written (over all jobs), capped in
+    // time for the configurations that cannot get there.
+    let per_job = p.cache_bytes * 7 / 10 / u64::from(p.jobs);
+    let sync = Step {
+        name: "sync randwrite 4k to 70 % of cache".into(),
+        args: vec![
+            "--bs=4k".into(),
+            "--rw=randwrite".into(),
+            FLUSH_EVERY_WRITE.into(),
+            "--iodepth=1".into(),
+            format!("--numjobs={}", p.jobs),
+            span.to_string(),
+            format!("--io_size={per_job}"),
+            format!("--runtime={}", p.w4_cap_s),
+        ],
+        plot: true,
+        until_steady: None,
+    };
+    // Each job streams through its own region (1 MiB kept clear of the export's end,
+    // which is smaller than the disk by tiercache's header).
+    let region = ((p.disk_bytes - (1 << 20)) / u64::from(p.seek_jobs)) & !0xffff;
+    let seeks = |name: &str, extra: &[&str]| {
+        let mut s = timed_step(
+            name.into(),
+            p.runtime_s,
+            &[
+                "--bs=64k",
+                "--rw=randwrite",
+                "--percentage_random=1",
+                "--iodepth=1",
+                &format!("--numjobs={}", p.seek_jobs),
+                &format!("--size={region}"),
+                &format!("--offset_increment={region}"),
+            ],
+        );
+        s.args.extend(extra.iter().map(|a| a.to_string()));
+        s
+    };
+    // The second as the field report ran it: every write O_DSYNC.
+    vec![
+        sync,
+        seeks("64k write 1 % random", &[]),
+        seeks("64k write 1 % random O_DSYNC", &[FLUSH_EVERY_WRITE]),
+    ]
 }
 
 /// The configurations a workload runs on when `--configs` is not given.

@@ -117,65 +117,13 @@ pub fn run(args: &BenchArgs, tc: &Tiercache) -> Result<()> {
             _ => hits::run(tc, args.scale, &args.out),
         };
     }
-    let mut p = params(args.scale);
-    p.mem_limit_bytes = cgroup::limit_bytes(args.mem_limit, p.cache_bytes)?;
-    if let Some(cap) = args.w6_cap {
-        p.w6.cap_s = cap;
-    }
-    if let Some(n) = args.w6_intervals {
-        p.w6.intervals = n as usize;
-    }
-    if let Some(s) = args.w6_warm_min {
-        p.w6.warm_min_s = s;
-    }
-    if p.w6.warm_min_s + p.w6.intervals as u64 * p.w6.interval_s > p.w6.cap_s {
-        bail!(
-            "W6 cannot be steady within its cap: {} s before the first window plus {} intervals of {} s exceed {} s (--w6-cap)",
-            p.w6.warm_min_s,
-            p.w6.intervals,
-            p.w6.interval_s,
-            p.w6.cap_s
-        );
-    }
-    let workloads: Vec<String> = if args.workloads.is_empty() {
-        WORKLOADS.iter().map(|w| w.0.to_string()).collect()
-    } else {
-        args.workloads.iter().map(|w| w.to_uppercase()).collect()
-    };
-    for (i, w) in workloads.iter().enumerate() {
-        if !WORKLOADS.iter().any(|k| k.0 == w) {
-            bail!("unknown workload '{w}' (known: W1..W7, or scale or hits alone)");
-        }
-        if workloads[..i].contains(w) {
-            bail!("workload '{w}' given twice");
-        }
-    }
-    for (i, c) in args.configs.iter().enumerate() {
-        if args.configs[..i].contains(c) {
-            bail!("configuration '{c}' given twice");
-        }
-        if procs::parse_config(c)?.memlimit && p.mem_limit_bytes.is_none() {
-            bail!("configuration '{c}' needs a memory limit, but --mem-limit 0 turns it off");
-        }
-    }
+    let p = bench_params(args)?;
+    let workloads = selected_workloads(args)?;
+    check_configs(args, &p)?;
     if !procs::on_path("fio") {
         bail!("fio is not installed (Debian: apt-get install fio)");
     }
-    let plan: Vec<(String, String)> = workloads
-        .iter()
-        .flat_map(|w| {
-            let configs = if args.configs.is_empty() {
-                default_configs(w, p.mem_limit_bytes.is_some())
-            } else {
-                args.configs.clone()
-            };
-            configs
-                .into_iter()
-                .filter(|c| w != "W7" || W7_CONFIGS.contains(&c.as_str()))
-                .map(|c| (w.clone(), c))
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let plan = plan_pairs(args, &workloads, &p);
 
     let mut notices = Vec::new();
     let limited = |c: &str| procs::parse_config(c).is_ok_and(|c| c.memlimit);
@@ -265,6 +213,82 @@ pub fn run(args: &BenchArgs, tc: &Tiercache) -> Result<()> {
         bail!("{failures} (workload, configuration) pair(s) failed; see the notices in results.md");
     }
     Ok(())
+}
+
+/// The scale's parameters with the command line's memory limit and W6 settings, checked.
+fn bench_params(args: &BenchArgs) -> Result<Params> {
+    let mut p = params(args.scale);
+    p.mem_limit_bytes = cgroup::limit_bytes(args.mem_limit, p.cache_bytes)?;
+    if let Some(cap) = args.w6_cap {
+        p.w6.cap_s = cap;
+    }
+    if let Some(n) = args.w6_intervals {
+        p.w6.intervals = n as usize;
+    }
+    if let Some(s) = args.w6_warm_min {
+        p.w6.warm_min_s = s;
+    }
+    if p.w6.warm_min_s + p.w6.intervals as u64 * p.w6.interval_s > p.w6.cap_s {
+        bail!(
+            "W6 cannot be steady within its cap: {} s before the first window plus {} intervals of {} s exceed {} s (--w6-cap)",
+            p.w6.warm_min_s,
+            p.w6.intervals,
+            p.w6.interval_s,
+            p.w6.cap_s
+        );
+    }
+    Ok(p)
+}
+
+/// The workloads asked for (every one when none is named), each known and named once.
+fn selected_workloads(args: &BenchArgs) -> Result<Vec<String>> {
+    let workloads: Vec<String> = if args.workloads.is_empty() {
+        WORKLOADS.iter().map(|w| w.0.to_string()).collect()
+    } else {
+        args.workloads.iter().map(|w| w.to_uppercase()).collect()
+    };
+    for (i, w) in workloads.iter().enumerate() {
+        if !WORKLOADS.iter().any(|k| k.0 == w) {
+            bail!("unknown workload '{w}' (known: W1..W7, or scale or hits alone)");
+        }
+        if workloads[..i].contains(w) {
+            bail!("workload '{w}' given twice");
+        }
+    }
+    Ok(workloads)
+}
+
+/// Each configuration asked for named once, and given the memory limit it needs.
+fn check_configs(args: &BenchArgs, p: &Params) -> Result<()> {
+    for (i, c) in args.configs.iter().enumerate() {
+        if args.configs[..i].contains(c) {
+            bail!("configuration '{c}' given twice");
+        }
+        if procs::parse_config(c)?.memlimit && p.mem_limit_bytes.is_none() {
+            bail!("configuration '{c}' needs a memory limit, but --mem-limit 0 turns it off");
+        }
+    }
+    Ok(())
+}
+
+/// The (workload, configuration) pairs to run, in order: the configurations asked for (or
+/// each workload's defaults), W7 only on its own.
+fn plan_pairs(args: &BenchArgs, workloads: &[String], p: &Params) -> Vec<(String, String)> {
+    workloads
+        .iter()
+        .flat_map(|w| {
+            let configs = if args.configs.is_empty() {
+                default_configs(w, p.mem_limit_bytes.is_some())
+            } else {
+                args.configs.clone()
+            };
+            configs
+                .into_iter()
+                .filter(|c| w != "W7" || W7_CONFIGS.contains(&c.as_str()))
+                .map(|c| (w.clone(), c))
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// Empties the page cache (as root), so that a cold run starts cold.

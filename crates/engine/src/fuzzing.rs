@@ -152,6 +152,35 @@ fn build_base() -> Base {
     let mut gens = vec![Gen::new(0); NBUCKETS as usize];
     gens[0] = Gen::new(3);
     gens[2] = Gen::new(1);
+    let index = base_index(bpb);
+    let (header, chunk) = write_checkpoints(&mut image, &layout, &devs, &gens, &index);
+    // Journal: a record older than the checkpoint, then three after it; the third wraps to
+    // the ring start and, being last, has its data checked.
+    let records = journal_records();
+    write_journal(&mut image, &layout, &set, &records);
+    let sb = write_superblocks(&mut image, &layout, set);
+    let payload = |magic, f: &[u8]| {
+        crate::codec::unframe(magic, CKPT_VERSION, f)
+            .expect("base frame")
+            .1
+            .to_vec()
+    };
+    Base {
+        header_payload: payload(CKPT_MAGIC, &header),
+        chunk_payloads: vec![payload(CHUNK_MAGIC, &chunk)],
+        layout,
+        set,
+        sb,
+        devs,
+        gens,
+        image,
+        records,
+    }
+}
+
+/// The checkpoint's index: device 0 has four dirty blocks in bucket 0, device 1 one clean
+/// block in bucket 2.
+fn base_index(bpb: u32) -> Index {
     let mut index = Index::new(NBUCKETS, bpb);
     let ext = |cb: u32, len: u32, dirty: bool| Extent {
         len,
@@ -170,40 +199,56 @@ fn build_base() -> Base {
         ext(8, 1, false),
         &crcs(8, 1),
     );
+    index
+}
+
+/// Writes the checkpoint of `index` to slot 1 and the previous one (no chunks) to slot 0;
+/// returns the new one's header and its one chunk.
+fn write_checkpoints(
+    image: &mut [u8],
+    layout: &Layout,
+    devs: &BTreeMap<DevId, Uuid>,
+    gens: &[Gen],
+    index: &Index,
+) -> (Vec<u8>, Vec<u8>) {
     let mut enc = ChunkEncoder::default();
     let mut cursor = Bucket::new(0);
-    while enc.add_next(&index, &gens, &mut cursor) {}
+    while enc.add_next(index, gens, &mut cursor) {}
     let chunk = enc.finish(CKPT_SEQ);
     let header = checkpoint::encode_header(
         CKPT_SEQ,
         &Header {
             journal_pos: JOURNAL_POS,
             journal_seq: JOURNAL_SEQ,
-            devs: &devs,
-            gens: &gens,
+            devs,
+            gens,
             chunks: 1,
             body_bytes: chunk.len() as u64,
         },
     );
     let slot = layout.ckpt_offsets[1];
-    put(&mut image, slot, &header);
-    put(&mut image, slot + Layout::ckpt_header_len(NBUCKETS), &chunk);
+    put(image, slot, &header);
+    put(image, slot + Layout::ckpt_header_len(NBUCKETS), &chunk);
     // The previous checkpoint, still in the other slot.
     let old = checkpoint::encode_header(
         CKPT_SEQ - 1,
         &Header {
             journal_pos: 0,
             journal_seq: JOURNAL_SEQ - 3,
-            devs: &devs,
-            gens: &gens,
+            devs,
+            gens,
             chunks: 0,
             body_bytes: 0,
         },
     );
-    put(&mut image, layout.ckpt_offsets[0], &old);
-    // Journal: a record older than the checkpoint, then three after it; the third wraps to
-    // the ring start and, being last, has its data checked.
-    let records: Vec<Vec<u8>> = [
+    put(image, layout.ckpt_offsets[0], &old);
+    (header, chunk)
+}
+
+/// The journal's records: one older than the checkpoint, then three after it; the third
+/// wraps to the ring start and, being last, has its data checked.
+fn journal_records() -> Vec<Vec<u8>> {
+    [
         vec![
             Entry::AttachDev {
                 dev: DevId::new(2),
@@ -249,23 +294,32 @@ fn build_base() -> Base {
     ]
     .iter()
     .map(|r| encode_entries(r))
-    .collect();
-    let older = journal::encode_record(JOURNAL_SEQ - 1, &set, &records[1]);
-    put(&mut image, layout.journal_off + 8 * META_BLOCK, &older);
+    .collect()
+}
+
+/// Writes the records to the journal: the second, as an older record, before the ring's
+/// head, then all of them from the head on.
+fn write_journal(image: &mut [u8], layout: &Layout, set: &Uuid, records: &[Vec<u8>]) {
+    let older = journal::encode_record(JOURNAL_SEQ - 1, set, &records[1]);
+    put(image, layout.journal_off + 8 * META_BLOCK, &older);
     let mut ring = Ring {
         len: JOURNAL_LEN,
         head: JOURNAL_POS,
         used: 0,
         next_seq: JOURNAL_SEQ,
     };
-    for entries in &records {
-        let rec = journal::encode_record(ring.next_seq, &set, entries);
+    for entries in records {
+        let rec = journal::encode_record(ring.next_seq, set, entries);
         let (pos, cost) = ring
             .reserve(rec.len() as u64)
             .expect("the base journal fits");
-        put(&mut image, layout.journal_off + pos, &rec);
+        put(image, layout.journal_off + pos, &rec);
         ring.advance(pos, rec.len() as u64, cost);
     }
+}
+
+/// Writes the superblock (seq 9, checkpoint slot 1) and an older copy; returns the newer.
+fn write_superblocks(image: &mut [u8], layout: &Layout, set: Uuid) -> Superblock {
     let sb = Superblock {
         seq: 9,
         set_uuid: set,
@@ -276,29 +330,13 @@ fn build_base() -> Base {
         created_unix: 1_700_000_000,
         label: "fuzz".into(),
     };
-    put(&mut image, layout.sb_offsets[0], &sb.encode());
+    put(image, layout.sb_offsets[0], &sb.encode());
     let older_sb = Superblock {
         seq: 8,
         ..sb.clone()
     };
-    put(&mut image, layout.sb_offsets[1], &older_sb.encode());
-    let payload = |magic, f: &[u8]| {
-        crate::codec::unframe(magic, CKPT_VERSION, f)
-            .expect("base frame")
-            .1
-            .to_vec()
-    };
-    Base {
-        header_payload: payload(CKPT_MAGIC, &header),
-        chunk_payloads: vec![payload(CHUNK_MAGIC, &chunk)],
-        layout,
-        set,
-        sb,
-        devs,
-        gens,
-        image,
-        records,
-    }
+    put(image, layout.sb_offsets[1], &older_sb.encode());
+    sb
 }
 
 /// The payload of a frame padded to one 4 KiB block (a payload too long for it is cut).

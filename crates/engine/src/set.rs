@@ -555,8 +555,6 @@ impl CacheSet {
         for n in notes {
             log::warn!("{n}");
         }
-        let set_uuid = self.set_uuid();
-        let owner_host = inner.config.host_name.clone();
         // A device that grew while it was not served is picked up now.
         if grown > header.data_size {
             log::info!(
@@ -569,134 +567,14 @@ impl CacheSet {
             header.write(&*dev)?;
         }
         let id = match known {
-            Some(id) if header.set_uuid == set_uuid => {
-                if header.stale != StaleCopies::None || header.owner_host != owner_host {
-                    if header.stale != StaleCopies::None {
-                        inner.forget_stale_copies(id, header.stale)?;
-                    }
-                    let dirty = inner.state.lock().index.dev_dirty_blocks(id) > 0;
-                    header.stale = StaleCopies::None;
-                    header.owner_host = owner_host;
-                    if !dirty {
-                        header.state = BackingState::Clean;
-                        header.dirty_bytes = Some(0);
-                    }
-                    header.write(&*dev)?;
-                }
+            Some(id) if header.set_uuid == self.set_uuid() => {
+                self.rejoin(id, &mut header, &*dev)?;
                 id
             }
-            _ => {
-                if let Some(from) = &taken_from {
-                    log::warn!(
-                        "backing device {}: taking it over from {}, which holds {}{}",
-                        header.dev_uuid,
-                        crate::owner::owner_name(from),
-                        crate::owner::dirty_amount(from),
-                        if from.state == BackingState::Dirty {
-                            "; that data is given up (--discard-dirty)"
-                        } else {
-                            ""
-                        }
-                    );
-                }
-                let mut drop_all = None;
-                let id = {
-                    let mut st = inner.state.lock();
-                    // Known to the set but its header names no set: an attach stopped (a
-                    // crash) between the AttachDev commit and the header write, so nothing was
-                    // ever cached for it. It joins under that id again: a second id for the
-                    // same uuid would leave `known` finding the stale one after the next
-                    // restart, hiding everything cached under the new one.
-                    let id = match known {
-                        // Whatever the set still holds for it is stale (the device may have
-                        // been served elsewhere since); normally there is nothing.
-                        Some(id) => {
-                            if st.index.dev_live_blocks(id) > 0 {
-                                drop_all = Some(id);
-                            }
-                            id
-                        }
-                        None => (0..MAX_DEVS as u32)
-                            .map(DevId::new)
-                            .find(|d| !st.devs.contains_key(d))
-                            .ok_or_else(|| {
-                                Error::State("too many backing devices in this cache set".into())
-                            })?,
-                    };
-                    st.devs.insert(id, header.dev_uuid);
-                    let now = inner.now_ns();
-                    st.log(
-                        &Entry::AttachDev {
-                            dev: id,
-                            uuid: header.dev_uuid,
-                        },
-                        now,
-                    );
-                    id
-                };
-                if let Some(id) = drop_all {
-                    inner.forget_stale_copies(id, StaleCopies::All)?;
-                }
-                let mut c = inner.commit_lock.lock();
-                inner.commit_locked(&mut c)?;
-                header.set_uuid = set_uuid;
-                header.owner_host = owner_host;
-                header.state = BackingState::Clean;
-                header.dirty_bytes = Some(0);
-                header.stale = StaleCopies::None;
-                header.write(&*dev)?;
-                drop(c);
-                if taken_from.is_some() && inner.config.owner_check_ms > 0 {
-                    // A set that still serves the device (it must not: see docs/deploy.md)
-                    // reads the header every owner_check_ms and gives the device up when it
-                    // sees this one's name there; this set serves it only after that.
-                    std::thread::sleep(std::time::Duration::from_millis(
-                        inner.config.owner_check_ms.saturating_mul(2) + 200,
-                    ));
-                }
-                id
-            }
+            _ => self.join(known, taken_from.as_ref(), &mut header, &*dev)?,
         };
         let dirty = inner.state.lock().index.dev_dirty_blocks(id);
-        let t = header.tunables;
-        let dev_rotational = dev.is_rotational();
-        let backing = Arc::new(Backing {
-            id,
-            data_size: AtomicU64::new(header.data_size),
-            mode: AtomicU8::new(header.mode.code()),
-            dev,
-            header: Mutex::new(header),
-            sequential_cutoff: AtomicU64::new(t.sequential_cutoff),
-            writeback_percent: AtomicU64::new(u64::from(t.writeback_percent)),
-            writeback_delay_secs: AtomicU64::new(t.writeback_delay_secs),
-            writeback_running: AtomicBool::new(t.writeback_running),
-            detaching: AtomicBool::new(false),
-            cache_users: AtomicU64::new(0),
-            policy: crate::policy::VolumePolicy::new(
-                dev_rotational,
-                inner.config.decisions.clone(),
-                inner.policy.clone(),
-            ),
-            counters: Counters::default(),
-            history: History::default(),
-            backing_written: AtomicBool::new(false),
-            dirty_since_ns: AtomicU64::new(inner.now_ns()),
-            client_backing_ns: AtomicU64::new(0),
-            client_stream_ns: AtomicU64::new(0),
-            readahead: Mutex::default(),
-            flush_failures: AtomicU64::new(0),
-            unflushed: Mutex::new(crate::unflushed::Unflushed::default()),
-            losses_reported: AtomicU64::new(0),
-            writeback_error: Mutex::new(None),
-            io_epoch: std::time::Instant::now(),
-            last_done_ns: AtomicU64::new(0),
-            io_in_flight: AtomicU64::new(0),
-            dirty_writers: AtomicU64::new(0),
-            amount_written_ns: AtomicU64::new(inner.now_ns()),
-            owner_checked_ns: AtomicU64::new(inner.now_ns()),
-            lost: AtomicBool::new(false),
-            lost_why: Mutex::new(None),
-        });
+        let backing = Arc::new(new_backing(inner, id, dev, header));
         if dirty > 0 {
             backing.update_header(|h| {
                 h.state = BackingState::Dirty;
@@ -708,6 +586,107 @@ impl CacheSet {
             inner: inner.clone(),
             backing,
         })
+    }
+
+    /// A device this set already holds as `id` comes back: stale copies the header names are
+    /// forgotten, and the header names this host as its owner (clean when nothing is dirty).
+    fn rejoin(&self, id: DevId, header: &mut BackingHeader, dev: &dyn BlockDevice) -> Result<()> {
+        let inner = &self.inner;
+        let owner_host = inner.config.host_name.clone();
+        if header.stale != StaleCopies::None || header.owner_host != owner_host {
+            if header.stale != StaleCopies::None {
+                inner.forget_stale_copies(id, header.stale)?;
+            }
+            let dirty = inner.state.lock().index.dev_dirty_blocks(id) > 0;
+            header.stale = StaleCopies::None;
+            header.owner_host = owner_host;
+            if !dirty {
+                header.state = BackingState::Clean;
+                header.dirty_bytes = Some(0);
+            }
+            header.write(dev)?;
+        }
+        Ok(())
+    }
+
+    /// A device joins the set (new to it, taken over, or known from an attach a crash cut
+    /// short): it gets an id, the attach is committed, then the header names this set and host
+    /// (clean, no stale copies). A device taken over is served only once the set it was taken
+    /// from has had time to see that.
+    fn join(
+        &self,
+        known: Option<DevId>,
+        taken_from: Option<&BackingHeader>,
+        header: &mut BackingHeader,
+        dev: &dyn BlockDevice,
+    ) -> Result<DevId> {
+        let inner = &self.inner;
+        if let Some(from) = taken_from {
+            log::warn!(
+                "backing device {}: taking it over from {}, which holds {}{}",
+                header.dev_uuid,
+                crate::owner::owner_name(from),
+                crate::owner::dirty_amount(from),
+                if from.state == BackingState::Dirty {
+                    "; that data is given up (--discard-dirty)"
+                } else {
+                    ""
+                }
+            );
+        }
+        let (id, drop_all) = self.assign_id(known, header.dev_uuid)?;
+        if let Some(id) = drop_all {
+            inner.forget_stale_copies(id, StaleCopies::All)?;
+        }
+        let mut c = inner.commit_lock.lock();
+        inner.commit_locked(&mut c)?;
+        header.set_uuid = self.set_uuid();
+        header.owner_host = inner.config.host_name.clone();
+        header.state = BackingState::Clean;
+        header.dirty_bytes = Some(0);
+        header.stale = StaleCopies::None;
+        header.write(dev)?;
+        drop(c);
+        if taken_from.is_some() && inner.config.owner_check_ms > 0 {
+            // A set that still serves the device (it must not: see docs/deploy.md)
+            // reads the header every owner_check_ms and gives the device up when it
+            // sees this one's name there; this set serves it only after that.
+            std::thread::sleep(std::time::Duration::from_millis(
+                inner.config.owner_check_ms.saturating_mul(2) + 200,
+            ));
+        }
+        Ok(id)
+    }
+
+    /// The id a joining device gets, journaled (`AttachDev`), and the id whose stale copies
+    /// must be forgotten first, if any.
+    fn assign_id(&self, known: Option<DevId>, uuid: Uuid) -> Result<(DevId, Option<DevId>)> {
+        let inner = &self.inner;
+        let mut drop_all = None;
+        let mut st = inner.state.lock();
+        // Known to the set but its header names no set: an attach stopped (a
+        // crash) between the AttachDev commit and the header write, so nothing was
+        // ever cached for it. It joins under that id again: a second id for the
+        // same uuid would leave `known` finding the stale one after the next
+        // restart, hiding everything cached under the new one.
+        let id = match known {
+            // Whatever the set still holds for it is stale (the device may have
+            // been served elsewhere since); normally there is nothing.
+            Some(id) => {
+                if st.index.dev_live_blocks(id) > 0 {
+                    drop_all = Some(id);
+                }
+                id
+            }
+            None => (0..MAX_DEVS as u32)
+                .map(DevId::new)
+                .find(|d| !st.devs.contains_key(d))
+                .ok_or_else(|| Error::State("too many backing devices in this cache set".into()))?,
+        };
+        st.devs.insert(id, uuid);
+        let now = inner.now_ns();
+        st.log(&Entry::AttachDev { dev: id, uuid }, now);
+        Ok((id, drop_all))
     }
 
     /// The backing devices this set knows (it may hold their data) that are not attached
@@ -982,6 +961,54 @@ impl CacheSet {
         let st = self.inner.state.lock();
         st.index.check_invariants()?;
         st.buckets.check_invariants()
+    }
+}
+
+/// A newly attached volume's state: its header's tunables, fresh counters and policy.
+fn new_backing(
+    inner: &Inner,
+    id: DevId,
+    dev: Arc<dyn BlockDevice>,
+    header: BackingHeader,
+) -> Backing {
+    let t = header.tunables;
+    let dev_rotational = dev.is_rotational();
+    Backing {
+        id,
+        data_size: AtomicU64::new(header.data_size),
+        mode: AtomicU8::new(header.mode.code()),
+        dev,
+        header: Mutex::new(header),
+        sequential_cutoff: AtomicU64::new(t.sequential_cutoff),
+        writeback_percent: AtomicU64::new(u64::from(t.writeback_percent)),
+        writeback_delay_secs: AtomicU64::new(t.writeback_delay_secs),
+        writeback_running: AtomicBool::new(t.writeback_running),
+        detaching: AtomicBool::new(false),
+        cache_users: AtomicU64::new(0),
+        policy: crate::policy::VolumePolicy::new(
+            dev_rotational,
+            inner.config.decisions.clone(),
+            inner.policy.clone(),
+        ),
+        counters: Counters::default(),
+        history: History::default(),
+        backing_written: AtomicBool::new(false),
+        dirty_since_ns: AtomicU64::new(inner.now_ns()),
+        client_backing_ns: AtomicU64::new(0),
+        client_stream_ns: AtomicU64::new(0),
+        readahead: Mutex::default(),
+        flush_failures: AtomicU64::new(0),
+        unflushed: Mutex::new(crate::unflushed::Unflushed::default()),
+        losses_reported: AtomicU64::new(0),
+        writeback_error: Mutex::new(None),
+        io_epoch: std::time::Instant::now(),
+        last_done_ns: AtomicU64::new(0),
+        io_in_flight: AtomicU64::new(0),
+        dirty_writers: AtomicU64::new(0),
+        amount_written_ns: AtomicU64::new(inner.now_ns()),
+        owner_checked_ns: AtomicU64::new(inner.now_ns()),
+        lost: AtomicBool::new(false),
+        lost_why: Mutex::new(None),
     }
 }
 

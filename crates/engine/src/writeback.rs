@@ -179,49 +179,20 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
                 .into(),
         ));
     }
-    let bs = inner.block_size();
     let backings: Vec<_> = inner.backings.read().values().cloned().collect();
-    // Each device's write cost model, for bridging gaps (taken before the state lock).
-    let write_costs: Vec<(DevId, crate::cost::CostEstimate)> = backings
-        .iter()
-        .filter(|b| only.is_none_or(|d| d == b.id))
-        .map(|b| (b.id, b.policy.estimate(crate::cost::Op::Write)))
-        .collect();
-    let (rates, collected, runs) = {
-        let mut st = inner.state.lock();
-        let rates = device_rates(inner, &st, &backings, force, true, only);
-        let best = strongest(&rates);
-        if best == WritebackRate::Idle {
-            return Ok(Pass {
-                cleaned: 0,
-                rate: WritebackRate::Idle,
-                collected: 0,
-                unreadable: 0,
-            });
-        }
-        let budget = if best == WritebackRate::Full {
-            WRITEBACK_BATCH_BYTES
-        } else {
-            WRITEBACK_SHARE_BYTES
-        } / bs;
-        let st = &mut *st;
-        let entries = st
-            .writeback
-            .next_batch(&st.index, budget, only, |d| rates.iter().any(|r| r.0 == d));
-        let collected = entries.iter().map(|(_, _, e)| u64::from(e.len)).sum();
-        let index = &st.index;
-        let runs = plan_runs(entries, bs, |d, from, to| {
-            write_costs
-                .iter()
-                .any(|(c, est)| *c == d && crate::policy::span_holes(est, 2, (to - from) * bs))
-                && index
-                    .lookup(d, from, to)
-                    .iter()
-                    .all(|seg| seg.ext.is_some())
+    let Some(Batch {
+        rate: best,
+        collected,
+        runs,
+    }) = collect_batch(inner, &backings, force, only)
+    else {
+        return Ok(Pass {
+            cleaned: 0,
+            rate: WritebackRate::Idle,
+            collected: 0,
+            unreadable: 0,
         });
-        (rates, collected, runs)
     };
-    let best = strongest(&rates);
     let mut unreadable = 0;
     let mut written = Vec::new();
     let mut touched = BTreeSet::new();
@@ -237,98 +208,216 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
         // A full-speed pass ends early once a client needs the disk (the next pass runs at
         // the client-aware rate) or the set is stopping, so neither waits behind megabytes of
         // seeks; it always writes at least one run, so it makes progress.
-        if i > 0
-            && !force
-            && (inner.stop.load(Ordering::SeqCst)
-                || (best == WritebackRate::Full
-                    && backings
-                        .iter()
-                        .any(|b| b.client_backing_ns.load(Ordering::Relaxed) > pass_start)))
-        {
+        if i > 0 && !force && yields(inner, &backings, best, pass_start) {
             break;
         }
         let dev = run[0].0;
         let Some(backing) = backings.iter().find(|b| b.id == dev) else {
             continue;
         };
-        let (r0, r1) = (
-            run[0].1,
-            run.last().map(|(_, s, e)| *s + u64::from(e.len)).unwrap(),
-        );
-        let _g = inner.ranges.lock(dev, r0, r1);
-        // The current copies of the run's blocks, pinned: GC may have moved a piece to
-        // other cache blocks since it was collected (it held the range lock meanwhile), and
-        // writes may have cleaned, dropped or replaced pieces. Dirty copies are written back;
-        // clean ones (only in the gaps of a bridged run: the rest of a run was dirty) hold what
-        // the backing device holds and are written only to join their neighbours into one
-        // write; a hole (evicted since) splits the write.
-        let live: Vec<_> = {
-            let mut st = inner.state.lock();
-            let live: Vec<_> = st
-                .index
-                .lookup(dev, r0, r1)
-                .into_iter()
-                .filter_map(|seg| seg.ext.map(|x| (dev, seg.block, x)))
-                .collect();
-            for (_, _, e) in &live {
-                let b = st.index.bucket_of(e.cache_block);
-                st.buckets.pin(b);
-            }
-            live
-        };
-        let mut result = Ok(());
-        // Contiguous sub-runs are written with one backing write each.
-        let mut pending: Option<(u64, Vec<u8>)> = None;
-        let mut ok_pieces = Vec::new();
-        for &(d, s, e) in &live {
-            match read_verified(inner, d, s, e) {
-                Ok(Some(data)) => {
-                    match &mut pending {
-                        Some((at, buf)) if *at + buf.len() as u64 == s.offset(bs) => {
-                            buf.extend_from_slice(&data)
-                        }
-                        _ => {
-                            if let Some((at, buf)) = pending.take() {
-                                result = result.and(write_backing(backing, at, &buf));
-                            }
-                            pending = Some((s.offset(bs), data));
-                        }
-                    }
-                    if e.dirty {
-                        ok_pieces.push((d, s, e));
-                    }
-                }
-                Ok(None) => {}
-                // A clean gap piece that cannot be read splits the write (the cache device's
-                // wrapper counted the error); it holds nothing to write back.
-                Err(_) if !e.dirty => {}
-                Err(err) => {
-                    static LOG: Throttled = Throttled::new();
-                    LOG.log(
-                        log::Level::Error,
-                        format_args!("writeback skipped unreadable dirty data: {err}"),
-                    );
-                    Counters::add(&backing.counters.io_errors, 1);
-                    unreadable += u64::from(e.len);
-                }
-            }
-        }
-        if let Some((at, buf)) = pending.take() {
-            result = result.and(write_backing(backing, at, &buf));
-        }
-        // The pins stay until the pieces are marked clean (`pins` is released at the end of
-        // the pass): a bucket emptied and reused meanwhile could map the same block to the
-        // same cache block again with new dirty data, which `mark_clean` would then take for
-        // what was written back (an ABA the full-cache test caught as a stale read).
-        pins.0.extend(live.iter().map(|(_, _, e)| e.cache_block));
-        if result.is_err() {
-            backing.writeback_result(&result);
-        }
-        result?;
+        let done = write_run(inner, backing, &run, &mut pins)?;
+        unreadable += done.unreadable;
         touched.insert(dev);
-        written.extend(ok_pieces);
+        written.extend(done.dirty_written);
     }
-    for dev in &touched {
+    flush_touched(&backings, &touched, &flush_failures)?;
+    Ok(Pass {
+        cleaned: mark_written_clean(inner, &backings, &written),
+        rate: best,
+        collected,
+        unreadable,
+    })
+}
+
+/// The dirty data a pass collected, in runs, and the strongest rate that applied.
+struct Batch {
+    rate: WritebackRate,
+    /// Dirty blocks collected.
+    collected: u64,
+    runs: Vec<Run>,
+}
+
+/// Collects the next batch of dirty data from the devices whose rate lets writeback run, and
+/// plans its runs; `None` when every rate is idle.
+fn collect_batch(
+    inner: &Inner,
+    backings: &[Arc<crate::state::Backing>],
+    force: bool,
+    only: Option<DevId>,
+) -> Option<Batch> {
+    let bs = inner.block_size();
+    // Each device's write cost model, for bridging gaps (taken before the state lock).
+    let write_costs: Vec<(DevId, crate::cost::CostEstimate)> = backings
+        .iter()
+        .filter(|b| only.is_none_or(|d| d == b.id))
+        .map(|b| (b.id, b.policy.estimate(crate::cost::Op::Write)))
+        .collect();
+    let mut st = inner.state.lock();
+    let rates = device_rates(inner, &st, backings, force, true, only);
+    let best = strongest(&rates);
+    if best == WritebackRate::Idle {
+        return None;
+    }
+    let budget = if best == WritebackRate::Full {
+        WRITEBACK_BATCH_BYTES
+    } else {
+        WRITEBACK_SHARE_BYTES
+    } / bs;
+    let st = &mut *st;
+    let entries = st
+        .writeback
+        .next_batch(&st.index, budget, only, |d| rates.iter().any(|r| r.0 == d));
+    let collected = entries.iter().map(|(_, _, e)| u64::from(e.len)).sum();
+    let index = &st.index;
+    let runs = plan_runs(entries, bs, |d, from, to| {
+        write_costs
+            .iter()
+            .any(|(c, est)| *c == d && crate::policy::span_holes(est, 2, (to - from) * bs))
+            && index
+                .lookup(d, from, to)
+                .iter()
+                .all(|seg| seg.ext.is_some())
+    });
+    Some(Batch {
+        rate: best,
+        collected,
+        runs,
+    })
+}
+
+/// Whether a pass stops before its next run: the set is stopping, or the pass runs at full
+/// speed and a client has used a backing device since it started.
+fn yields(
+    inner: &Inner,
+    backings: &[Arc<crate::state::Backing>],
+    rate: WritebackRate,
+    pass_start: u64,
+) -> bool {
+    inner.stop.load(Ordering::SeqCst)
+        || (rate == WritebackRate::Full
+            && backings
+                .iter()
+                .any(|b| b.client_backing_ns.load(Ordering::Relaxed) > pass_start))
+}
+
+/// What writing one run back did.
+struct RunWritten {
+    /// The dirty pieces written (to mark clean once a flush covers them).
+    dirty_written: Vec<(DevId, BackingBlock, crate::index::Extent)>,
+    /// Dirty blocks found unreadable.
+    unreadable: u64,
+}
+
+/// Writes one run back under its range lock: the current copies of its blocks, pinned into
+/// `pins`, read and written to the backing device in contiguous pieces.
+fn write_run(
+    inner: &Inner,
+    backing: &crate::state::Backing,
+    run: &Run,
+    pins: &mut Pins,
+) -> Result<RunWritten> {
+    let dev = run[0].0;
+    let (r0, r1) = (
+        run[0].1,
+        run.last().map(|(_, s, e)| *s + u64::from(e.len)).unwrap(),
+    );
+    let _g = inner.ranges.lock(dev, r0, r1);
+    let live = pin_live(inner, dev, r0, r1);
+    let (result, done) = copy_live(inner, backing, &live);
+    // The pins stay until the pieces are marked clean (`pins` is released at the end of
+    // the pass): a bucket emptied and reused meanwhile could map the same block to the
+    // same cache block again with new dirty data, which `mark_clean` would then take for
+    // what was written back (an ABA the full-cache test caught as a stale read).
+    pins.0.extend(live.iter().map(|(_, _, e)| e.cache_block));
+    if result.is_err() {
+        backing.writeback_result(&result);
+    }
+    result?;
+    Ok(done)
+}
+
+/// The current copies of a run's blocks, pinned: GC may have moved a piece to other cache
+/// blocks since it was collected (it held the range lock meanwhile), and writes may have
+/// cleaned, dropped or replaced pieces. Dirty copies are written back; clean ones (only in the
+/// gaps of a bridged run: the rest of a run was dirty) hold what the backing device holds and
+/// are written only to join their neighbours into one write; a hole (evicted since) splits
+/// the write.
+fn pin_live(inner: &Inner, dev: DevId, r0: BackingBlock, r1: BackingBlock) -> Run {
+    let mut st = inner.state.lock();
+    let live: Run = st
+        .index
+        .lookup(dev, r0, r1)
+        .into_iter()
+        .filter_map(|seg| seg.ext.map(|x| (dev, seg.block, x)))
+        .collect();
+    for (_, _, e) in &live {
+        let b = st.index.bucket_of(e.cache_block);
+        st.buckets.pin(b);
+    }
+    live
+}
+
+/// Reads the live pieces and writes them to the backing device, contiguous sub-runs with one
+/// backing write each. Returns the first write error (if any) and what was written.
+fn copy_live(
+    inner: &Inner,
+    backing: &crate::state::Backing,
+    live: &Run,
+) -> (Result<()>, RunWritten) {
+    let bs = inner.block_size();
+    let mut result = Ok(());
+    let mut pending: Option<(u64, Vec<u8>)> = None;
+    let mut done = RunWritten {
+        dirty_written: Vec::new(),
+        unreadable: 0,
+    };
+    for &(d, s, e) in live {
+        match read_verified(inner, d, s, e) {
+            Ok(Some(data)) => {
+                match &mut pending {
+                    Some((at, buf)) if *at + buf.len() as u64 == s.offset(bs) => {
+                        buf.extend_from_slice(&data)
+                    }
+                    _ => {
+                        if let Some((at, buf)) = pending.take() {
+                            result = result.and(write_backing(backing, at, &buf));
+                        }
+                        pending = Some((s.offset(bs), data));
+                    }
+                }
+                if e.dirty {
+                    done.dirty_written.push((d, s, e));
+                }
+            }
+            Ok(None) => {}
+            // A clean gap piece that cannot be read splits the write (the cache device's
+            // wrapper counted the error); it holds nothing to write back.
+            Err(_) if !e.dirty => {}
+            Err(err) => {
+                static LOG: Throttled = Throttled::new();
+                LOG.log(
+                    log::Level::Error,
+                    format_args!("writeback skipped unreadable dirty data: {err}"),
+                );
+                Counters::add(&backing.counters.io_errors, 1);
+                done.unreadable += u64::from(e.len);
+            }
+        }
+    }
+    if let Some((at, buf)) = pending.take() {
+        result = result.and(write_backing(backing, at, &buf));
+    }
+    (result, done)
+}
+
+/// Flushes every device the pass wrote to; fails when that flush, or any other flush of the
+/// device since the pass began (`flush_failures` counts them), failed.
+fn flush_touched(
+    backings: &[Arc<crate::state::Backing>],
+    touched: &BTreeSet<DevId>,
+    flush_failures: &[(DevId, u64)],
+) -> Result<()> {
+    for dev in touched {
         let b = backings
             .iter()
             .find(|b| b.id == *dev)
@@ -353,35 +442,39 @@ fn run_pass(inner: &Inner, force: bool, only: Option<DevId>) -> Result<Pass> {
         b.writeback_result(&r);
         r?;
     }
+    Ok(())
+}
+
+/// Marks the written dirty pieces clean (where the index still maps them to the cache blocks
+/// written back) and journals it; returns the blocks marked clean.
+fn mark_written_clean(
+    inner: &Inner,
+    backings: &[Arc<crate::state::Backing>],
+    written: &[(DevId, BackingBlock, crate::index::Extent)],
+) -> u64 {
+    let bs = inner.block_size();
     let mut blocks = 0;
-    {
-        let mut st = inner.state.lock();
-        let now = inner.now_ns();
-        for (dev, s, e) in &written {
-            let n = st.index.mark_clean(*dev, *s, e.len, e.cache_block);
-            if n > 0 {
-                st.log(
-                    &Entry::MarkClean {
-                        dev: *dev,
-                        block: *s,
-                        len: e.len,
-                        cache_block: e.cache_block,
-                    },
-                    now,
-                );
-            }
-            blocks += n;
-            if let Some(b) = backings.iter().find(|b| b.id == *dev) {
-                Counters::add(&b.counters.writeback_bytes, n * bs);
-            }
+    let mut st = inner.state.lock();
+    let now = inner.now_ns();
+    for (dev, s, e) in written {
+        let n = st.index.mark_clean(*dev, *s, e.len, e.cache_block);
+        if n > 0 {
+            st.log(
+                &Entry::MarkClean {
+                    dev: *dev,
+                    block: *s,
+                    len: e.len,
+                    cache_block: e.cache_block,
+                },
+                now,
+            );
+        }
+        blocks += n;
+        if let Some(b) = backings.iter().find(|b| b.id == *dev) {
+            Counters::add(&b.counters.writeback_bytes, n * bs);
         }
     }
-    Ok(Pass {
-        cleaned: blocks,
-        rate: best,
-        collected,
-        unreadable,
-    })
+    blocks
 }
 
 /// One backing range a pass writes: the batch's dirty pieces in it, sorted.

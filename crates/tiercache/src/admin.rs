@@ -355,173 +355,17 @@ fn handle(
     who: &str,
     send: &mut dyn FnMut(Value),
 ) -> Result<Value> {
-    let field = |k: &str| {
-        req.get(k)
-            .and_then(Value::as_str)
-            .ok_or_else(|| anyhow!("request needs a string field '{k}'"))
-    };
-    let cmd = field("cmd")?;
-    let set = || ctl.set(&format!("'{cmd}'"));
+    let cmd = str_field(req, "cmd")?;
+    let r = Request { ctl, req, cmd, who };
     match cmd {
-        "status" | "stats" => {
-            if let (Some(w), "status") = (ctl.without_cache(), cmd) {
-                return Ok(w.status_json());
-            }
-            let set = set()?;
-            let devices: Vec<Value> = set
-                .volumes()
-                .iter()
-                .map(|v| {
-                    let s = since_cleared(v.status());
-                    let mut d = status_json(&s, &v.name());
-                    d["writeback_bytes_per_sec"] =
-                        json!(meter.bytes_per_sec(s.uuid, s.stats.total.writeback_bytes));
-                    d
-                })
-                .collect();
-            let (missing, pending) = missing_json(set, &ctl.pending());
-            Ok(json!({
-                "ok": true,
-                "cache": cache_json(set),
-                "health": health_json(set),
-                "devices": devices,
-                "missing": missing,
-                "pending": pending,
-            }))
-        }
-        "readmit" => {
-            let set = set()?;
-            log::info!("{who}: readmit the cache device");
-            if let Err(e) = set.readmit() {
-                if set.health().degraded.is_some() {
-                    bail!(
-                        "re-admitting the cache device failed; the cache set stays degraded \
-                         (every volume is served from its backing device): {e}"
-                    );
-                }
-                return Err(e.into());
-            }
-            Ok(json!({"ok": true, "health": health_json(set)}))
-        }
-        "degrade" => {
-            let set = set()?;
-            let reason = field("reason")?.trim();
-            if reason.is_empty() || reason.len() > DEGRADE_REASON_MAX_BYTES {
-                bail!("degrade needs a reason of 1 to {DEGRADE_REASON_MAX_BYTES} bytes");
-            }
-            let already = set.health().degraded.is_some();
-            log::info!("{who}: degrade, reason: {reason}");
-            set.degrade(reason);
-            if set.health().degraded.is_none() {
-                bail!(
-                    "the cache set could not be degraded (a backing device's header could not \
-                     be marked; see the server's log)"
-                );
-            }
-            Ok(json!({"ok": true, "already_degraded": already, "health": health_json(set)}))
-        }
-        "set" => {
-            let set = set()?;
-            let vol = find(set, field("device")?)?;
-            let knob = field("knob")?;
-            let (name, old) = (vol.name(), knob_value(&vol, knob));
-            set_knob(&vol, knob, field("value")?)?;
-            log::info!(
-                "{who}: set {knob} of export '{name}': {old} -> {}",
-                knob_value(&vol, knob)
-            );
-            if knob == "label" {
-                ctl.volumes_changed();
-            }
-            Ok(json!({
-                "ok": true,
-                "device": vol.name(),
-                "knob": knob,
-                // As `status` reports it: sizes in bytes, booleans as booleans.
-                "value": status_json(&vol.status(), &vol.name())[knob],
-            }))
-        }
-        "clear_stats" => {
-            let set = set()?;
-            let vol = find(set, field("device")?)?;
-            let now = vol.status().stats.total;
-            CLEARED
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get_or_insert_with(HashMap::new)
-                .insert(vol.uuid(), now);
-            log::info!("{who}: statistics of export '{}' cleared", vol.name());
-            Ok(json!({"ok": true, "device": vol.name()}))
-        }
-        "detach" => {
-            let set = set()?;
-            let vol = find(set, field("device")?)?;
-            let (name, uuid) = (vol.name(), vol.uuid());
-            log::info!("{who}: detach export '{name}' ({uuid}): writing back its dirty data");
-            let mut last = u64::MAX;
-            set.detach(&vol, &mut |remaining, total| {
-                if remaining != last {
-                    last = remaining;
-                    send(json!({"progress": {"dirty_bytes": remaining, "total_bytes": total}}));
-                }
-            })?;
-            log::info!("{who}: export '{name}' ({uuid}) detached");
-            ctl.volumes_changed();
-            Ok(json!({"ok": true}))
-        }
-        "attach" => {
-            let set = set()?;
-            let path = PathBuf::from(field("path")?);
-            let flag = |k: &str| req.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
-            let opts = engine::AttachOptions {
-                take_over: flag("take_over"),
-                discard_dirty: flag("take_over") && flag("discard_dirty"),
-            };
-            let dev = ctl.open_backing(&path)?;
-            let vol = set
-                .attach_with(dev, opts)
-                .with_context(|| format!("attaching {}", path.display()))?;
-            log::info!(
-                "{who}: attached {}{} as export '{}' ({}, {} bytes, mode {})",
-                path.display(),
-                match (opts.take_over, opts.discard_dirty) {
-                    (false, _) => "",
-                    (true, false) => " (--take-over)",
-                    (true, true) => " (--take-over --discard-dirty)",
-                },
-                vol.name(),
-                vol.uuid(),
-                vol.size_bytes(),
-                vol.mode()
-            );
-            ctl.volumes_changed();
-            Ok(json!({"ok": true, "name": vol.name()}))
-        }
-        "resize" => {
-            let set = set()?;
-            let vol = find(set, field("device")?)?;
-            let old = vol.size_bytes();
-            let new = grow(&vol)?;
-            if new != old {
-                log::info!(
-                    "{who}: export '{}' resized from {old} to {new} bytes",
-                    vol.name()
-                );
-            } else {
-                log::info!(
-                    "{who}: resize of export '{}': still {new} bytes",
-                    vol.name()
-                );
-            }
-            // Clients that connect from now on are told the new size (the export reads it at
-            // every handshake); connected ones keep the size they negotiated.
-            Ok(json!({
-                "ok": true,
-                "device": vol.name(),
-                "old_size_bytes": old,
-                "size_bytes": new,
-            }))
-        }
+        "status" | "stats" => cmd_status(&r, meter),
+        "readmit" => cmd_readmit(&r),
+        "degrade" => cmd_degrade(&r),
+        "set" => cmd_set(&r),
+        "clear_stats" => cmd_clear_stats(&r),
+        "detach" => cmd_detach(&r, send),
+        "attach" => cmd_attach(&r),
+        "resize" => cmd_resize(&r),
         "stop" => {
             log::info!("{who}: stop");
             ctl.stop();
@@ -537,10 +381,228 @@ fn handle(
     }
 }
 
+/// One request being handled: the server it asks, what it asks, and who asks.
+struct Request<'a> {
+    ctl: &'a dyn Control,
+    req: &'a Value,
+    cmd: &'a str,
+    who: &'a str,
+}
+
+impl<'a> Request<'a> {
+    /// A string field of the request, or an error naming it.
+    fn field(&self, k: &str) -> Result<&'a str> {
+        str_field(self.req, k)
+    }
+
+    /// The cache set, or an error saying why this command cannot run without it.
+    fn set(&self) -> Result<&'a CacheSet> {
+        self.ctl.set(&format!("'{}'", self.cmd))
+    }
+}
+
+/// A string field of a request, or an error naming it.
+fn str_field<'a>(req: &'a Value, k: &str) -> Result<&'a str> {
+    req.get(k)
+        .and_then(Value::as_str)
+        .ok_or_else(|| anyhow!("request needs a string field '{k}'"))
+}
+
+/// `status` and `stats`: the cache, its health, each volume (counted since its `clear_stats`), and
+/// the devices missing or pending; without the cache set, `status` says what is served directly.
+fn cmd_status(r: &Request, meter: &WritebackMeter) -> Result<Value> {
+    if let (Some(w), "status") = (r.ctl.without_cache(), r.cmd) {
+        return Ok(w.status_json());
+    }
+    let set = r.set()?;
+    let devices: Vec<Value> = set
+        .volumes()
+        .iter()
+        .map(|v| {
+            let s = since_cleared(v.status());
+            let mut d = status_json(&s, &v.name());
+            d["writeback_bytes_per_sec"] =
+                json!(meter.bytes_per_sec(s.uuid, s.stats.total.writeback_bytes));
+            d
+        })
+        .collect();
+    let (missing, pending) = missing_json(set, &r.ctl.pending());
+    Ok(json!({
+        "ok": true,
+        "cache": cache_json(set),
+        "health": health_json(set),
+        "devices": devices,
+        "missing": missing,
+        "pending": pending,
+    }))
+}
+
+/// `readmit`: takes the cache device back into use; the health after it.
+fn cmd_readmit(r: &Request) -> Result<Value> {
+    let who = r.who;
+    let set = r.set()?;
+    log::info!("{who}: readmit the cache device");
+    if let Err(e) = set.readmit() {
+        if set.health().degraded.is_some() {
+            bail!(
+                "re-admitting the cache device failed; the cache set stays degraded \
+                 (every volume is served from its backing device): {e}"
+            );
+        }
+        return Err(e.into());
+    }
+    Ok(json!({"ok": true, "health": health_json(set)}))
+}
+
+/// `degrade`: serves every volume from its backing device, for the reason given; the health
+/// after it.
+fn cmd_degrade(r: &Request) -> Result<Value> {
+    let who = r.who;
+    let set = r.set()?;
+    let reason = r.field("reason")?.trim();
+    if reason.is_empty() || reason.len() > DEGRADE_REASON_MAX_BYTES {
+        bail!("degrade needs a reason of 1 to {DEGRADE_REASON_MAX_BYTES} bytes");
+    }
+    let already = set.health().degraded.is_some();
+    log::info!("{who}: degrade, reason: {reason}");
+    set.degrade(reason);
+    if set.health().degraded.is_none() {
+        bail!(
+            "the cache set could not be degraded (a backing device's header could not \
+             be marked; see the server's log)"
+        );
+    }
+    Ok(json!({"ok": true, "already_degraded": already, "health": health_json(set)}))
+}
+
+/// `set`: changes one knob of a volume; the value as applied, as `status` reports it.
+fn cmd_set(r: &Request) -> Result<Value> {
+    let who = r.who;
+    let set = r.set()?;
+    let vol = find(set, r.field("device")?)?;
+    let knob = r.field("knob")?;
+    let (name, old) = (vol.name(), knob_value(&vol, knob));
+    set_knob(&vol, knob, r.field("value")?)?;
+    log::info!(
+        "{who}: set {knob} of export '{name}': {old} -> {}",
+        knob_value(&vol, knob)
+    );
+    if knob == "label" {
+        r.ctl.volumes_changed();
+    }
+    Ok(json!({
+        "ok": true,
+        "device": vol.name(),
+        "knob": knob,
+        // As `status` reports it: sizes in bytes, booleans as booleans.
+        "value": status_json(&vol.status(), &vol.name())[knob],
+    }))
+}
+
+/// `clear_stats`: what `status` and `stats` count for a volume starts again from zero.
+fn cmd_clear_stats(r: &Request) -> Result<Value> {
+    let who = r.who;
+    let set = r.set()?;
+    let vol = find(set, r.field("device")?)?;
+    let now = vol.status().stats.total;
+    CLEARED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .insert(vol.uuid(), now);
+    log::info!("{who}: statistics of export '{}' cleared", vol.name());
+    Ok(json!({"ok": true, "device": vol.name()}))
+}
+
+/// `detach`: writes back a volume's dirty data (progress lines through `send`), then detaches it.
+fn cmd_detach(r: &Request, send: &mut dyn FnMut(Value)) -> Result<Value> {
+    let who = r.who;
+    let set = r.set()?;
+    let vol = find(set, r.field("device")?)?;
+    let (name, uuid) = (vol.name(), vol.uuid());
+    log::info!("{who}: detach export '{name}' ({uuid}): writing back its dirty data");
+    let mut last = u64::MAX;
+    set.detach(&vol, &mut |remaining, total| {
+        if remaining != last {
+            last = remaining;
+            send(json!({"progress": {"dirty_bytes": remaining, "total_bytes": total}}));
+        }
+    })?;
+    log::info!("{who}: export '{name}' ({uuid}) detached");
+    r.ctl.volumes_changed();
+    Ok(json!({"ok": true}))
+}
+
+/// `attach`: opens a backing device and attaches it (taking it over if asked).
+fn cmd_attach(r: &Request) -> Result<Value> {
+    let who = r.who;
+    let set = r.set()?;
+    let path = PathBuf::from(r.field("path")?);
+    let flag = |k: &str| r.req.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
+    let opts = engine::AttachOptions {
+        take_over: flag("take_over"),
+        discard_dirty: flag("take_over") && flag("discard_dirty"),
+    };
+    let dev = r.ctl.open_backing(&path)?;
+    let vol = set
+        .attach_with(dev, opts)
+        .with_context(|| format!("attaching {}", path.display()))?;
+    log::info!(
+        "{who}: attached {}{} as export '{}' ({}, {} bytes, mode {})",
+        path.display(),
+        match (opts.take_over, opts.discard_dirty) {
+            (false, _) => "",
+            (true, false) => " (--take-over)",
+            (true, true) => " (--take-over --discard-dirty)",
+        },
+        vol.name(),
+        vol.uuid(),
+        vol.size_bytes(),
+        vol.mode()
+    );
+    r.ctl.volumes_changed();
+    Ok(json!({"ok": true, "name": vol.name()}))
+}
+
+/// `resize`: takes in what a volume's backing device grew by.
+fn cmd_resize(r: &Request) -> Result<Value> {
+    let who = r.who;
+    let set = r.set()?;
+    let vol = find(set, r.field("device")?)?;
+    let old = vol.size_bytes();
+    let new = grow(&vol)?;
+    if new != old {
+        log::info!(
+            "{who}: export '{}' resized from {old} to {new} bytes",
+            vol.name()
+        );
+    } else {
+        log::info!(
+            "{who}: resize of export '{}': still {new} bytes",
+            vol.name()
+        );
+    }
+    // Clients that connect from now on are told the new size (the export reads it at
+    // every handshake); connected ones keep the size they negotiated.
+    Ok(json!({
+        "ok": true,
+        "device": vol.name(),
+        "old_size_bytes": old,
+        "size_bytes": new,
+    }))
+}
+
 /// Re-reads the size of a volume's backing device and takes in what it grew by (the backing
 /// header records the new size); returns the volume's size after it.
 fn grow(vol: &Volume) -> Result<u64> {
     Ok(vol.resize()?)
+}
+
+/// The admin socket that goes with an NBD socket.
+pub fn admin_for(socket: &Path) -> PathBuf {
+    let mut s = socket.as_os_str().to_owned();
+    s.push(".admin");
+    PathBuf::from(s)
 }
 
 /// Most admin connections served at once. A newcomer over the limit closes the connection
@@ -769,7 +831,7 @@ pub fn exchange(
              socket: the admin socket is the one `serve --admin` names, by default the NBD \
              socket's path with \".admin\" appended ({})",
             path.display(),
-            crate::serve::admin_for(path).display()
+            admin_for(path).display()
         );
     }
     wrote?;

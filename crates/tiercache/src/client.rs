@@ -51,7 +51,7 @@ pub fn admin_socket(
     if system_config.exists() {
         return Ok(crate::serve::ServeConfig::from_file(system_config)?.admin());
     }
-    Ok(crate::serve::admin_for(Path::new(
+    Ok(crate::admin::admin_for(Path::new(
         crate::serve::DEFAULT_SOCKET,
     )))
 }

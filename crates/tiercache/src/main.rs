@@ -48,24 +48,9 @@ fn return_freed_memory() {
 
 fn main() -> ExitCode {
     return_freed_memory();
-    // rustls warns of every client that sends an IP address as its TLS server name (libnbd
-    // and qemu do when they connect by address); the server uses no server name, so that is
-    // no news. RUST_LOG overrides.
-    env_logger::Builder::from_env(
-        env_logger::Env::default().default_filter_or("info,rustls::msgs::handshake=error"),
-    )
-    .format_timestamp_millis()
-    .init();
+    init_logging();
     let cli = cli::parse_args();
-    if matches!(
-        cli.cmd,
-        Cmd::Show { .. }
-            | Cmd::Status { .. }
-            | Cmd::Stats { .. }
-            | Cmd::Get { .. }
-            | Cmd::Generate { .. }
-            | Cmd::Top { .. }
-    ) {
+    if prints_only(&cli.cmd) {
         // Commands that only print end quietly when their reader goes away (`... | head`),
         // as Unix tools do; servers keep Rust's default (EPIPE as an error on the socket).
         // SAFETY: restoring a signal's default disposition before any thread is started.
@@ -73,8 +58,43 @@ fn main() -> ExitCode {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
+    match dispatch(cli.cmd) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("tiercache: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Logging to stderr with millisecond timestamps. rustls warns of every client that sends an
+/// IP address as its TLS server name (libnbd and qemu do when they connect by address); the
+/// server uses no server name, so that is no news. RUST_LOG overrides.
+fn init_logging() {
+    env_logger::Builder::from_env(
+        env_logger::Env::default().default_filter_or("info,rustls::msgs::handshake=error"),
+    )
+    .format_timestamp_millis()
+    .init();
+}
+
+/// The commands that only print (to a reader that may go away).
+fn prints_only(cmd: &Cmd) -> bool {
+    matches!(
+        cmd,
+        Cmd::Show { .. }
+            | Cmd::Status { .. }
+            | Cmd::Stats { .. }
+            | Cmd::Get { .. }
+            | Cmd::Generate { .. }
+            | Cmd::Top { .. }
+    )
+}
+
+/// Runs one command; its exit code (`check` has its own), or the error to print.
+fn dispatch(cmd: Cmd) -> Result<ExitCode> {
     let done = |r: Result<()>| r.map(|_| ExitCode::SUCCESS);
-    let res = match cli.cmd {
+    match cmd {
         Cmd::Make {
             backing,
             cache,
@@ -107,109 +127,9 @@ fn main() -> ExitCode {
                 generate::man(Cli::command(), &dir).map(|_| ExitCode::SUCCESS)
             }
         },
-        Cmd::Serve {
-            cache,
-            backing,
-            socket,
-            tcp,
-            admin,
-            metrics,
-            ublk,
-            ublk_queues,
-            ublk_first_id,
-            limits,
-            health,
-            tls,
-            without_cache_if_missing,
-            without_cache_discard_dirty,
-            allow_missing,
-            take_over,
-            discard_dirty,
-            config,
-        } => (|| {
-            let flags = serve::ServeConfig {
-                cache: cache.unwrap_or_default(),
-                backing,
-                backing_file: None,
-                socket,
-                tcp,
-                admin,
-                socket_mode: limits.socket_mode,
-                socket_owner: limits.socket_owner,
-                socket_group: limits.socket_group,
-                idle_timeout: limits.idle_timeout,
-                idle_close_after: limits.idle_close_after,
-                max_connections: limits.max_connections,
-                max_connections_per_client: limits.max_connections_per_client,
-                request_memory: limits.request_memory,
-                shutdown_timeout: limits.shutdown_timeout,
-                data_path: limits.data_path,
-                ring_threads: limits.ring_threads,
-                io_error_limit: health.io_error_limit,
-                io_error_halflife: health.io_error_halflife,
-                cache_io_timeout_ms: health.cache_io_timeout_ms,
-                congested_read_threshold_us: health.congested_read_threshold_us,
-                congested_write_threshold_us: health.congested_write_threshold_us,
-                admission: health.admission,
-                replacement: health.replacement,
-                volumes: Default::default(),
-                without_cache_if_missing,
-                without_cache_discard_dirty,
-                allow_missing,
-                tls: tls.tls,
-                tls_cert: tls.tls_cert,
-                tls_key: tls.tls_key,
-                tls_verify_peer: tls.tls_verify_peer,
-                tls_ca: tls.tls_ca,
-                metrics,
-                ublk,
-                ublk_queues,
-                ublk_first_id,
-                take_over,
-                discard_dirty,
-            };
-            let cfg = match config {
-                Some(f) => serve::ServeConfig::from_file(&f)?.overridden_by(flags),
-                None => flags,
-            };
-            if cfg.cache.as_os_str().is_empty() {
-                bail!("no cache device: give --cache DEVICE, or `cache = \"DEVICE\"` in --config FILE");
-            }
-            serve::serve(&cfg, |_| {})
-        })()
-        .map(|_| ExitCode::SUCCESS),
+        cmd @ Cmd::Serve { .. } => serve_command(cmd).map(|_| ExitCode::SUCCESS),
         Cmd::Bench(args) => bench::run(&args).map(|_| ExitCode::SUCCESS),
-        Cmd::Emulate {
-            kind,
-            file,
-            size,
-            socket,
-            name,
-            track_to_track_ms,
-            full_stroke_ms,
-            rpm,
-            transfer_mb_s,
-            latency_us,
-            seed,
-            rotational,
-        } => (|| {
-            let model = match kind {
-                EmulateKind::Hdd => emulate::hdd_model(
-                    track_to_track_ms,
-                    full_stroke_ms,
-                    rpm,
-                    transfer_mb_s.unwrap_or(180.0),
-                    seed,
-                ),
-                EmulateKind::Ssd => emulate::ssd_model(latency_us, transfer_mb_s.unwrap_or(1500.0)),
-            };
-            emulate::run(
-                emulate::device(&file, size, model, rotational)?,
-                &socket,
-                &name,
-            )
-        })()
-        .map(|_| ExitCode::SUCCESS),
+        cmd @ Cmd::Emulate { .. } => emulate_command(cmd).map(|_| ExitCode::SUCCESS),
         Cmd::Demo {
             dir,
             size,
@@ -230,22 +150,7 @@ fn main() -> ExitCode {
             admin,
             once,
             interval,
-        } => (|| {
-            if !(0.1..=60.0).contains(&interval) {
-                bail!("--interval must be between 0.1 and 60 seconds");
-            }
-            let interval = std::time::Duration::from_secs_f64(interval);
-            if admin.json && !once {
-                bail!("--json needs --once (the live view is for a terminal)");
-            }
-            let socket = admin.target()?.socket;
-            if once {
-                top::once(&socket, interval, admin.json)
-            } else {
-                top::live(&socket, interval)
-            }
-        })()
-        .map(|_| ExitCode::SUCCESS),
+        } => top_command(&admin, once, interval).map(|_| ExitCode::SUCCESS),
         Cmd::Set {
             admin,
             device,
@@ -256,9 +161,11 @@ fn main() -> ExitCode {
                 .target()
                 .and_then(|a| client::set(&a, &device, &knob, &value)),
         ),
-        Cmd::ClearStats { admin, device } => {
-            done(admin.target().and_then(|a| client::clear_stats(&a, &device)))
-        }
+        Cmd::ClearStats { admin, device } => done(
+            admin
+                .target()
+                .and_then(|a| client::clear_stats(&a, &device)),
+        ),
         Cmd::Detach { admin, device } => {
             done(admin.target().and_then(|a| client::detach(&a, &device)))
         }
@@ -282,12 +189,134 @@ fn main() -> ExitCode {
         Cmd::Degrade { admin, reason } => {
             done(admin.target().and_then(|a| client::degrade(&a, &reason)))
         }
+    }
+}
+
+/// `tiercache serve`: the command line's settings over the config file's, then the server.
+fn serve_command(cmd: Cmd) -> Result<()> {
+    let Cmd::Serve {
+        cache,
+        backing,
+        socket,
+        tcp,
+        admin,
+        metrics,
+        ublk,
+        ublk_queues,
+        ublk_first_id,
+        limits,
+        health,
+        tls,
+        without_cache_if_missing,
+        without_cache_discard_dirty,
+        allow_missing,
+        take_over,
+        discard_dirty,
+        config,
+    } = cmd
+    else {
+        unreachable!("serve_command is only called with its own command")
     };
-    match res {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("tiercache: {e:#}");
-            ExitCode::from(2)
-        }
+    let flags = serve::ServeConfig {
+        cache: cache.unwrap_or_default(),
+        backing,
+        backing_file: None,
+        socket,
+        tcp,
+        admin,
+        socket_mode: limits.socket_mode,
+        socket_owner: limits.socket_owner,
+        socket_group: limits.socket_group,
+        idle_timeout: limits.idle_timeout,
+        idle_close_after: limits.idle_close_after,
+        max_connections: limits.max_connections,
+        max_connections_per_client: limits.max_connections_per_client,
+        request_memory: limits.request_memory,
+        shutdown_timeout: limits.shutdown_timeout,
+        data_path: limits.data_path,
+        ring_threads: limits.ring_threads,
+        io_error_limit: health.io_error_limit,
+        io_error_halflife: health.io_error_halflife,
+        cache_io_timeout_ms: health.cache_io_timeout_ms,
+        congested_read_threshold_us: health.congested_read_threshold_us,
+        congested_write_threshold_us: health.congested_write_threshold_us,
+        admission: health.admission,
+        replacement: health.replacement,
+        volumes: Default::default(),
+        without_cache_if_missing,
+        without_cache_discard_dirty,
+        allow_missing,
+        tls: tls.tls,
+        tls_cert: tls.tls_cert,
+        tls_key: tls.tls_key,
+        tls_verify_peer: tls.tls_verify_peer,
+        tls_ca: tls.tls_ca,
+        metrics,
+        ublk,
+        ublk_queues,
+        ublk_first_id,
+        take_over,
+        discard_dirty,
+    };
+    let cfg = match config {
+        Some(f) => serve::ServeConfig::from_file(&f)?.overridden_by(flags),
+        None => flags,
+    };
+    if cfg.cache.as_os_str().is_empty() {
+        bail!("no cache device: give --cache DEVICE, or `cache = \"DEVICE\"` in --config FILE");
+    }
+    serve::serve(&cfg, |_| {})
+}
+
+/// `tiercache emulate`: a device with a disk's or an SSD's timing, served over NBD.
+fn emulate_command(cmd: Cmd) -> Result<()> {
+    let Cmd::Emulate {
+        kind,
+        file,
+        size,
+        socket,
+        name,
+        track_to_track_ms,
+        full_stroke_ms,
+        rpm,
+        transfer_mb_s,
+        latency_us,
+        seed,
+        rotational,
+    } = cmd
+    else {
+        unreachable!("emulate_command is only called with its own command")
+    };
+    let model = match kind {
+        EmulateKind::Hdd => emulate::hdd_model(
+            track_to_track_ms,
+            full_stroke_ms,
+            rpm,
+            transfer_mb_s.unwrap_or(180.0),
+            seed,
+        ),
+        EmulateKind::Ssd => emulate::ssd_model(latency_us, transfer_mb_s.unwrap_or(1500.0)),
+    };
+    emulate::run(
+        emulate::device(&file, size, model, rotational)?,
+        &socket,
+        &name,
+    )
+}
+
+/// `tiercache top`: one view (`--once`) or a live one of a running server.
+fn top_command(admin: &cli::AdminArgs, once: bool, interval: f64) -> Result<()> {
+    if !(0.1..=60.0).contains(&interval) {
+        bail!("--interval must be between 0.1 and 60 seconds");
+    }
+    let interval = std::time::Duration::from_secs_f64(interval);
+    if admin.json && !once {
+        bail!("--json needs --once (the live view is for a terminal)");
+    }
+    let socket = admin.target()?.socket;
+    if once {
+        top::once(&socket, interval, admin.json)
+    } else {
+        top::live(&socket, interval)
     }
 }

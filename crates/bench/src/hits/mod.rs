@@ -363,91 +363,13 @@ fn measure_all(
     let mut server = serve(&dev, TC)?;
     dev.set("sequential_cutoff", "0")?;
     dev.set("writeback_running", "0")?;
-    let region = p.region_bytes;
 
-    progress(&format!(
-        "warm: one random 64 KiB read pass over {}",
-        human(region)
-    ));
-    fio::run(
-        &server.target,
-        &[
-            "--rw=randread".into(),
-            "--bs=64k".into(),
-            "--iodepth=16".into(),
-            format!("--size={region}"),
-            "--readonly".into(),
-        ],
-        None,
-    )?;
-    let cached = scale::cached_bytes(&dev)?;
-    if cached < region {
-        bail!(
-            "warming left {} of the {} region cached",
-            human(cached),
-            human(region)
-        );
-    }
-    for f in [&dev.cache, &dev.backing] {
-        evict(f)?;
-    }
+    let cached = warm(p, &dev, &server, progress)?;
 
     // The reference servers of the read table, all on the cache file (or its size).
     let kit_dir = scratch.join("kit");
     std::fs::create_dir_all(&kit_dir)?;
-    let mut others: Vec<Server> = Vec::new();
-    let mut columns = vec![Column {
-        key: TC,
-        name: "tiercache".into(),
-    }];
-    if tools.data_path {
-        columns.push(Column {
-            key: TC_THREADS,
-            name: "tiercache (threads)".into(),
-        });
-    }
-    let mut column = |key: &'static str, name: String, started: Option<(Proc, String)>| {
-        columns.push(Column {
-            key,
-            name: name.clone(),
-        });
-        if let Some((proc_, uri)) = started {
-            others.push(Server {
-                key,
-                name,
-                proc_: Some(proc_),
-                target: Target::Nbd(uri),
-            });
-        }
-    };
-    let cache = dev.cache.as_os_str();
-    let file_args = [
-        OsStr::new("-r"),
-        OsStr::new("file"),
-        cache,
-        OsStr::new("cache=none"),
-        OsStr::new("fadvise=random"),
-    ];
-    let kit_file = tools
-        .nbdkit
-        .then(|| nbdkit(&kit_dir, "file", &file_args))
-        .transpose()?;
-    column(KIT_FILE, "nbdkit file".into(), kit_file);
-    let qemu = tools
-        .qemu_nbd
-        .then(|| qemu_nbd(&kit_dir, &dev.cache, notices))
-        .transpose()?;
-    let qemu_name = qemu
-        .as_ref()
-        .map_or("qemu-nbd".to_string(), |q| q.2.clone());
-    column(QEMU, qemu_name, qemu.map(|(p, uri, _)| (p, uri)));
-    let size = p.cache_bytes.to_string();
-    let kit_mem = tools
-        .nbdkit
-        .then(|| nbdkit(&kit_dir, "memory", &["memory", size.as_str()]))
-        .transpose()?;
-    column(KIT_MEM, "nbdkit memory".into(), kit_mem);
-    column(RAW, "raw".into(), None);
+    let (columns, others) = reference_servers(p, &dev, &kit_dir, tools, notices)?;
     let raw_cache = Server {
         key: RAW,
         name: "raw".into(),
@@ -508,47 +430,13 @@ fn measure_all(
         over_raw: None,
         dirty_after_bytes: None,
     });
-    let raw_iops = writes
-        .last()
-        .and_then(|w| w.point.as_ref())
-        .map(|pt| pt.fio.iops);
-    for w in &mut writes {
-        w.over_raw = w
-            .point
-            .as_ref()
-            .zip(raw_iops)
-            .and_then(|(pt, raw)| ratio(pt.fio.iops, raw));
-    }
-    for r in &mut reads {
-        if let Some(t) = r.points.get(TC).map(|t| t.fio.iops) {
-            r.tiercache_over = r
-                .points
-                .iter()
-                .filter(|(k, _)| **k != TC)
-                .filter_map(|(k, pt)| Some((*k, ratio(t, pt.fio.iops)?)))
-                .collect();
-        }
-    }
+    over_others(&mut writes, &mut reads);
 
-    let mut peers = Vec::new();
-    if tools.nbdkit {
-        progress("passthrough: nbdkit file on the backing file");
-        let w = job(p, &PASS_WRITE, region, region, true);
-        for (name, cache_opt) in [
-            ("nbdkit file cache=none", Some("cache=none")),
-            ("nbdkit file (page cache)", None),
-        ] {
-            let mut args = vec![OsStr::new("file"), dev.backing.as_os_str()];
-            args.extend(cache_opt.map(OsStr::new));
-            let (kit, uri) = nbdkit(&kit_dir, "write", &args)?;
-            let point = measure(&Target::Nbd(uri), Some(&kit), &w)?;
-            peers.push(PeerRow {
-                server: name.into(),
-                tiercache_minus_us: tc_write.fio.mean_lat_us - point.fio.mean_lat_us,
-                point,
-            });
-        }
-    }
+    let peers = if tools.nbdkit {
+        nbdkit_peers(p, &dev, &kit_dir, &tc_write, progress)?
+    } else {
+        Vec::new()
+    };
     passthrough.extend(remote_passthrough(p, tc, &dev, &kit_dir, tools, progress)?);
     Ok(Measured {
         cached_after_warm: cached,
@@ -559,6 +447,159 @@ fn measure_all(
         passthrough,
         peers,
     })
+}
+
+/// Warms the cache: one random 64 KiB read pass over the region, which must leave all of it
+/// cached; then evicts both files from the page cache. Returns the bytes cached.
+fn warm(p: &Params, dev: &Devices, server: &Server, progress: &dyn Fn(&str)) -> Result<u64> {
+    let region = p.region_bytes;
+    progress(&format!(
+        "warm: one random 64 KiB read pass over {}",
+        human(region)
+    ));
+    fio::run(
+        &server.target,
+        &[
+            "--rw=randread".into(),
+            "--bs=64k".into(),
+            "--iodepth=16".into(),
+            format!("--size={region}"),
+            "--readonly".into(),
+        ],
+        None,
+    )?;
+    let cached = scale::cached_bytes(dev)?;
+    if cached < region {
+        bail!(
+            "warming left {} of the {} region cached",
+            human(cached),
+            human(region)
+        );
+    }
+    for f in [&dev.cache, &dev.backing] {
+        evict(f)?;
+    }
+    Ok(cached)
+}
+
+/// The reference servers of the read table, all on the cache file (or its size), started
+/// where their tools exist; every column, started or not.
+fn reference_servers(
+    p: &Params,
+    dev: &Devices,
+    kit_dir: &Path,
+    tools: &Tools,
+    notices: &mut Vec<String>,
+) -> Result<(Vec<Column>, Vec<Server>)> {
+    let mut others: Vec<Server> = Vec::new();
+    let mut columns = vec![Column {
+        key: TC,
+        name: "tiercache".into(),
+    }];
+    if tools.data_path {
+        columns.push(Column {
+            key: TC_THREADS,
+            name: "tiercache (threads)".into(),
+        });
+    }
+    let mut column = |key: &'static str, name: String, started: Option<(Proc, String)>| {
+        columns.push(Column {
+            key,
+            name: name.clone(),
+        });
+        if let Some((proc_, uri)) = started {
+            others.push(Server {
+                key,
+                name,
+                proc_: Some(proc_),
+                target: Target::Nbd(uri),
+            });
+        }
+    };
+    let cache = dev.cache.as_os_str();
+    let file_args = [
+        OsStr::new("-r"),
+        OsStr::new("file"),
+        cache,
+        OsStr::new("cache=none"),
+        OsStr::new("fadvise=random"),
+    ];
+    let kit_file = tools
+        .nbdkit
+        .then(|| nbdkit(kit_dir, "file", &file_args))
+        .transpose()?;
+    column(KIT_FILE, "nbdkit file".into(), kit_file);
+    let qemu = tools
+        .qemu_nbd
+        .then(|| qemu_nbd(kit_dir, &dev.cache, notices))
+        .transpose()?;
+    let qemu_name = qemu
+        .as_ref()
+        .map_or("qemu-nbd".to_string(), |q| q.2.clone());
+    column(QEMU, qemu_name, qemu.map(|(p, uri, _)| (p, uri)));
+    let size = p.cache_bytes.to_string();
+    let kit_mem = tools
+        .nbdkit
+        .then(|| nbdkit(kit_dir, "memory", &["memory", size.as_str()]))
+        .transpose()?;
+    column(KIT_MEM, "nbdkit memory".into(), kit_mem);
+    column(RAW, "raw".into(), None);
+    Ok((columns, others))
+}
+
+/// Each write's IOPS over raw's, and each read row's tiercache IOPS over every other column's.
+fn over_others(writes: &mut [WriteRow], reads: &mut [ReadRow]) {
+    let raw_iops = writes
+        .last()
+        .and_then(|w| w.point.as_ref())
+        .map(|pt| pt.fio.iops);
+    for w in writes.iter_mut() {
+        w.over_raw = w
+            .point
+            .as_ref()
+            .zip(raw_iops)
+            .and_then(|(pt, raw)| ratio(pt.fio.iops, raw));
+    }
+    for r in reads.iter_mut() {
+        if let Some(t) = r.points.get(TC).map(|t| t.fio.iops) {
+            r.tiercache_over = r
+                .points
+                .iter()
+                .filter(|(k, _)| **k != TC)
+                .filter_map(|(k, pt)| Some((*k, ratio(t, pt.fio.iops)?)))
+                .collect();
+        }
+    }
+}
+
+/// `nbdkit file` on the backing file (with `cache=none` and with its page cache): the local
+/// writearound write's peers, each against tiercache's write (`tc_write`).
+fn nbdkit_peers(
+    p: &Params,
+    dev: &Devices,
+    kit_dir: &Path,
+    tc_write: &Point,
+    progress: &dyn Fn(&str),
+) -> Result<Vec<PeerRow>> {
+    let region = p.region_bytes;
+    let mut peers = Vec::new();
+    progress("passthrough: nbdkit file on the backing file");
+    let w = job(p, &PASS_WRITE, region, region, true);
+    for (name, cache_opt) in [
+        ("nbdkit file cache=none", Some("cache=none")),
+        ("nbdkit file (page cache)", None),
+    ] {
+        let mut args = vec![OsStr::new("file"), dev.backing.as_os_str()];
+        args.extend(cache_opt.map(OsStr::new));
+        let (kit, uri) = nbdkit(kit_dir, "write", &args)?;
+        let point = measure(&Target::Nbd(uri), Some(&kit), &w)?;
+        peers.push(PeerRow {
+            server: name.into(),
+            tiercache_minus_us: tc_write.fio.mean_lat_us - point.fio.mean_lat_us,
+            point,
+        });
+    }
+    Ok(peers)
 }
 
 /// Runs every read row on each of `servers` in turn, row by row: tiercache over the cached

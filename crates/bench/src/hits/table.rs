@@ -89,8 +89,53 @@ pub(super) fn write(
     let (date, machine) = (report::date(), report::machine());
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let step_s = p.step_ms as f64 / 1000.0;
-    let threads = m.columns.iter().any(|c| c.key == TC_THREADS);
     let mut md = String::new();
+    intro(&mut md, out, scale, p, &date, &machine, &command, notices)?;
+    cached_reads(&mut md, p, m)?;
+    writeback(&mut md, p, m, step_s)?;
+    passthrough(&mut md, p, m)?;
+    writearound_peers(&mut md, m)?;
+    writeln!(
+        md,
+        "\nThe fio command of every cell is in hits.json (`command`).\n\n\
+         W4's 4 KiB sync random writes (writeback against the fast file alone) are not repeated \
+         here: `tiercache bench --scale {} --workloads W4 --configs ssd,tiercache-writeback`, \
+         row `sync randwrite 4k to 70 % of cache`.",
+        format!("{scale:?}").to_lowercase()
+    )?;
+    std::fs::write(out.join("hits.md"), &md)?;
+    let json = serde_json::json!({
+        "date": date,
+        "machine": machine,
+        "command": command,
+        "scale": scale,
+        "params": p,
+        "notices": notices,
+        "cached_after_warm_bytes": m.cached_after_warm,
+        "cpus": m.cpus,
+        "columns": m.columns,
+        "reads": m.reads,
+        "writes": m.writes,
+        "passthrough": m.passthrough,
+        "passthrough_peers": m.peers,
+    });
+    std::fs::write(out.join("hits.json"), serde_json::to_string_pretty(&json)?)?;
+    Ok(md)
+}
+
+/// The title, the machine and command, the files and settings, and the run's notices.
+#[allow(clippy::too_many_arguments)]
+fn intro(
+    md: &mut String,
+    out: &Path,
+    scale: Scale,
+    p: &Params,
+    date: &str,
+    machine: &str,
+    command: &str,
+    notices: &[String],
+) -> Result<()> {
+    let step_s = p.step_ms as f64 / 1000.0;
     writeln!(
         md,
         "# tiercache bench: hits ({scale:?} scale, {date})\n\nMachine: {machine}. Command: `{command}`.\n\
@@ -106,6 +151,12 @@ pub(super) fn write(
     for n in notices {
         writeln!(md, "> {n}\n")?;
     }
+    Ok(())
+}
+
+/// Cached reads: random IOPS and sequential MiB/s per row and column, and server CPU per I/O.
+fn cached_reads(md: &mut String, p: &Params, m: &Measured) -> Result<()> {
+    let threads = m.columns.iter().any(|c| c.key == TC_THREADS);
     writeln!(
         md,
         "## Cached reads\n\n\
@@ -140,19 +191,24 @@ pub(super) fn write(
             .collect::<Vec<_>>()
             .join(", "),
     )?;
-    read_table(&mut md, m, true)?;
+    read_table(md, m, true)?;
     writeln!(md, "\n### Sequential reads, MiB/s\n")?;
-    read_table(&mut md, m, false)?;
+    read_table(md, m, false)?;
     writeln!(md, "\n### Server CPU µs per I/O (reads)\n")?;
     let servers: Vec<&Column> = m.columns.iter().filter(|c| c.key != RAW).collect();
     let mut h = vec!["row".to_string()];
     h.extend(servers.iter().map(|c| c.name.clone()));
-    head(&mut md, &h)?;
+    head(md, &h)?;
     for r in &m.reads {
         let mut cells = vec![r.shape.row.to_string()];
         cells.extend(servers.iter().map(|c| cpu(r.points.get(c.key))));
         writeln!(md, "| {} |", cells.join(" | "))?;
     }
+    Ok(())
+}
+
+/// Writeback: each server's random 4 KiB writes, and the dirty data they left.
+fn writeback(md: &mut String, p: &Params, m: &Measured, step_s: f64) -> Result<()> {
     writeln!(
         md,
         "\n## Writeback: {}\n\n\
@@ -166,7 +222,7 @@ pub(super) fn write(
         human(2 * p.region_bytes),
     )?;
     head(
-        &mut md,
+        md,
         &[
             "server",
             "IOPS",
@@ -194,6 +250,11 @@ pub(super) fn write(
             w.dirty_after_bytes.map_or("n/a".into(), human),
         )?;
     }
+    Ok(())
+}
+
+/// Passthrough: QD1 I/O around the cache against the backing device alone.
+fn passthrough(md: &mut String, p: &Params, m: &Measured) -> Result<()> {
     writeln!(
         md,
         "\n## Passthrough: QD1 4 KiB I/O around the cache, added latency\n\n\
@@ -208,7 +269,7 @@ pub(super) fn write(
         human(p.remote_cache_bytes),
     )?;
     head(
-        &mut md,
+        md,
         &[
             "backing device",
             "I/O",
@@ -240,6 +301,11 @@ pub(super) fn write(
             cpu(t),
         )?;
     }
+    Ok(())
+}
+
+/// The local writearound write against `nbdkit file` serving the same backing file.
+fn writearound_peers(md: &mut String, m: &Measured) -> Result<()> {
     let tc_write = m
         .passthrough
         .iter()
@@ -254,7 +320,7 @@ pub(super) fn write(
          and with its default page cache (the write returns once in RAM).\n"
     )?;
     head(
-        &mut md,
+        md,
         &[
             "server",
             "IOPS",
@@ -278,41 +344,11 @@ pub(super) fn write(
             opt(minus, 1),
         )
     };
-    peer(&mut md, "tiercache writearound", tc_write, None)?;
+    peer(md, "tiercache writearound", tc_write, None)?;
     for r in &m.peers {
-        peer(
-            &mut md,
-            &r.server,
-            Some(&r.point),
-            Some(r.tiercache_minus_us),
-        )?;
+        peer(md, &r.server, Some(&r.point), Some(r.tiercache_minus_us))?;
     }
-    writeln!(
-        md,
-        "\nThe fio command of every cell is in hits.json (`command`).\n\n\
-         W4's 4 KiB sync random writes (writeback against the fast file alone) are not repeated \
-         here: `tiercache bench --scale {} --workloads W4 --configs ssd,tiercache-writeback`, \
-         row `sync randwrite 4k to 70 % of cache`.",
-        format!("{scale:?}").to_lowercase()
-    )?;
-    std::fs::write(out.join("hits.md"), &md)?;
-    let json = serde_json::json!({
-        "date": date,
-        "machine": machine,
-        "command": command,
-        "scale": scale,
-        "params": p,
-        "notices": notices,
-        "cached_after_warm_bytes": m.cached_after_warm,
-        "cpus": m.cpus,
-        "columns": m.columns,
-        "reads": m.reads,
-        "writes": m.writes,
-        "passthrough": m.passthrough,
-        "passthrough_peers": m.peers,
-    });
-    std::fs::write(out.join("hits.json"), serde_json::to_string_pretty(&json)?)?;
-    Ok(md)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@
 //! Go client library does; anything it does not recognise gets the classic format.
 
 use super::hist::BOUNDS_US;
-use super::sample::{Sample, VOLUME_STATES, WRITEBACK_STATES};
+use super::sample::{Sample, VolumeSample, VOLUME_STATES, WRITEBACK_STATES};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
@@ -237,400 +237,441 @@ fn family<T, L: prometheus_client::encoding::EncodeLabelSet>(
 }
 
 impl Collector for SampleCollector {
+    /// Families in a fixed order: volumes, the cache set, devices, NBD listeners, uptime.
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), Error> {
         let s = &self.0;
-        let bytes = Unit::Bytes;
-        let seconds = Unit::Seconds;
-        let vols = &s.volumes;
-        let vol = |v: &super::sample::VolumeSample| [("volume", v.name.clone())];
-
-        // ----- volumes -----
-        // Info metrics carry their labels instead of a value; encoded by hand here.
-        if !vols.is_empty() {
-            let mut m = enc.encode_descriptor(
-                "tiercache_volume",
-                "A served volume (value 1): export name, uuid, backing device, cache mode.",
-                None,
-                MetricType::Info,
-            )?;
-            for v in vols {
-                m.encode_info(&[
-                    ("volume", v.name.clone()),
-                    ("uuid", v.uuid.clone()),
-                    (
-                        "backing_device",
-                        v.backing_device.clone().unwrap_or_default(),
-                    ),
-                    ("cache_mode", v.cache_mode.clone()),
-                ])?;
-            }
-        }
-        for (field, name, is_bytes, help) in ENGINE_COUNTERS {
-            family(
-                &mut enc,
-                &format!("tiercache_volume_{name}"),
-                help,
-                is_bytes.then_some(&bytes),
-                MetricType::Counter,
-                vols,
-                |v| (vol(v), U(v.counters.get(field).copied().unwrap_or(0))),
-            )?;
-        }
-        let series = || {
-            vols.iter()
-                .flat_map(|v| v.requests.iter().map(move |r| (v, r)))
-        };
-        family(
-            &mut enc,
-            "tiercache_volume_requests",
-            "Client requests by operation and result (read: hit, miss, bypass; write: \
-             writeback, writethrough, bypass; others: done; any: error).",
-            None,
-            MetricType::Counter,
-            series(),
-            |(v, r)| {
-                (
-                    [
-                        ("volume", v.name.clone()),
-                        ("op", r.op.clone()),
-                        ("result", r.result.clone()),
-                    ],
-                    U(r.latency.count()),
-                )
-            },
-        )?;
-        family(
-            &mut enc,
-            "tiercache_volume_request",
-            "Bytes client requests asked for, by operation and result.",
-            Some(&bytes),
-            MetricType::Counter,
-            series().filter(|(_, r)| r.op != "flush"),
-            |(v, r)| {
-                (
-                    [
-                        ("volume", v.name.clone()),
-                        ("op", r.op.clone()),
-                        ("result", r.result.clone()),
-                    ],
-                    U(r.bytes),
-                )
-            },
-        )?;
-        if !vols.is_empty() {
-            let mut m = enc.encode_descriptor(
-                "tiercache_volume_request_duration",
-                "Time from a client request reaching the cache to its completion, by \
-                 operation and result.",
-                Some(&seconds),
-                MetricType::Histogram,
-            )?;
-            for (v, r) in series() {
-                let labels = [
-                    ("volume", v.name.clone()),
-                    ("op", r.op.clone()),
-                    ("result", r.result.clone()),
-                ];
-                histogram(&mut m.encode_family(&labels)?, &r.latency)?;
-            }
-        }
-        let byte_gauges: [Row<super::sample::VolumeSample, u64>; 3] = [
-            ("tiercache_volume_size", "Size of the volume.", |v| {
-                v.size_bytes
-            }),
-            (
-                "tiercache_volume_dirty",
-                "Dirty data of the volume in the cache (not yet on the backing device).",
-                |v| v.dirty_bytes,
-            ),
-            (
-                "tiercache_volume_cached",
-                "Data of the volume held in the cache (clean and dirty).",
-                |v| v.cached_bytes,
-            ),
-        ];
-        for (name, help, get) in byte_gauges {
-            family(
-                &mut enc,
-                name,
-                help,
-                Some(&bytes),
-                MetricType::Gauge,
-                vols,
-                |v| (vol(v), U(get(v))),
-            )?;
-        }
-        family(
-            &mut enc,
-            "tiercache_volume_writeback_rate_ratio",
-            "Writeback's share of a busy backing device's time: 0 idle, 1 full speed (bcache's \
-             writeback_rate as a fraction; bytes written back are \
-             tiercache_volume_writeback_bytes_total).",
-            None,
-            MetricType::Gauge,
-            vols,
-            |v| (vol(v), F(v.writeback.share)),
-        )?;
-        family(
-            &mut enc,
-            "tiercache_volume_writeback_running",
-            "The writeback_running knob: 1 writeback allowed, 0 paused.",
-            None,
-            MetricType::Gauge,
-            vols,
-            |v| (vol(v), U(u64::from(v.writeback.running))),
-        )?;
-        family(
-            &mut enc,
-            "tiercache_volume_writeback_failures",
-            "Writeback passes that failed in a row (0 while writeback works).",
-            None,
-            MetricType::Gauge,
-            vols,
-            |v| (vol(v), U(u64::from(v.writeback.failures))),
-        )?;
-        family(
-            &mut enc,
-            "tiercache_volume_writeback_state",
-            "Writeback state, one series per state, 1 for the current one: idle, active \
-             (a share of a busy disk), full, paused (writeback_running off), failing.",
-            None,
-            MetricType::Gauge,
-            vols.iter()
-                .flat_map(|v| WRITEBACK_STATES.iter().map(move |st| (v, *st))),
-            |(v, st)| {
-                (
-                    [("volume", v.name.clone()), ("state", st.to_string())],
-                    U(u64::from(v.writeback.state() == *st)),
-                )
-            },
-        )?;
-        family(
-            &mut enc,
-            "tiercache_volume_state",
-            "Volume state, one series per state, 1 for the current one: clean, dirty, \
-             detaching, degraded.",
-            None,
-            MetricType::Gauge,
-            vols.iter()
-                .flat_map(|v| VOLUME_STATES.iter().map(move |st| (v, *st))),
-            |(v, st)| {
-                (
-                    [("volume", v.name.clone()), ("state", st.to_string())],
-                    U(u64::from(v.state == *st)),
-                )
-            },
-        )?;
-
-        // ----- the cache set -----
-        single(
-            &mut enc,
-            "tiercache_without_cache",
-            "1 while the server serves its volumes without the cache device (see the log and \
-             `tiercache status` for why), else 0.",
-            None,
-            MetricType::Gauge,
-            U(u64::from(s.without_cache.is_some())),
-        )?;
-        if let Some(c) = &s.cache_set {
-            let mut m = enc.encode_descriptor(
-                "tiercache_cache_set",
-                "The cache set (value 1): its uuid.",
-                None,
-                MetricType::Info,
-            )?;
-            m.encode_info(&[("cache_set", c.uuid.clone())])?;
-            for (field, name, is_bytes, help) in ENGINE_COUNTERS {
-                single(
-                    &mut enc,
-                    &format!("tiercache_cache_set_{name}"),
-                    &format!("{help} Summed over the volumes attached now."),
-                    is_bytes.then_some(&bytes),
-                    MetricType::Counter,
-                    U(c.counters.get(field).copied().unwrap_or(0)),
-                )?;
-            }
-            single(
-                &mut enc,
-                "tiercache_cache_set_size",
-                "Size of the cache device.",
-                Some(&bytes),
-                MetricType::Gauge,
-                U(c.total_bytes),
-            )?;
-            family(
-                &mut enc,
-                "tiercache_cache_set_occupancy",
-                "The cache device by use (bcache's priority_stats): unused, clean, dirty, \
-                 metadata; they add up to tiercache_cache_set_size_bytes.",
-                Some(&bytes),
-                MetricType::Gauge,
-                [
-                    ("unused", c.unused_bytes),
-                    ("clean", c.clean_bytes),
-                    ("dirty", c.dirty_bytes),
-                    ("metadata", c.metadata_bytes),
-                ],
-                |(kind, b)| ([("kind", kind.to_string())], U(*b)),
-            )?;
-            let gauges: [(&str, &str, Num); 8] = [
-                ("tiercache_cache_set_missing_volumes", "Backing devices the cache set holds data for that are not attached (left out of serve, or not reachable yet); `tiercache status` names them.", U(c.missing_volumes)),
-                ("tiercache_cache_set_missing_dirty_bytes", "Dirty data of those devices: their newest data, held only in the cache until they are attached.", U(c.missing_dirty_bytes)),
-                ("tiercache_cache_set_in_use_ratio", "Fraction of the data buckets holding something (bcache's in_use, as 0..1).", F(f64::from(c.in_use_pct) / 100.0)),
-                ("tiercache_cache_set_degraded", "1 while the cache set is degraded (every volume served from its backing device), else 0.", U(u64::from(c.degraded.is_some()))),
-                ("tiercache_cache_set_decayed_errors", "Cache-device failures, decayed by io_error_halflife; the set degrades when it reaches tiercache_cache_set_io_error_limit.", F(c.error_count)),
-                ("tiercache_cache_set_io_error_limit", "The io_error_limit setting.", U(u64::from(c.io_error_limit))),
-                ("tiercache_cache_set_read_latency_estimate_seconds", "The engine's recent average cache-device read latency (0: no recent read), compared with congested_read_threshold_us.", F(c.read_latency_us as f64 / 1e6)),
-                ("tiercache_cache_set_write_latency_estimate_seconds", "The engine's recent average cache-device write latency (0: no recent write), compared with congested_write_threshold_us.", F(c.write_latency_us as f64 / 1e6)),
-            ];
-            for (name, help, v) in gauges {
-                single(&mut enc, name, help, None, MetricType::Gauge, v)?;
-            }
-            single(
-                &mut enc,
-                "tiercache_cache_set_errors",
-                "Cache-device failures since the server started (I/O errors, timeouts, \
-                 checksum mismatches; health's errors_total).",
-                None,
-                MetricType::Counter,
-                U(c.errors_total),
-            )?;
-        }
-
-        // ----- devices -----
-        let dev_ops = || {
-            s.devices
-                .iter()
-                .flat_map(|d| d.ops.iter().map(move |o| (d, o)))
-        };
-        let dev_labels = |d: &super::device::DeviceSample, op: &str| {
-            [
-                ("role", d.role.name().to_string()),
-                ("device", d.device.clone()),
-                ("op", op.to_string()),
-            ]
-        };
-        if !s.devices.is_empty() {
-            let mut m = enc.encode_descriptor(
-                "tiercache_device_io_duration",
-                "Time of each I/O the cache handed to a device, by device and operation.",
-                Some(&seconds),
-                MetricType::Histogram,
-            )?;
-            for (d, o) in dev_ops() {
-                histogram(&mut m.encode_family(&dev_labels(d, &o.op))?, &o.latency)?;
-            }
-        }
-        family(
-            &mut enc,
-            "tiercache_device_io",
-            "Bytes moved by successful device I/O (discard and write_zeroes: their length).",
-            Some(&bytes),
-            MetricType::Counter,
-            dev_ops().filter(|(_, o)| o.op != "flush"),
-            |(d, o)| (dev_labels(d, &o.op), U(o.bytes)),
-        )?;
-        family(
-            &mut enc,
-            "tiercache_device_io_errors",
-            "Device I/Os that failed, by device and operation.",
-            None,
-            MetricType::Counter,
-            dev_ops(),
-            |(d, o)| (dev_labels(d, &o.op), U(o.errors)),
-        )?;
-
-        let links = s.devices.iter().filter_map(|d| d.nbd.map(|n| (d, n)));
-        family(
-            &mut enc,
-            "tiercache_device_nbd_connections",
-            "A remote (NBD) device's connections now, by state: shared_up, shared_down (being \
-             reconnected), spare_idle, spare_lent (carrying a request around the cache).",
-            None,
-            MetricType::Gauge,
-            links.flat_map(|(d, n)| {
-                [
-                    ("shared_up", n.shared_up),
-                    ("shared_down", n.shared - n.shared_up),
-                    ("spare_idle", n.spare_open - n.spare_lent),
-                    ("spare_lent", n.spare_lent),
-                ]
-                .map(|(state, v)| (d, state, v))
-            }),
-            |(d, state, v)| {
-                (
-                    [
-                        ("role", d.role.name().to_string()),
-                        ("device", d.device.clone()),
-                        ("state", state.to_string()),
-                    ],
-                    U(*v as u64),
-                )
-            },
-        )?;
-
-        // ----- NBD listeners -----
-        let l = &s.listeners;
-        let lis = |name: &String| [("listener", name.clone())];
-        let listener_gauges: [Row<super::sample::ListenerSample, u64>; 5] = [
-            ("tiercache_connections", "NBD connections open now (including handshakes).", |l| l.connections),
-            ("tiercache_connections_max", "The connection limit in effect (max_connections, lowered to fit the descriptor limit).", |l| l.connections_max),
-            ("tiercache_request_memory_in_use_bytes", "Bytes of request and reply buffers held now (bounded by request_memory).", |l| l.bytes_in_flight),
-            ("tiercache_extra_workers", "Worker threads running now beyond each connection's first (io_uring data path: its worker pool).", |l| l.workers_extra),
-            ("tiercache_io_uring_event_loops", "Event-loop threads of the io_uring data path (0: threads serve every connection).", |l| l.ring_threads),
-        ];
-        for (name, help, get) in listener_gauges {
-            family(&mut enc, name, help, None, MetricType::Gauge, l, |x| {
-                (lis(&x.listener), U(get(x)))
-            })?;
-        }
-        let listener_counters: [Row<super::sample::ListenerSample, u64>; 6] = [
-            (
-                "tiercache_connections_refused",
-                "Connections closed on arrival (no room, or no thread).",
-                |l| l.refused,
-            ),
-            (
-                "tiercache_connections_evicted",
-                "Idle connections closed to make room for new ones.",
-                |l| l.evicted,
-            ),
-            (
-                "tiercache_connections_displaced",
-                "Connections (not idle) closed, or drained, to make room for a client holding at least two fewer, when the server was full.",
-                |l| l.displaced,
-            ),
-            (
-                "tiercache_connections_idle_closed",
-                "Connections closed for being idle longer than idle_close_after.",
-                |l| l.idle_closed,
-            ),
-            (
-                "tiercache_direct_reads",
-                "Reads served by the io_uring data path's own cache-device reads (hits with no thread hand-over).",
-                |l| l.direct_reads,
-            ),
-            (
-                "tiercache_direct_writes",
-                "Writes the cache absorbed through the io_uring data path's own cache-device writes (no thread hand-over).",
-                |l| l.direct_writes,
-            ),
-        ];
-        for (name, help, get) in listener_counters {
-            family(&mut enc, name, help, None, MetricType::Counter, l, |x| {
-                (lis(&x.listener), U(get(x)))
-            })?;
-        }
+        volume_info_and_counters(&mut enc, s)?;
+        volume_requests(&mut enc, s)?;
+        volume_gauges(&mut enc, s)?;
+        cache_set(&mut enc, s)?;
+        devices(&mut enc, s)?;
+        listeners(&mut enc, s)?;
         single(
             &mut enc,
             "tiercache_uptime",
             "Seconds since the server started.",
-            Some(&seconds),
+            Some(&Unit::Seconds),
             MetricType::Gauge,
             F(s.uptime_seconds),
-        )?;
-        Ok(())
+        )
     }
+}
+
+/// A volume's labels: its export name.
+fn vol(v: &VolumeSample) -> [(&'static str, String); 1] {
+    [("volume", v.name.clone())]
+}
+
+/// Volumes: the info family (one sample per served volume; info metrics carry their labels
+/// instead of a value, so it is encoded by hand), then the engine's counters per volume.
+fn volume_info_and_counters(enc: &mut DescriptorEncoder, s: &Sample) -> Result<(), Error> {
+    let bytes = Unit::Bytes;
+    let vols = &s.volumes;
+    if !vols.is_empty() {
+        let mut m = enc.encode_descriptor(
+            "tiercache_volume",
+            "A served volume (value 1): export name, uuid, backing device, cache mode.",
+            None,
+            MetricType::Info,
+        )?;
+        for v in vols {
+            m.encode_info(&[
+                ("volume", v.name.clone()),
+                ("uuid", v.uuid.clone()),
+                (
+                    "backing_device",
+                    v.backing_device.clone().unwrap_or_default(),
+                ),
+                ("cache_mode", v.cache_mode.clone()),
+            ])?;
+        }
+    }
+    for (field, name, is_bytes, help) in ENGINE_COUNTERS {
+        family(
+            enc,
+            &format!("tiercache_volume_{name}"),
+            help,
+            is_bytes.then_some(&bytes),
+            MetricType::Counter,
+            vols,
+            |v| (vol(v), U(v.counters.get(field).copied().unwrap_or(0))),
+        )?;
+    }
+    Ok(())
+}
+
+/// Volumes' client requests by operation and result: counts, bytes, latency histograms.
+fn volume_requests(enc: &mut DescriptorEncoder, s: &Sample) -> Result<(), Error> {
+    let bytes = Unit::Bytes;
+    let seconds = Unit::Seconds;
+    let vols = &s.volumes;
+    let series = || {
+        vols.iter()
+            .flat_map(|v| v.requests.iter().map(move |r| (v, r)))
+    };
+    family(
+        enc,
+        "tiercache_volume_requests",
+        "Client requests by operation and result (read: hit, miss, bypass; write: \
+         writeback, writethrough, bypass; others: done; any: error).",
+        None,
+        MetricType::Counter,
+        series(),
+        |(v, r)| {
+            (
+                [
+                    ("volume", v.name.clone()),
+                    ("op", r.op.clone()),
+                    ("result", r.result.clone()),
+                ],
+                U(r.latency.count()),
+            )
+        },
+    )?;
+    family(
+        enc,
+        "tiercache_volume_request",
+        "Bytes client requests asked for, by operation and result.",
+        Some(&bytes),
+        MetricType::Counter,
+        series().filter(|(_, r)| r.op != "flush"),
+        |(v, r)| {
+            (
+                [
+                    ("volume", v.name.clone()),
+                    ("op", r.op.clone()),
+                    ("result", r.result.clone()),
+                ],
+                U(r.bytes),
+            )
+        },
+    )?;
+    if !vols.is_empty() {
+        let mut m = enc.encode_descriptor(
+            "tiercache_volume_request_duration",
+            "Time from a client request reaching the cache to its completion, by \
+             operation and result.",
+            Some(&seconds),
+            MetricType::Histogram,
+        )?;
+        for (v, r) in series() {
+            let labels = [
+                ("volume", v.name.clone()),
+                ("op", r.op.clone()),
+                ("result", r.result.clone()),
+            ];
+            histogram(&mut m.encode_family(&labels)?, &r.latency)?;
+        }
+    }
+    Ok(())
+}
+
+/// Volumes' gauges: sizes, writeback's rate, knob, failures and state, the volume state.
+fn volume_gauges(enc: &mut DescriptorEncoder, s: &Sample) -> Result<(), Error> {
+    let bytes = Unit::Bytes;
+    let vols = &s.volumes;
+    let byte_gauges: [Row<super::sample::VolumeSample, u64>; 3] = [
+        ("tiercache_volume_size", "Size of the volume.", |v| {
+            v.size_bytes
+        }),
+        (
+            "tiercache_volume_dirty",
+            "Dirty data of the volume in the cache (not yet on the backing device).",
+            |v| v.dirty_bytes,
+        ),
+        (
+            "tiercache_volume_cached",
+            "Data of the volume held in the cache (clean and dirty).",
+            |v| v.cached_bytes,
+        ),
+    ];
+    for (name, help, get) in byte_gauges {
+        family(
+            enc,
+            name,
+            help,
+            Some(&bytes),
+            MetricType::Gauge,
+            vols,
+            |v| (vol(v), U(get(v))),
+        )?;
+    }
+    family(
+        enc,
+        "tiercache_volume_writeback_rate_ratio",
+        "Writeback's share of a busy backing device's time: 0 idle, 1 full speed (bcache's \
+         writeback_rate as a fraction; bytes written back are \
+         tiercache_volume_writeback_bytes_total).",
+        None,
+        MetricType::Gauge,
+        vols,
+        |v| (vol(v), F(v.writeback.share)),
+    )?;
+    family(
+        enc,
+        "tiercache_volume_writeback_running",
+        "The writeback_running knob: 1 writeback allowed, 0 paused.",
+        None,
+        MetricType::Gauge,
+        vols,
+        |v| (vol(v), U(u64::from(v.writeback.running))),
+    )?;
+    family(
+        enc,
+        "tiercache_volume_writeback_failures",
+        "Writeback passes that failed in a row (0 while writeback works).",
+        None,
+        MetricType::Gauge,
+        vols,
+        |v| (vol(v), U(u64::from(v.writeback.failures))),
+    )?;
+    family(
+        enc,
+        "tiercache_volume_writeback_state",
+        "Writeback state, one series per state, 1 for the current one: idle, active \
+         (a share of a busy disk), full, paused (writeback_running off), failing.",
+        None,
+        MetricType::Gauge,
+        vols.iter()
+            .flat_map(|v| WRITEBACK_STATES.iter().map(move |st| (v, *st))),
+        |(v, st)| {
+            (
+                [("volume", v.name.clone()), ("state", st.to_string())],
+                U(u64::from(v.writeback.state() == *st)),
+            )
+        },
+    )?;
+    family(
+        enc,
+        "tiercache_volume_state",
+        "Volume state, one series per state, 1 for the current one: clean, dirty, \
+         detaching, degraded.",
+        None,
+        MetricType::Gauge,
+        vols.iter()
+            .flat_map(|v| VOLUME_STATES.iter().map(move |st| (v, *st))),
+        |(v, st)| {
+            (
+                [("volume", v.name.clone()), ("state", st.to_string())],
+                U(u64::from(v.state == *st)),
+            )
+        },
+    )?;
+    Ok(())
+}
+
+/// The cache set: whether the server runs without it, then (when it has one) its info,
+/// counters summed over the volumes, occupancy, health and latency estimates.
+fn cache_set(enc: &mut DescriptorEncoder, s: &Sample) -> Result<(), Error> {
+    let bytes = Unit::Bytes;
+    single(
+        enc,
+        "tiercache_without_cache",
+        "1 while the server serves its volumes without the cache device (see the log and \
+         `tiercache status` for why), else 0.",
+        None,
+        MetricType::Gauge,
+        U(u64::from(s.without_cache.is_some())),
+    )?;
+    if let Some(c) = &s.cache_set {
+        let mut m = enc.encode_descriptor(
+            "tiercache_cache_set",
+            "The cache set (value 1): its uuid.",
+            None,
+            MetricType::Info,
+        )?;
+        m.encode_info(&[("cache_set", c.uuid.clone())])?;
+        for (field, name, is_bytes, help) in ENGINE_COUNTERS {
+            single(
+                enc,
+                &format!("tiercache_cache_set_{name}"),
+                &format!("{help} Summed over the volumes attached now."),
+                is_bytes.then_some(&bytes),
+                MetricType::Counter,
+                U(c.counters.get(field).copied().unwrap_or(0)),
+            )?;
+        }
+        single(
+            enc,
+            "tiercache_cache_set_size",
+            "Size of the cache device.",
+            Some(&bytes),
+            MetricType::Gauge,
+            U(c.total_bytes),
+        )?;
+        family(
+            enc,
+            "tiercache_cache_set_occupancy",
+            "The cache device by use (bcache's priority_stats): unused, clean, dirty, \
+             metadata; they add up to tiercache_cache_set_size_bytes.",
+            Some(&bytes),
+            MetricType::Gauge,
+            [
+                ("unused", c.unused_bytes),
+                ("clean", c.clean_bytes),
+                ("dirty", c.dirty_bytes),
+                ("metadata", c.metadata_bytes),
+            ],
+            |(kind, b)| ([("kind", kind.to_string())], U(*b)),
+        )?;
+        let gauges: [(&str, &str, Num); 8] = [
+            ("tiercache_cache_set_missing_volumes", "Backing devices the cache set holds data for that are not attached (left out of serve, or not reachable yet); `tiercache status` names them.", U(c.missing_volumes)),
+            ("tiercache_cache_set_missing_dirty_bytes", "Dirty data of those devices: their newest data, held only in the cache until they are attached.", U(c.missing_dirty_bytes)),
+            ("tiercache_cache_set_in_use_ratio", "Fraction of the data buckets holding something (bcache's in_use, as 0..1).", F(f64::from(c.in_use_pct) / 100.0)),
+            ("tiercache_cache_set_degraded", "1 while the cache set is degraded (every volume served from its backing device), else 0.", U(u64::from(c.degraded.is_some()))),
+            ("tiercache_cache_set_decayed_errors", "Cache-device failures, decayed by io_error_halflife; the set degrades when it reaches tiercache_cache_set_io_error_limit.", F(c.error_count)),
+            ("tiercache_cache_set_io_error_limit", "The io_error_limit setting.", U(u64::from(c.io_error_limit))),
+            ("tiercache_cache_set_read_latency_estimate_seconds", "The engine's recent average cache-device read latency (0: no recent read), compared with congested_read_threshold_us.", F(c.read_latency_us as f64 / 1e6)),
+            ("tiercache_cache_set_write_latency_estimate_seconds", "The engine's recent average cache-device write latency (0: no recent write), compared with congested_write_threshold_us.", F(c.write_latency_us as f64 / 1e6)),
+        ];
+        for (name, help, v) in gauges {
+            single(enc, name, help, None, MetricType::Gauge, v)?;
+        }
+        single(
+            enc,
+            "tiercache_cache_set_errors",
+            "Cache-device failures since the server started (I/O errors, timeouts, \
+             checksum mismatches; health's errors_total).",
+            None,
+            MetricType::Counter,
+            U(c.errors_total),
+        )?;
+    }
+    Ok(())
+}
+
+/// Devices (cache and backing): I/O latency, bytes and errors; remote devices' NBD
+/// connections by state.
+fn devices(enc: &mut DescriptorEncoder, s: &Sample) -> Result<(), Error> {
+    let bytes = Unit::Bytes;
+    let seconds = Unit::Seconds;
+    let dev_ops = || {
+        s.devices
+            .iter()
+            .flat_map(|d| d.ops.iter().map(move |o| (d, o)))
+    };
+    let dev_labels = |d: &super::device::DeviceSample, op: &str| {
+        [
+            ("role", d.role.name().to_string()),
+            ("device", d.device.clone()),
+            ("op", op.to_string()),
+        ]
+    };
+    if !s.devices.is_empty() {
+        let mut m = enc.encode_descriptor(
+            "tiercache_device_io_duration",
+            "Time of each I/O the cache handed to a device, by device and operation.",
+            Some(&seconds),
+            MetricType::Histogram,
+        )?;
+        for (d, o) in dev_ops() {
+            histogram(&mut m.encode_family(&dev_labels(d, &o.op))?, &o.latency)?;
+        }
+    }
+    family(
+        enc,
+        "tiercache_device_io",
+        "Bytes moved by successful device I/O (discard and write_zeroes: their length).",
+        Some(&bytes),
+        MetricType::Counter,
+        dev_ops().filter(|(_, o)| o.op != "flush"),
+        |(d, o)| (dev_labels(d, &o.op), U(o.bytes)),
+    )?;
+    family(
+        enc,
+        "tiercache_device_io_errors",
+        "Device I/Os that failed, by device and operation.",
+        None,
+        MetricType::Counter,
+        dev_ops(),
+        |(d, o)| (dev_labels(d, &o.op), U(o.errors)),
+    )?;
+
+    let links = s.devices.iter().filter_map(|d| d.nbd.map(|n| (d, n)));
+    family(
+        enc,
+        "tiercache_device_nbd_connections",
+        "A remote (NBD) device's connections now, by state: shared_up, shared_down (being \
+         reconnected), spare_idle, spare_lent (carrying a request around the cache).",
+        None,
+        MetricType::Gauge,
+        links.flat_map(|(d, n)| {
+            [
+                ("shared_up", n.shared_up),
+                ("shared_down", n.shared - n.shared_up),
+                ("spare_idle", n.spare_open - n.spare_lent),
+                ("spare_lent", n.spare_lent),
+            ]
+            .map(|(state, v)| (d, state, v))
+        }),
+        |(d, state, v)| {
+            (
+                [
+                    ("role", d.role.name().to_string()),
+                    ("device", d.device.clone()),
+                    ("state", state.to_string()),
+                ],
+                U(*v as u64),
+            )
+        },
+    )?;
+    Ok(())
+}
+
+/// NBD listeners: connection, memory and thread gauges, then connection and direct-I/O counters.
+fn listeners(enc: &mut DescriptorEncoder, s: &Sample) -> Result<(), Error> {
+    let l = &s.listeners;
+    let lis = |name: &String| [("listener", name.clone())];
+    let listener_gauges: [Row<super::sample::ListenerSample, u64>; 5] = [
+        ("tiercache_connections", "NBD connections open now (including handshakes).", |l| l.connections),
+        ("tiercache_connections_max", "The connection limit in effect (max_connections, lowered to fit the descriptor limit).", |l| l.connections_max),
+        ("tiercache_request_memory_in_use_bytes", "Bytes of request and reply buffers held now (bounded by request_memory).", |l| l.bytes_in_flight),
+        ("tiercache_extra_workers", "Worker threads running now beyond each connection's first (io_uring data path: its worker pool).", |l| l.workers_extra),
+        ("tiercache_io_uring_event_loops", "Event-loop threads of the io_uring data path (0: threads serve every connection).", |l| l.ring_threads),
+    ];
+    for (name, help, get) in listener_gauges {
+        family(enc, name, help, None, MetricType::Gauge, l, |x| {
+            (lis(&x.listener), U(get(x)))
+        })?;
+    }
+    let listener_counters: [Row<super::sample::ListenerSample, u64>; 6] = [
+        (
+            "tiercache_connections_refused",
+            "Connections closed on arrival (no room, or no thread).",
+            |l| l.refused,
+        ),
+        (
+            "tiercache_connections_evicted",
+            "Idle connections closed to make room for new ones.",
+            |l| l.evicted,
+        ),
+        (
+            "tiercache_connections_displaced",
+            "Connections (not idle) closed, or drained, to make room for a client holding at least two fewer, when the server was full.",
+            |l| l.displaced,
+        ),
+        (
+            "tiercache_connections_idle_closed",
+            "Connections closed for being idle longer than idle_close_after.",
+            |l| l.idle_closed,
+        ),
+        (
+            "tiercache_direct_reads",
+            "Reads served by the io_uring data path's own cache-device reads (hits with no thread hand-over).",
+            |l| l.direct_reads,
+        ),
+        (
+            "tiercache_direct_writes",
+            "Writes the cache absorbed through the io_uring data path's own cache-device writes (no thread hand-over).",
+            |l| l.direct_writes,
+        ),
+    ];
+    for (name, help, get) in listener_counters {
+        family(enc, name, help, None, MetricType::Counter, l, |x| {
+            (lis(&x.listener), U(get(x)))
+        })?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
