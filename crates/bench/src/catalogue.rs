@@ -7,7 +7,25 @@
 //! count.
 
 use crate::procs::{CONFIGS, MEMLIMIT, MEMLIMIT_CONFIGS, NONROT, NONROT_CONFIGS};
-use crate::steady;
+
+/// When W6 is steady: `intervals` consecutive intervals of `interval_s` whose IOPS differ by at
+/// most `iops_tolerance` of their mean (max − min), whose hit ratios differ by at most
+/// `hit_tolerance_pct` points, and whose cache occupancy (`in_use`) differs by at most
+/// `in_use_tolerance_pct` points (a cache still filling is warming up, however flat its rate:
+/// nothing has been evicted yet, so replacement and admission are not measured); no window of
+/// a configuration with a cache starts before `warm_min_s` (about the time the scale's cache
+/// takes to fill under W6: nbdkit's cache reports no occupancy, and its rate can hold flat
+/// while it still fills); the run stops at `cap_s` regardless.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Rule {
+    pub interval_s: u64,
+    pub intervals: usize,
+    pub iops_tolerance: f64,
+    pub hit_tolerance_pct: f64,
+    pub in_use_tolerance_pct: f64,
+    pub warm_min_s: u64,
+    pub cap_s: u64,
+}
 
 /// How big and long a run is (`--scale`): the parameters of each are [`params`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -42,7 +60,7 @@ pub(crate) struct Params {
     /// Memory limit of each server process of a `+memlimit` configuration (None: off).
     pub(crate) mem_limit_bytes: Option<u64>,
     /// How W6 runs until steady.
-    pub(crate) w6: steady::Rule,
+    pub(crate) w6: Rule,
 }
 
 pub(crate) fn params(scale: Scale) -> Params {
@@ -57,7 +75,7 @@ pub(crate) fn params(scale: Scale) -> Params {
             w4_cap_s: 2,
             drain_bytes: 1 << 20,
             mem_limit_bytes: None,
-            w6: steady::Rule {
+            w6: Rule {
                 interval_s: 1,
                 intervals: 2,
                 iops_tolerance: 0.5,
@@ -77,7 +95,7 @@ pub(crate) fn params(scale: Scale) -> Params {
             w4_cap_s: 10,
             drain_bytes: 8 << 20,
             mem_limit_bytes: None,
-            w6: steady::Rule {
+            w6: Rule {
                 interval_s: 1,
                 intervals: 4,
                 iops_tolerance: 0.20,
@@ -97,7 +115,7 @@ pub(crate) fn params(scale: Scale) -> Params {
             w4_cap_s: 900,
             drain_bytes: 512 << 20,
             mem_limit_bytes: None,
-            w6: steady::Rule {
+            w6: Rule {
                 interval_s: 10,
                 intervals: 6,
                 iops_tolerance: 0.05,
@@ -118,7 +136,7 @@ pub(crate) struct Step {
     pub(crate) plot: bool,
     /// Run in intervals until steady ([`steady`]; `args` bound it to the rule's cap): a
     /// warm-up row and a steady row instead of one.
-    pub(crate) until_steady: Option<steady::Rule>,
+    pub(crate) until_steady: Option<Rule>,
 }
 
 impl Step {

@@ -5,37 +5,20 @@
 //! its seconds are the time to steady) and a steady row (the steady intervals), plus the time
 //! series of every interval.
 //!
-//! Invariants: [`steady_start`] is a pure function of the series and the [`Rule`]; the first
+//! Invariants: [`steady_start`] is a pure function of the series and the [`Rule`] (the
+//! catalogue's, with the scale's parameters); the first
 //! interval (fio's connection and cold start) is always warm-up, so a warm-up row always covers
 //! at least one interval; the steady row covers exactly the intervals the rule accepted, or,
 //! when the cap came first, the last `intervals` ones, marked [`Phase::NotSteady`] and named in a
 //! notice; every figure is a difference of fio's cumulative counts (or tiercache's counters)
 //! between interval ends.
 
+use super::catalogue::{Rule, Step};
 use super::fio::{self, Totals};
 use super::procs::Running;
 use super::results::{Phase, Row, Series};
-use super::{cache_columns, occupancy, PairOut, Step};
+use super::{cache_columns, occupancy, PairOut};
 use anyhow::{bail, Result};
-
-/// When W6 is steady: `intervals` consecutive intervals of `interval_s` whose IOPS differ by at
-/// most `iops_tolerance` of their mean (max − min), whose hit ratios differ by at most
-/// `hit_tolerance_pct` points, and whose cache occupancy (`in_use`) differs by at most
-/// `in_use_tolerance_pct` points (a cache still filling is warming up, however flat its rate:
-/// nothing has been evicted yet, so replacement and admission are not measured); no window of
-/// a configuration with a cache starts before `warm_min_s` (about the time the scale's cache
-/// takes to fill under W6: nbdkit's cache reports no occupancy, and its rate can hold flat
-/// while it still fills); the run stops at `cap_s` regardless.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
-pub struct Rule {
-    pub interval_s: u64,
-    pub intervals: usize,
-    pub iops_tolerance: f64,
-    pub hit_tolerance_pct: f64,
-    pub in_use_tolerance_pct: f64,
-    pub warm_min_s: u64,
-    pub cap_s: u64,
-}
 
 /// One interval's figures.
 #[derive(Clone, Copy, Debug, PartialEq)]

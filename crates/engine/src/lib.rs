@@ -1,24 +1,26 @@
 //! `engine`: the tiercache cache set — a crash-safe cache on a fast device in front of slow
 //! backing devices.
 //!
-//! Layers inside, bottom first; a module imports only modules below it (checked by
+//! Layers inside, bottom first; a file imports only files below it (checked per file by
 //! `crates/modgraph`'s test; `cargo run -p modgraph -- crates/engine` prints the graph):
 //! - leaves: `types`, `units` (the numbering units: buckets, cache blocks, generations,
 //!   backing blocks), `clock`, `codec`, `bitset`, `cost` (the online cost model), `seq`
-//!   (stream detection), `admit`, `fillhits`, `readahead`;
+//!   (stream detection), `readahead`;
 //! - pure decisions and small state: `policy` (admission, replacement order, miss fill,
-//!   writeback rate; driven alone by its tests), `knobs`, `degraded` (the degraded state's
-//!   data), `rangelock`, `slots` (lock-free readable arrays), `unflushed` (client changes a
-//!   backing device may still lose);
+//!   writeback rate; driven alone by its tests), `admit` (the ghost history), `fillhits`,
+//!   `knobs`, `degraded` (the degraded state's data), `rangelock`, `slots` (lock-free
+//!   readable arrays), `unflushed` (client changes a backing device may still lose);
 //! - state and its persistence: `index`, `alloc` (buckets, pins), `cachedev` (the cache
 //!   device's timing and failures), `format`, `stats`, `journal`, `wbpool`, `checkpoint`;
 //! - `state`: the shared state every mechanism works on (`Inner`, `State`, `Backing`,
 //!   `Config`);
 //! - mechanism: `guard`, `health` (stale copies, degrading, re-admission), `space`
 //!   (allocation, reclaim, GC), `check`, `commit` (group commit, checkpoints), `writeback`,
-//!   `background` (the threads), `io` (request paths: `io::read`, `io::write`; `io::lost`
-//!   makes good what a failed backing flush may have lost);
-//! - lifecycle: `set` (format, open and recovery, attach, detach, close).
+//!   `background` (the threads), `io` (request paths: `io::plan` and `io::read` for reads,
+//!   `io::absorb` and `io::write` for writes, `io::direct` the staged request's one shape;
+//!   `io::lost` makes good what a failed backing flush may have lost);
+//! - lifecycle: `set` (format, open and recovery, attach, detach, close); above it only
+//!   `fuzzing`, whose entry points open a set.
 //!
 //! No sockets, no CLI parsing.
 //!

@@ -1,6 +1,6 @@
-//! `modgraph [CRATE_DIR ...]`: prints each crate's module graph (what each top-level module
-//! refers to), its layers (bottom first) and its import cycles. With no argument, every crate
-//! under `crates/`. Exits 1 if any crate has a cycle.
+//! `modgraph [CRATE_DIR ...]`: prints each crate's graph of files (what each file, named by
+//! its module path, refers to), its layers (bottom first) and its import cycles. With no
+//! argument, every crate under `crates/`. Exits 1 if any crate has a cycle.
 
 use std::path::PathBuf;
 
@@ -31,8 +31,8 @@ fn main() -> std::process::ExitCode {
             let deps: Vec<&str> = deps.iter().map(String::as_str).collect();
             println!("{m} -> {}", deps.join(" "));
         }
-        for (i, layer) in modgraph::layers(&g).iter().enumerate() {
-            println!("layer {i}: {}", layer.join(" "));
+        for line in modgraph::layer_lines(&g) {
+            println!("{line}");
         }
         for c in modgraph::cycles(&g) {
             any_cycle = true;

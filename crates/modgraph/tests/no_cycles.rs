@@ -1,5 +1,5 @@
-//! Every crate of the workspace imports its modules one way: no module refers, through any
-//! chain of `crate::` paths, back to itself. A new cycle fails here, naming its modules; see
+//! Every crate of the workspace imports its files one way: no file refers, through any
+//! chain of paths or imports, back to itself. A new cycle fails here, naming its files; see
 //! `cargo run -p modgraph` for the whole graph and its layers.
 
 use std::path::PathBuf;
