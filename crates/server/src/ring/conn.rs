@@ -9,11 +9,10 @@
 //! gone (a failed send, a hung-up socket) nothing more is started and replies are dropped;
 //! the connection is finished only when nothing of it is in flight anywhere.
 
-use super::pool::{Answer, Finished, Job, Work};
+use super::inbox::{Adopted, Handle};
+use super::pool::{Answer, Finished, Job, Pool, Work};
 use super::remote::Exchange;
 use super::submit::{user_data, Kind, Sq, PIECES_MAX, REQUESTS_MAX};
-use super::inbox::{Adopted, Handle};
-use super::pool::Pool;
 use crate::budget::{Account, Permit};
 use crate::execute::{admit, error_reply, permit_bytes, refusal, PAYLOAD_BYTES_MAX};
 use crate::iobuf::{IoBuf, Spares};

@@ -9,9 +9,9 @@
 //! round go to the kernel in one `io_uring_enter`, which also waits for the next completion.
 
 use super::conn::{Conn, Round};
-use super::submit::{decode, user_data, Kind, Sq};
 use super::inbox::{Handle, Msg};
 use super::pool::Pool;
+use super::submit::{decode, user_data, Kind, Sq};
 use crate::iobuf::Spares;
 use io_uring::{opcode, types, IoUring};
 use slab::Slab;
