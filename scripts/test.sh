@@ -23,5 +23,5 @@ TIERCACHE_DATA_PATH=threads cargo test --locked -p server -p tiercache \
 # qemu. Under CI=true always (a missing tool fails); elsewhere with TIERCACHE_VM=1.
 if [ "${CI:-}" = true ] || [ "${TIERCACHE_VM:-}" = 1 ]; then
     cargo build --profile test --locked -q -p tiercache --bin tiercache
-    bash scripts/vm/run.sh --bin target/debug/tiercache
+    bash scripts/vm/run.sh --bin "${CARGO_TARGET_DIR:-target}/debug/tiercache"
 fi
