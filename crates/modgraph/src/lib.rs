@@ -480,7 +480,8 @@ fn child_decls(code: &str) -> Vec<String> {
 /// `code` without its test modules, and the names of the child files declared as tests.
 /// A test module is `mod` (any visibility) after `#[cfg(test)]` and any further attributes:
 /// its `{…}` is dropped, or for `mod x;` the declaration (x's file is dropped by the caller).
-fn strip_tests(code: &str) -> (String, Vec<String>) {
+/// What is dropped leaves its newlines, so line numbers stay those of the file.
+pub fn strip_tests(code: &str) -> (String, Vec<String>) {
     let mut out = String::with_capacity(code.len());
     let mut children = Vec::new();
     let mut rest = code;
@@ -510,9 +511,9 @@ fn strip_tests(code: &str) -> (String, Vec<String>) {
         let after_mod = t2[3..].trim_start();
         let name = ident(after_mod);
         let body = after_mod[name.len()..].trim_start();
-        if let Some(after) = body.strip_prefix(';') {
+        let next = if let Some(after) = body.strip_prefix(';') {
             children.push(name);
-            rest = after;
+            after
         } else if body.starts_with('{') {
             let mut depth = 0usize;
             let mut end = body.len();
@@ -529,10 +530,13 @@ fn strip_tests(code: &str) -> (String, Vec<String>) {
                     _ => {}
                 }
             }
-            rest = &body[end..];
+            &body[end..]
         } else {
-            rest = body;
-        }
+            body
+        };
+        let dropped = &rest[i..rest.len() - next.len()];
+        out.extend(dropped.chars().filter(|&c| c == '\n'));
+        rest = next;
     }
     out.push_str(rest);
     (out, children)

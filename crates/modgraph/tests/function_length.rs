@@ -2,11 +2,11 @@
 //! body spans more than [`MAX_LINES`] lines (from the line of `fn` to the line of its closing
 //! brace) fails this test, named by file, name and line (issue 36, "smaller rooms").
 //!
-//! Invariants: `#[cfg(test)]` modules are skipped whole (their braces found by brace matching);
-//! braces inside string, raw-string, byte-string and char literals and inside comments are not
-//! counted; a `fn` without a body (a trait method's declaration) is not a function here; nested
-//! functions and closures count within their enclosing function and are checked on their own
-//! too. Only [`ALLOWED`] may be longer, and an entry that no longer needs to be there fails the
+//! Invariants: the source is read as `modgraph` reads it (`modgraph::code`: comments and the
+//! contents of literals left out; `modgraph::strip_tests`: `#[cfg(test)]` modules left out,
+//! lines kept), so braces in literals and comments are not counted; a `fn` without a body (a
+//! trait method's declaration) is not a function here; nested functions and closures count
+//! within their enclosing function and are checked on their own too. Only [`ALLOWED`] may be longer, and an entry that no longer needs to be there fails the
 //! test as well, so the list only shrinks.
 
 use std::path::{Path, PathBuf};
@@ -24,111 +24,6 @@ struct Long {
     name: String,
     line: usize,
     lines: usize,
-}
-
-/// `src` with the contents of comments and literals (strings, raw strings, byte strings,
-/// chars) replaced by spaces, newlines kept, so that braces and `fn` are only code's.
-fn code_only(src: &str) -> Vec<u8> {
-    let b = src.as_bytes();
-    let mut out = b.to_vec();
-    let blank = |out: &mut Vec<u8>, from: usize, to: usize| {
-        for c in &mut out[from..to] {
-            if *c != b'\n' {
-                *c = b' ';
-            }
-        }
-    };
-    let ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
-    let mut i = 0;
-    while i < b.len() {
-        let prev_ident = i > 0 && ident(b[i - 1]);
-        if b[i..].starts_with(b"//") {
-            let end = b[i..]
-                .iter()
-                .position(|&c| c == b'\n')
-                .map_or(b.len(), |n| i + n);
-            blank(&mut out, i, end);
-            i = end;
-        } else if b[i..].starts_with(b"/*") {
-            // Block comments nest in Rust.
-            let (mut depth, mut j) = (0usize, i);
-            while j < b.len() {
-                if b[j..].starts_with(b"/*") {
-                    depth += 1;
-                    j += 2;
-                } else if b[j..].starts_with(b"*/") {
-                    depth -= 1;
-                    j += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    j += 1;
-                }
-            }
-            blank(&mut out, i, j);
-            i = j;
-        } else if let Some(end) = raw_string_end(b, i).filter(|_| !prev_ident) {
-            blank(&mut out, i, end);
-            i = end;
-        } else if b[i] == b'"' {
-            let mut j = i + 1;
-            while j < b.len() && b[j] != b'"' {
-                j += if b[j] == b'\\' { 2 } else { 1 };
-            }
-            let end = (j + 1).min(b.len());
-            blank(&mut out, i, end);
-            i = end;
-        } else if b[i] == b'\'' {
-            // A char literal ('x', '\n', '\u{7f}', '{'), or a lifetime ('a), left alone.
-            let end = if b.get(i + 1) == Some(&b'\\') {
-                // The escaped character is at i + 2, so the closing quote comes after it.
-                b[i + 3..]
-                    .iter()
-                    .position(|&c| c == b'\'')
-                    .map(|n| i + 3 + n + 1)
-            } else {
-                // One character, possibly several bytes of UTF-8.
-                let ch = src[i + 1..].chars().next().map_or(1, char::len_utf8);
-                (b.get(i + 1 + ch) == Some(&b'\'')).then_some(i + 1 + ch + 1)
-            };
-            match end {
-                Some(end) => {
-                    blank(&mut out, i, end);
-                    i = end;
-                }
-                None => i += 1,
-            }
-        } else {
-            i += 1;
-        }
-    }
-    out
-}
-
-/// The end of a raw (byte) string starting at `i` (`r"..."`, `r#"..."#`, `br"..."`), if one
-/// starts there.
-fn raw_string_end(b: &[u8], i: usize) -> Option<usize> {
-    let mut j = i;
-    if b.get(j) == Some(&b'b') {
-        j += 1;
-    }
-    if b.get(j) != Some(&b'r') {
-        return None;
-    }
-    j += 1;
-    let hashes = b[j..].iter().take_while(|&&c| c == b'#').count();
-    j += hashes;
-    if b.get(j) != Some(&b'"') {
-        return None;
-    }
-    let mut close = vec![b'"'];
-    close.extend(std::iter::repeat_n(b'#', hashes));
-    let from = j + 1;
-    b[from..]
-        .windows(close.len())
-        .position(|w| w == close.as_slice())
-        .map(|n| from + n + close.len())
 }
 
 /// The index of the brace closing the one at `open` (or the end when it is not closed).
@@ -164,48 +59,10 @@ fn body_start(code: &[u8], from: usize) -> Option<usize> {
     None
 }
 
-/// The byte ranges of `#[cfg(test)]` modules (attribute to closing brace).
-fn test_modules(code: &[u8]) -> Vec<(usize, usize)> {
-    let text = String::from_utf8_lossy(code);
-    let mut ranges = Vec::new();
-    let mut from = 0;
-    while let Some(n) = text[from..].find("#[cfg(test)]") {
-        let at = from + n;
-        from = at + 1;
-        let rest = &text[at + "#[cfg(test)]".len()..];
-        // Other attributes and a visibility may come between the attribute and `mod`.
-        let mut tail = rest.trim_start();
-        while tail.starts_with("#[") {
-            let Some(close) = tail.find(']') else { break };
-            tail = tail[close + 1..].trim_start();
-        }
-        if let Some(v) = tail.strip_prefix("pub") {
-            tail = v.trim_start();
-            if tail.starts_with('(') {
-                tail = tail.find(')').map_or("", |c| tail[c + 1..].trim_start());
-            }
-        }
-        let Some(after_mod) = tail.strip_prefix("mod") else {
-            continue;
-        };
-        if !after_mod.starts_with(char::is_whitespace) {
-            continue;
-        }
-        let body_from = text.len() - after_mod.len();
-        let Some(open) = after_mod.find(['{', ';']).map(|k| body_from + k) else {
-            continue;
-        };
-        if code[open] == b'{' {
-            ranges.push((at, matching_brace(code, open)));
-        }
-    }
-    ranges
-}
-
 /// The functions of `src` (outside `#[cfg(test)]` modules) longer than `max` lines.
 fn long_functions(src: &str, max: usize) -> Vec<Long> {
-    let code = code_only(src);
-    let skip = test_modules(&code);
+    let (code, _) = modgraph::strip_tests(&modgraph::code(src));
+    let code = code.as_bytes();
     let line_of = |at: usize| code[..at].iter().filter(|&&c| c == b'\n').count() + 1;
     let is_ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
     let mut long = Vec::new();
@@ -215,7 +72,7 @@ fn long_functions(src: &str, max: usize) -> Vec<Long> {
         i = at + 2;
         let word_start = at == 0 || !is_ident(code[at - 1]);
         let followed = code.get(at + 2).is_some_and(|c| c.is_ascii_whitespace());
-        if !word_start || !followed || skip.iter().any(|&(a, b)| (a..=b).contains(&at)) {
+        if !word_start || !followed {
             continue;
         }
         let name: String = code[at + 2..]
@@ -229,10 +86,10 @@ fn long_functions(src: &str, max: usize) -> Vec<Long> {
         }
         // The body: the first `{` outside brackets, unless a `;` outside them comes first (a
         // declaration without a body; `[u8; 4]` in the signature is no end).
-        let Some(open) = body_start(&code, i) else {
+        let Some(open) = body_start(code, i) else {
             continue;
         };
-        let close = matching_brace(&code, open);
+        let close = matching_brace(code, open);
         let lines = line_of(close.min(code.len().saturating_sub(1))) - line_of(at) + 1;
         if lines > max {
             long.push(Long {
